@@ -1,0 +1,838 @@
+"""The prefix index: which engine holds which prefix, per KV-cache group and medium.
+
+A pure data structure (no I/O, no clocks): ``apply(engine, events)`` and ``match(...)``.
+See design.md; the decisions that make it exact are written next to the code that makes them.
+
+Data layout (why it is fast and small in pure Python):
+
+* Engines get a *slot*; an engine is one bit ``1 << slot``.
+* ``_residency[(group_idx, medium)]`` maps a content key to an int bitmask of the engines holding
+  that block. Matching a prompt is then one dict lookup and one ``&`` per block boundary for the
+  whole fleet at once, not per engine.
+* Each engine keeps ``hashes``: engine hash -> ``(refs << 64) | content_key``. Packing the
+  reference count above the 64-bit key costs no memory (CPython stores both in one 3-digit int)
+  and saves a second dict. ``refs`` counts every (group, medium) residency of that hash on that
+  engine, so the mapping lives exactly as long as the engine holds the block somewhere -- which is
+  as long as vLLM can name it as a parent or resolve a sparse or placeholder event through it.
+* Duplicates (vLLM does not de-duplicate) are rare, so extra copies live in a side dict
+  ``_dups[(slot, group, medium, key)]`` instead of a counter on every entry.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from indexer.keys import DEFAULT_UNIT, chain_keys, mix_extra, namespace_root, tokens_to_bytes
+from indexer.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
+
+__all__ = [
+    "EngineId",
+    "EngineStats",
+    "GroupHit",
+    "GroupSpec",
+    "PrefixIndex",
+    "PrefixMatch",
+    "group_kind",
+]
+
+EngineId = tuple[str, int]
+"""(worker id, data-parallel rank): one vLLM scheduler with its own cache and sequence numbers."""
+
+GPU = "GPU"
+CPU = "CPU"
+_MASK64 = (1 << 64) - 1
+_ONE_REF = 1 << 64
+
+FULL = "full_attention"
+SLIDING = "sliding_window"
+MAMBA = "mamba"
+CHUNKED = "chunked_local_attention"
+
+
+def group_kind(spec_kind: str | None) -> str:
+    """Map vLLM's ``kv_cache_spec_kind`` onto the hit rule it follows.
+
+    MLA, sink-full and cross attention follow the full-attention rule (a prefix run).
+    """
+    if not spec_kind:
+        return FULL
+    kind = spec_kind.lower()
+    if "sliding" in kind:
+        return SLIDING
+    if "mamba" in kind or "ssm" in kind or "linear" in kind:
+        return MAMBA
+    if "chunk" in kind:
+        return CHUNKED
+    return FULL
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """What the hit rule needs to know of one KV-cache group."""
+
+    kind: str
+    block_size: int
+    sliding_window: int | None = None  # tokens, sliding-window groups
+    attention_chunk: int | None = None  # tokens, chunked local attention groups
+
+
+class GroupHit(msgspec.Struct, gc=False):
+    """Per-group explanation of a match, for /debug."""
+
+    group_idx: int
+    kind: str
+    block_size: int
+    hit_tokens: int
+    """Longest point this group alone allows (<= the full-attention run)."""
+    sliding_window: int | None = None
+
+
+class PrefixMatch(msgspec.Struct, gc=False):
+    gpu_tokens: int
+    """Tokens vLLM's scheduler will find computed in the GPU prefix cache."""
+    cpu_tokens: int
+    """Further tokens loadable from CPU-offloaded chunks (a transfer, not a prefill)."""
+    groups: list[GroupHit]
+
+
+class EngineStats(msgspec.Struct):
+    engine: EngineId
+    model: str
+    groups: dict[int, dict[str, Any]]
+    resident: dict[str, int]
+    """Resident blocks per "group_idx/medium"."""
+    hashes: int
+    counters: dict[str, int]
+
+
+@dataclass(slots=True)
+class _Engine:
+    engine: EngineId
+    slot: int
+    model: str
+    hashes: dict[BlockHash, int] = field(default_factory=dict)
+    groups: dict[int, GroupSpec] = field(default_factory=dict)
+    configured_groups: dict[int, GroupSpec] = field(default_factory=dict)
+    resident: dict[tuple[int, str], int] = field(default_factory=dict)
+    pending: list[tuple[BlockStored, int]] = field(default_factory=list)
+    pending_removed: set[BlockHash] = field(default_factory=set)
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
+
+    @property
+    def bit(self) -> int:
+        return 1 << self.slot
+
+
+_COUNTERS = (
+    "batches",
+    "blocks_stored",
+    "blocks_removed",
+    "cleared",
+    "duplicates",
+    "reannounced",
+    "unknown_parent",
+    "pending_applied",
+    "pending_expired",
+    "unresolved_hashes",
+    "unknown_removes",
+    "unaligned_blocks",
+    "malformed_events",
+    "overflow_resets",
+)
+
+
+class PrefixIndex:
+    """Exact, hybrid-aware index of every engine's prefix cache.
+
+    ``unit``: tokens per content-key step; must divide every block size in use (events with a
+    block size it does not divide are counted in ``unaligned_blocks`` and dropped).
+    ``cpu_chunk_tokens``: CPU offload chunk size (vLLM's ``kv_connector_extra_config.block_size``).
+    ``max_entries``: cap on resident (engine, group, medium, block) entries over all engines.
+    Exceeding it means events were lost (missed removals) or the cap is too small for the fleet;
+    the rule is: the engine holding the most entries is reset (its state dropped, counter
+    ``overflow_resets``) so the index never exceeds the cap and never keeps entries it cannot
+    vouch for. The caller (the subscriber) marks that engine degraded until events rebuild it.
+    ``pending_batches``: how many later batches an event with an unknown parent waits for its
+    parent (replay may fill the gap) before it is dropped (``pending_expired``).
+    """
+
+    def __init__(
+        self,
+        unit: int = DEFAULT_UNIT,
+        cpu_chunk_tokens: int = 256,
+        max_entries: int = 5_000_000,
+        pending_batches: int = 8,
+        max_pending_events: int = 256,
+    ) -> None:
+        if unit <= 0 or cpu_chunk_tokens % unit:
+            raise ValueError("unit must be positive and divide cpu_chunk_tokens")
+        self.unit = unit
+        self.cpu_chunk_tokens = cpu_chunk_tokens
+        self.max_entries = max_entries
+        self.pending_batches = pending_batches
+        self.max_pending_events = max_pending_events
+        self._engines: dict[EngineId, _Engine] = {}
+        self._by_slot: dict[int, _Engine] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._residency: dict[tuple[int, str], dict[int, int]] = {}
+        self._dups: dict[tuple[int, int, str, int], int] = {}
+        self._roots: dict[tuple[str, str | None], int] = {}
+        self.total_entries = 0
+        self.overflowed: list[EngineId] = []
+        """Engines reset by the cap since the caller last cleared this list."""
+
+    # ------------------------------------------------------------------ engines
+
+    def add_engine(
+        self,
+        engine: EngineId,
+        model: str = "",
+        groups: dict[int, GroupSpec] | None = None,
+    ) -> None:
+        """Register an engine and the base model name its events belong to.
+
+        ``groups`` gives group facts for vLLM versions whose events do not carry
+        ``kv_cache_spec_kind`` (before 0.24); facts learned from events take precedence.
+        """
+        e = self._engines.get(engine)
+        if e is None:
+            e = self._new_engine(engine, model)
+        e.model = model
+        if groups:
+            e.configured_groups = dict(groups)
+
+    def _new_engine(self, engine: EngineId, model: str = "") -> _Engine:
+        slot = self._free_slots.pop() if self._free_slots else self._next_slot
+        if slot == self._next_slot:
+            self._next_slot += 1
+        e = _Engine(engine, slot, model)
+        self._engines[engine] = e
+        self._by_slot[slot] = e
+        return e
+
+    def remove_engine(self, engine: EngineId) -> None:
+        """Forget an engine entirely (worker left, or restarted)."""
+        e = self._engines.pop(engine, None)
+        if e is None:
+            return
+        self._drop_state(e)
+        del self._by_slot[e.slot]
+        self._free_slots.append(e.slot)
+
+    def clear_engine(self, engine: EngineId) -> None:
+        """Drop everything an engine holds on every medium (``AllBlocksCleared``, resets)."""
+        e = self._engines.get(engine)
+        if e is not None:
+            self._drop_state(e)
+
+    def engines(self) -> list[EngineId]:
+        return list(self._engines)
+
+    def has_engine(self, engine: EngineId) -> bool:
+        return engine in self._engines
+
+    # ------------------------------------------------------------------ apply
+
+    def apply(self, engine: EngineId, events: Sequence[Event]) -> None:
+        """Apply one batch of events of one engine, in list order (vLLM's order)."""
+        e = self._engines.get(engine) or self._new_engine(engine)
+        e.counters["batches"] += 1
+        lookahead: dict[BlockHash, int] | None = None
+        for i, ev in enumerate(events):
+            kind = type(ev)
+            if kind is BlockStored:
+                if not self._store(e, ev):
+                    continue
+                # A sparse event listed hashes we could not resolve yet: vLLM sends the
+                # sliding-window group's event *before* the full-attention group's event of the
+                # same step (group order), so learn the mappings the rest of this batch brings.
+                if lookahead is None:
+                    lookahead = self._learn_ahead(e, events, i + 1)
+                self._store_sparse(e, ev, lookahead)
+            elif kind is BlockRemoved:
+                self._remove(e, ev)
+            elif kind is AllBlocksCleared:
+                self._drop_state(e)
+                e.counters["cleared"] += 1
+        if e.pending:
+            self._retry_pending(e)
+        if self.total_entries > self.max_entries:
+            self._enforce_cap()
+
+    def _root(self, e: _Engine, ev: BlockStored, extra0: Any) -> tuple[int, Any]:
+        """Namespace root of a chain that starts at token 0, and block 0's remaining extras.
+
+        vLLM's event ``extra_keys`` are untagged (0.24+ events): per block, the LoRA name, then
+        multimodal ``(id, offset)`` items, then the ``cache_salt`` string (block 0 only), then a
+        prompt-embeds digest. The LoRA name is the namespace already; on block 0 the first
+        remaining string is the salt.
+        """
+        salt: str | None = None
+        rest = extra0
+        if extra0 is not None:
+            items = [x for x in _as_tuple(extra0) if x != ev.lora_name or ev.lora_name is None]
+            for j, item in enumerate(items):
+                if isinstance(item, str):
+                    salt = item
+                    del items[j]
+                    break
+            rest = tuple(items) or None
+        model = ev.lora_name if ev.lora_name is not None else e.model
+        key = (model, salt)
+        root = self._roots.get(key)
+        if root is None:
+            if len(self._roots) > 4096:  # bounded: namespaces are few, salts may be many
+                self._roots.clear()
+            root = self._roots[key] = namespace_root(model, salt)
+        return root, rest
+
+    def _block_keys(self, e: _Engine, ev: BlockStored) -> list[int] | None:
+        """Content key at the end of every block of ``ev``'s token range, or None (counted)."""
+        bs = ev.block_size
+        unit = self.unit
+        if bs <= 0 or bs % unit:
+            e.counters["unaligned_blocks"] += len(ev.block_hashes)
+            return None
+        if ev.parent_block_hash is None:
+            extras = ev.extra_keys
+            seed, rest0 = self._root(e, ev, extras[0] if extras else None)
+            if extras:
+                extras = [rest0, *extras[1:]]
+        else:
+            v = e.hashes.get(ev.parent_block_hash)
+            if v is None:
+                return None  # caller handles the unknown parent
+            seed = v & _MASK64
+            extras = ev.extra_keys
+        step = bs // unit
+        nblocks = len(ev.token_ids) // bs
+        block_extras = [_strip_lora(x, ev.lora_name) for x in extras] if extras else None
+        if not block_extras or all(x is None for x in block_extras):
+            keys = chain_keys(seed, ev.token_ids, unit, nblocks * step)
+            return keys[step - 1 :: step] if step > 1 else keys
+        # Rare path: multimodal or prompt-embeds extras fold into the chain block by block
+        # (dense events only: extra_keys has one entry per listed block).
+        data = tokens_to_bytes(ev.token_ids)
+        out: list[int] = []
+        for b in range(nblocks):
+            seed = chain_keys(seed, data[b * bs * 4 : (b + 1) * bs * 4], unit)[-1]
+            extra = block_extras[b] if b < len(block_extras) else None
+            if extra is not None:
+                seed = mix_extra(seed, extra)
+            out.append(seed)
+        return out
+
+    def _store(self, e: _Engine, ev: BlockStored) -> bool:
+        """Apply a BlockStored. Returns True when it is sparse and still needs resolving."""
+        hashes = ev.block_hashes
+        if not hashes:
+            return False  # sparse groups may list nothing; the event is still sent
+        g = ev.group_idx or 0
+        medium = ev.medium or GPU
+        if (
+            medium == GPU
+            and ev.block_size > 0
+            and (ev.kv_cache_spec_kind is not None or g not in e.groups)
+        ):
+            self._learn_group(e, g, ev)
+        if ev.block_size <= 0 or not ev.token_ids:
+            # CPU placeholder (vLLM OffloadingConnector default): one chunk-tail hash per chunk,
+            # no tokens. The same hash was published for the chunk's last GPU block.
+            for h in hashes:
+                v = e.hashes.get(h)
+                if v is None:
+                    e.counters["unresolved_hashes"] += 1
+                else:
+                    self._add(e, g, medium, h, v & _MASK64)
+            return False
+        if ev.parent_block_hash is not None and ev.parent_block_hash not in e.hashes:
+            e.counters["unknown_parent"] += 1
+            if len(e.pending) >= self.max_pending_events:
+                e.pending.pop(0)
+                e.counters["pending_expired"] += 1
+            e.pending.append((ev, e.counters["batches"]))
+            return False
+        nblocks = len(ev.token_ids) // ev.block_size
+        if len(hashes) > nblocks:
+            e.counters["malformed_events"] += 1
+            return False
+        if len(hashes) < nblocks:
+            return True  # sparse: resolved through the engine map by the caller
+        keys = self._block_keys(e, ev)
+        if keys is None:
+            return False
+        if ev.parent_block_hash is None and medium == GPU and self._all_resident(e, g, keys):
+            # vLLM's kv_cache_report_mode="full" re-announces a cache hit from token 0 with
+            # parent None; no BlockRemoved will match it, so it must not add references. A real
+            # duplicate store from token 0 of an all-resident prefix cannot happen: the second
+            # request would have hit those blocks instead of computing them. (Erring here could
+            # only under-count, which under-predicts hits -- the safe direction.)
+            e.counters["reannounced"] += 1
+            return False
+        res = self._residency.get((g, medium))
+        if res is None:
+            res = self._residency[(g, medium)] = {}
+        self._add_many(e, g, medium, res, hashes, keys)
+        return False
+
+    def _store_sparse(self, e: _Engine, ev: BlockStored, lookahead: dict[BlockHash, int]) -> None:
+        g = ev.group_idx or 0
+        medium = ev.medium or GPU
+        hashes_map = e.hashes
+        for h in ev.block_hashes:
+            v = hashes_map.get(h)
+            if v is not None:
+                self._add(e, g, medium, h, v & _MASK64)
+                continue
+            key = lookahead.get(h)
+            if key is None:
+                e.counters["unresolved_hashes"] += 1
+            else:
+                self._add(e, g, medium, h, key)
+
+    def _learn_ahead(self, e: _Engine, events: Sequence[Event], start: int) -> dict[BlockHash, int]:
+        """Hash -> key mappings that dense BlockStored events later in this batch will create."""
+        learned: dict[BlockHash, int] = {}
+        for ev in events[start:]:
+            if type(ev) is not BlockStored or ev.block_size <= 0 or not ev.token_ids:
+                continue
+            if len(ev.block_hashes) != len(ev.token_ids) // ev.block_size:
+                continue
+            parent = ev.parent_block_hash
+            if parent is not None and parent not in e.hashes and parent not in learned:
+                continue
+            if parent is not None and parent not in e.hashes:
+                # Chain from a parent learned earlier in this look-ahead.
+                tmp = BlockStored(
+                    ev.block_hashes, None, ev.token_ids, ev.block_size, lora_name=ev.lora_name
+                )
+                seed_key = learned[parent]
+                keys = self._chain_from(seed_key, tmp)
+            else:
+                keys = self._block_keys(e, ev)
+            if keys:
+                learned.update(zip(ev.block_hashes, keys, strict=False))
+        return learned
+
+    def _chain_from(self, seed: int, ev: BlockStored) -> list[int] | None:
+        bs = ev.block_size
+        if bs % self.unit:
+            return None
+        step = bs // self.unit
+        keys = chain_keys(seed, ev.token_ids, self.unit, (len(ev.token_ids) // bs) * step)
+        return keys[step - 1 :: step] if step > 1 else keys
+
+    def _learn_group(self, e: _Engine, g: int, ev: BlockStored) -> None:
+        if ev.kv_cache_spec_kind is None and g in e.configured_groups:
+            e.groups[g] = e.configured_groups[g]
+            return
+        kind = group_kind(ev.kv_cache_spec_kind)
+        spec = GroupSpec(kind, ev.block_size, ev.kv_cache_spec_sliding_window)
+        old = e.groups.get(g)
+        if (
+            old is None
+            or old.kind != spec.kind
+            or old.block_size != spec.block_size
+            or (spec.sliding_window is not None and old.sliding_window != spec.sliding_window)
+        ):
+            if kind == CHUNKED and g in e.configured_groups:
+                spec = GroupSpec(kind, ev.block_size, None, e.configured_groups[g].attention_chunk)
+            e.groups[g] = spec
+
+    def _all_resident(self, e: _Engine, g: int, keys: list[int]) -> bool:
+        res = self._residency.get((g, GPU))
+        if not res:
+            return False
+        bit = e.bit
+        return all(res.get(k, 0) & bit for k in keys)
+
+    def _add_many(
+        self,
+        e: _Engine,
+        g: int,
+        medium: str,
+        res: dict[int, int],
+        hashes: list[BlockHash],
+        keys: list[int],
+    ) -> None:
+        bit = e.bit
+        hmap = e.hashes
+        added = 0
+        for h, key in zip(hashes, keys, strict=False):
+            m = res.get(key, 0)
+            if m & bit:
+                dk = (e.slot, g, medium, key)
+                self._dups[dk] = self._dups.get(dk, 0) + 1
+                e.counters["duplicates"] += 1
+            else:
+                res[key] = m | bit
+                added += 1
+            v = hmap.get(h)
+            hmap[h] = _ONE_REF | key if v is None else v + _ONE_REF
+        if added:
+            gm = (g, medium)
+            e.resident[gm] = e.resident.get(gm, 0) + added
+            self.total_entries += added
+        e.counters["blocks_stored"] += len(keys)
+
+    def _add(self, e: _Engine, g: int, medium: str, h: BlockHash, key: int) -> None:
+        res = self._residency.get((g, medium))
+        if res is None:
+            res = self._residency[(g, medium)] = {}
+        self._add_many(e, g, medium, res, [h], [key])
+
+    def _remove(self, e: _Engine, ev: BlockRemoved) -> None:
+        g = ev.group_idx or 0
+        medium = ev.medium or GPU
+        res = self._residency.get((g, medium))
+        bit = e.bit
+        hmap = e.hashes
+        gm = (g, medium)
+        for h in ev.block_hashes:
+            v = hmap.get(h)
+            key = -1 if v is None else v & _MASK64
+            m = 0 if res is None or v is None else res.get(key, 0)
+            if not m & bit:
+                e.counters["unknown_removes"] += 1
+                if e.pending:
+                    e.pending_removed.add(h)
+                continue
+            dk = (e.slot, g, medium, key)
+            extra = self._dups.get(dk)
+            if extra:
+                if extra == 1:
+                    del self._dups[dk]
+                else:
+                    self._dups[dk] = extra - 1
+            else:
+                m &= ~bit
+                if m:
+                    res[key] = m  # type: ignore[index]
+                else:
+                    del res[key]  # type: ignore[union-attr]
+                e.resident[gm] -= 1
+                self.total_entries -= 1
+            v -= _ONE_REF  # type: ignore[operator]
+            if v < _ONE_REF:
+                del hmap[h]
+            else:
+                hmap[h] = v
+            e.counters["blocks_removed"] += 1
+
+    def _drop_state(self, e: _Engine) -> None:
+        bit = e.bit
+        keep = ~bit
+        keys = {v & _MASK64 for v in e.hashes.values()}
+        for (_g, _medium), res in self._residency.items():
+            for key in keys:
+                m = res.get(key)
+                if m is not None and m & bit:
+                    m &= keep
+                    if m:
+                        res[key] = m
+                    else:
+                        del res[key]
+        if self._dups:
+            for dk in [dk for dk in self._dups if dk[0] == e.slot]:
+                del self._dups[dk]
+        self.total_entries -= sum(e.resident.values())
+        e.resident.clear()
+        e.hashes = {}
+        e.pending.clear()
+        e.pending_removed.clear()
+
+    def _retry_pending(self, e: _Engine) -> None:
+        now = e.counters["batches"]
+        still: list[tuple[BlockStored, int]] = []
+        progress = True
+        waiting = e.pending
+        while progress:
+            progress = False
+            e.pending = []
+            for ev, born in waiting:
+                if ev.parent_block_hash in e.hashes:
+                    removed = e.pending_removed
+                    if removed and any(h in removed for h in ev.block_hashes):
+                        # A later BlockRemoved already evicted part of it: applying it now
+                        # would create phantom residency.
+                        e.counters["pending_expired"] += 1
+                        continue
+                    if self._store(e, ev):
+                        self._store_sparse(e, ev, {})
+                    e.counters["pending_applied"] += 1
+                    progress = True
+                elif now - born >= self.pending_batches:
+                    e.counters["pending_expired"] += 1
+                else:
+                    still.append((ev, born))
+            waiting, still = still, []
+        e.pending = waiting
+        if not e.pending:
+            e.pending_removed.clear()
+
+    def _enforce_cap(self) -> None:
+        while self.total_entries > self.max_entries and self._engines:
+            largest = max(self._engines.values(), key=lambda x: sum(x.resident.values()))
+            self._drop_state(largest)
+            largest.counters["overflow_resets"] += 1
+            self.overflowed.append(largest.engine)
+
+    # ------------------------------------------------------------------ match
+
+    def root(self, model: str, cache_salt: str | None = None) -> int:
+        """Namespace root for a request (model or LoRA name, optional cache_salt)."""
+        key = (model, cache_salt)
+        root = self._roots.get(key)
+        if root is None:
+            if len(self._roots) > 4096:
+                self._roots.clear()
+            root = self._roots[key] = namespace_root(model, cache_salt)
+        return root
+
+    def prompt_keys(self, tokens: Sequence[int], root: int) -> list[int]:
+        """Content keys of a prompt at every unit boundary up to ``len(tokens) - 1``."""
+        usable = max(len(tokens) - 1, 0) // self.unit
+        return chain_keys(root, tokens[: usable * self.unit], self.unit)
+
+    def match(
+        self, tokens: Sequence[int], root: int, engines: Iterable[EngineId] | None = None
+    ) -> dict[EngineId, PrefixMatch]:
+        """Per engine, the GPU hit and CPU extension vLLM would find for this prompt."""
+        return self.match_keys(self.prompt_keys(tokens, root), len(tokens), engines)
+
+    def match_keys(
+        self, keys: Sequence[int], n_tokens: int, engines: Iterable[EngineId] | None = None
+    ) -> dict[EngineId, PrefixMatch]:
+        """Like :meth:`match`, from precomputed ``prompt_keys`` (callers cache them)."""
+        selected = (
+            list(self._engines.values())
+            if engines is None
+            else [self._engines[x] for x in engines if x in self._engines]
+        )
+        max_hit = max(n_tokens - 1, 0)
+        # Engines with the same group layout are matched together, one pass over the prompt.
+        layouts: dict[tuple[tuple[int, GroupSpec], ...], list[_Engine]] = {}
+        for e in selected:
+            layout = tuple(sorted(e.groups.items()))
+            layouts.setdefault(layout, []).append(e)
+        out: dict[EngineId, PrefixMatch] = {}
+        for layout, members in layouts.items():
+            self._match_layout(dict(layout), members, keys, max_hit, out)
+        return out
+
+    def _match_layout(
+        self,
+        groups: dict[int, GroupSpec],
+        members: list[_Engine],
+        keys: Sequence[int],
+        max_hit: int,
+        out: dict[EngineId, PrefixMatch],
+    ) -> None:
+        unit = self.unit
+        if not groups:
+            for e in members:
+                out[e.engine] = PrefixMatch(0, 0, [])
+            return
+        align = math.lcm(*(s.block_size for s in groups.values()))
+        limit = (max_hit // align) * align
+        full = [g for g, s in groups.items() if s.kind == FULL]
+        others = [g for g, s in groups.items() if s.kind != FULL]
+        # Full attention: the unbroken run of resident blocks from token 0, for all members at
+        # once (bitmask), stopping as soon as no member is still running.
+        fa_hit = {e.slot: limit for e in members}
+        fa_per_group: dict[int, dict[int, int]] = {}
+        for g in full:
+            bs = groups[g].block_size
+            hits = self._full_run(g, bs, members, keys, limit)
+            fa_per_group[g] = hits
+            for slot, h in hits.items():
+                if h < fa_hit[slot]:
+                    fa_hit[slot] = h
+        for e in members:
+            start = (fa_hit[e.slot] // align) * align
+            point, per_group = self._fit_other_groups(e, groups, others, keys, start, align)
+            explain = [
+                GroupHit(g, FULL, groups[g].block_size, fa_per_group[g][e.slot]) for g in full
+            ]
+            explain.extend(
+                GroupHit(
+                    g, groups[g].kind, groups[g].block_size, per_group[g], groups[g].sliding_window
+                )
+                for g in others
+            )
+            explain.sort(key=lambda x: x.group_idx)
+            cpu = self._cpu_extension(e, full or others, keys, point, max_hit, unit)
+            out[e.engine] = PrefixMatch(point, cpu, explain)
+
+    def _full_run(
+        self, g: int, bs: int, members: list[_Engine], keys: Sequence[int], limit: int
+    ) -> dict[int, int]:
+        res = self._residency.get((g, GPU)) or {}
+        step = bs // self.unit
+        alive = 0
+        for e in members:
+            alive |= e.bit
+        hits: dict[int, int] = {}
+        nblocks = limit // bs
+        get = res.get
+        for b in range(nblocks):
+            now = alive & get(keys[(b + 1) * step - 1], 0)
+            if now != alive:
+                dropped = alive & ~now
+                while dropped:
+                    low = dropped & -dropped
+                    hits[low.bit_length() - 1] = b * bs
+                    dropped ^= low
+                alive = now
+                if not alive:
+                    break
+        while alive:
+            low = alive & -alive
+            hits[low.bit_length() - 1] = nblocks * bs
+            alive ^= low
+        return hits
+
+    def _fit_other_groups(
+        self,
+        e: _Engine,
+        groups: dict[int, GroupSpec],
+        others: list[int],
+        keys: Sequence[int],
+        start: int,
+        align: int,
+    ) -> tuple[int, dict[int, int]]:
+        """Largest aligned point <= start that every non-full group accepts (vLLM's fixed point).
+
+        Full attention is downward-closed, so any point below its run is fine for it; each other
+        group's rule is checked at candidate points from right to left.
+        """
+        per_group: dict[int, int] = {}
+        if not others:
+            return start, per_group
+        for g in others:
+            per_group[g] = self._group_best(e, g, groups[g], keys, start, align)
+        point = min(per_group.values())
+        while point > 0 and not all(self._group_ok(e, g, groups[g], keys, point) for g in others):
+            point = min(
+                self._group_best(e, g, groups[g], keys, point - align, align) for g in others
+            )
+        return point, per_group
+
+    def _group_best(
+        self, e: _Engine, g: int, spec: GroupSpec, keys: Sequence[int], start: int, align: int
+    ) -> int:
+        point = (max(start, 0) // align) * align
+        while point > 0 and not self._group_ok(e, g, spec, keys, point):
+            point -= align
+        return max(point, 0)
+
+    def _group_ok(
+        self, e: _Engine, g: int, spec: GroupSpec, keys: Sequence[int], point: int
+    ) -> bool:
+        if point == 0:
+            return True
+        res = self._residency.get((g, GPU))
+        if not res:
+            return False
+        bs = spec.block_size
+        step = bs // self.unit
+        bit = e.bit
+        end_block = point // bs  # blocks [0, end_block) end at or before point
+        if spec.kind == SLIDING:
+            window = spec.sliding_window or bs
+            need = -(-(window - 1) // bs)  # cdiv(W - 1, block_size)
+            first = max(end_block - need, 0)  # a shorter run from block 0 also counts
+        elif spec.kind == MAMBA:
+            first = end_block - 1  # only the state block ending exactly at the point
+        elif spec.kind == CHUNKED:
+            chunk = spec.attention_chunk or bs
+            first = ((point // chunk) * chunk) // bs
+            if first >= end_block:
+                return True
+        else:
+            first = 0
+        get = res.get
+        return all(get(keys[(b + 1) * step - 1], 0) & bit for b in range(first, end_block))
+
+    def _cpu_extension(
+        self,
+        e: _Engine,
+        groups: list[int],
+        keys: Sequence[int],
+        gpu_hit: int,
+        max_hit: int,
+        unit: int,
+    ) -> int:
+        """Whole CPU chunks, contiguous from the chunk holding the GPU hit point, beyond it.
+
+        Mirrors OffloadingConnector: the lookup starts at chunk ``gpu_hit // chunk`` and the hit
+        is aligned to the chunk size. A chunk is present when its tail key (vLLM's offload key
+        is the chunk's last block hash) is resident on CPU in every group considered.
+        """
+        chunk = self.cpu_chunk_tokens
+        tables = [self._residency.get((g, CPU)) for g in groups]
+        if not all(tables):
+            return 0
+        bit = e.bit
+        step = chunk // unit
+        k = gpu_hit // chunk
+        end = k * chunk
+        last_chunk = max_hit // chunk
+        while k < last_chunk:
+            key = keys[(k + 1) * step - 1]
+            if not all(t.get(key, 0) & bit for t in tables):  # type: ignore[union-attr]
+                break
+            k += 1
+            end = k * chunk
+        return end - gpu_hit if end > gpu_hit else 0
+
+    # ------------------------------------------------------------------ inspection
+
+    def engine_stats(self, engine: EngineId) -> EngineStats | None:
+        e = self._engines.get(engine)
+        if e is None:
+            return None
+        return EngineStats(
+            engine=e.engine,
+            model=e.model,
+            groups={
+                g: {
+                    "kind": s.kind,
+                    "block_size": s.block_size,
+                    "sliding_window": s.sliding_window,
+                }
+                for g, s in sorted(e.groups.items())
+            },
+            resident={f"{g}/{m}": n for (g, m), n in sorted(e.resident.items())},
+            hashes=len(e.hashes),
+            counters=dict(e.counters),
+        )
+
+    def resident_blocks(self, engine: EngineId) -> int:
+        e = self._engines.get(engine)
+        return 0 if e is None else sum(e.resident.values())
+
+    def holds(self, engine: EngineId, group_idx: int, medium: str, key: int) -> bool:
+        """Whether ``engine`` holds the block named ``key`` (tests and /debug)."""
+        e = self._engines.get(engine)
+        res = self._residency.get((group_idx, medium))
+        return bool(e is not None and res and res.get(key, 0) & e.bit)
+
+
+def _as_tuple(extra: Any) -> tuple[Any, ...]:
+    if isinstance(extra, list | tuple):
+        return tuple(extra)
+    return (extra,)
+
+
+def _strip_lora(extra: Any, lora_name: str | None) -> Any:
+    if extra is None:
+        return None
+    items = tuple(x for x in _as_tuple(extra) if lora_name is None or x != lora_name)
+    return items or None

@@ -1,0 +1,80 @@
+"""Content keys: kvrouter's own names for prefixes (design.md, "Identity of a prefix").
+
+vLLM's block hashes cannot be recomputed by a router (algorithm, per-process seeds before 0.25,
+LoRA paths missing from events, only the low 64 bits published), so every prefix is named by a
+*content key* computed the same way from an event's ``token_ids`` and from a request's prompt:
+
+    K(0)     = xxh3_64(namespace)                      namespace = model or LoRA name + cache_salt
+    K(T + u) = xxh3_64(tokens[T : T+u] as uint32 LE, seed = K(T))
+
+``u`` (the *unit*, default 16) must divide every block size in use. A block of any group or
+medium that ends at token ``T`` is identified by ``K(T)``, so blocks of different sizes (16-token
+GPU blocks, 256-token groups, 256-token CPU chunks) need no special case: they are boundaries.
+
+Why xxh3 seeded by the previous key: chaining through the seed costs one C call per unit and no
+concatenation; xxh3_64 is deterministic across processes and platforms.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+__all__ = ["DEFAULT_UNIT", "chain_keys", "mix_extra", "namespace_root", "tokens_to_bytes"]
+
+DEFAULT_UNIT = 16
+
+_xxh64 = xxhash.xxh3_64_intdigest
+
+
+def namespace_root(model: str, cache_salt: str | None = None) -> int:
+    """K(0) of a namespace. Different models, LoRA adapters or salts never share keys."""
+    salt = "" if cache_salt is None else cache_salt
+    # The NUL separator keeps ("ab", "c") and ("a", "bc") apart; the flag byte keeps a request
+    # with salt "" apart from one with no salt, as vLLM does (an empty salt is still a salt).
+    flag = "0" if cache_salt is None else "1"
+    return _xxh64(f"kvrouter/1\0{model}\0{flag}{salt}".encode())
+
+
+def tokens_to_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32, the byte form every key is computed over."""
+    try:
+        buf = array("I", tokens)
+    except OverflowError:
+        raise ValueError("token ids must be in [0, 2**32)") from None
+    if buf.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte "I"
+        buf = array("L", tokens)
+    return buf.tobytes()
+
+
+def chain_keys(
+    seed: int, tokens: Sequence[int] | bytes, unit: int = DEFAULT_UNIT, limit: int | None = None
+) -> list[int]:
+    """Keys at every unit boundary after ``seed``: ``[K(T+u), K(T+2u), ...]``.
+
+    ``seed`` is the key of the boundary where ``tokens`` start. A partial trailing unit gets no
+    key (only whole units can end a block). ``limit`` caps the number of keys computed.
+    """
+    data = tokens if isinstance(tokens, bytes) else tokens_to_bytes(tokens)
+    step = unit * 4
+    count = len(data) // step
+    if limit is not None and limit < count:
+        count = limit
+    view = memoryview(data)
+    keys = [0] * count
+    key = seed
+    for i in range(count):
+        key = _xxh64(view[i * step : (i + 1) * step], key)
+        keys[i] = key
+    return keys
+
+
+def mix_extra(key: int, extra: object) -> int:
+    """Fold per-block extra keys (multimodal ids, prompt-embeds digests) into a content key.
+
+    A router cannot see multimodal identifiers in a plain prompt, so blocks carrying them get
+    keys no prompt reproduces: such blocks never produce a (possibly wrong) predicted hit.
+    """
+    return _xxh64(repr(extra).encode(), key)
