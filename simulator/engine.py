@@ -1,0 +1,364 @@
+"""One simulated vLLM engine core (one DP rank): scheduler, KV cache, CPU tier, timing.
+
+The same code runs in the HTTP server (wall clock) and in ``FastFleet`` (simulated clock).
+A step is split in two, like vLLM's ``EngineCore.step``:
+``schedule(now)`` decides the batch and allocates/caches blocks (events are produced at
+schedule time, ``KVCacheManager.allocate_slots``) and returns the step's duration;
+``finish_step()`` applies the model output at ``now + duration`` (new tokens, finished
+requests freed tail first) and returns the step's events, published once per step only if
+non-empty (``Scheduler.update_from_output`` L2623-2637: KV-manager events first, then the
+connector's).
+
+Scheduling follows vLLM v1 (continuous batching, chunked prefill): running requests first
+(decode = 1 token, unfinished prefills chunked by the token budget), then waiting requests
+in FIFO order while the budget, ``max_num_seqs`` and free blocks allow. A running request
+that cannot get a block preempts the most recently scheduled running request (recompute).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import xxhash
+
+from simulator.events import Event
+from simulator.hashing import RequestHasher
+from simulator.kv_cache import GroupSpec, KVCacheManager, parse_groups
+from simulator.offload import CpuTier
+from simulator.request import (
+    FINISHED,
+    RUNNING,
+    WAITING,
+    WAITING_FOR_REMOTE_KVS,
+    Request,
+)
+
+
+@dataclass
+class EngineConfig:
+    """Every knob of one simulated engine (one DP rank)."""
+
+    model: str = "sim-model"
+    block_size: int = 16
+    num_gpu_blocks: int = 4096  # KV capacity in blocks, shared by all groups (incl. null)
+    groups: str = "full"  # e.g. "full", "full,swa:64", "swa:64,full", "full,mamba"
+    retention_interval: int | None = 0  # vLLM prefix_cache_retention_interval (None=dense)
+    max_model_len: int = 131072
+    max_num_batched_tokens: int = 8192  # token budget per step
+    max_num_seqs: int = 256
+    max_waiting: int = 10000  # bounded request queue
+    # timing
+    prefill_tokens_per_s: float = 20000.0
+    cpu_load_tokens_per_s: float = 200000.0
+    decode_s_per_token: float = 0.02  # one decode step (per generated token)
+    step_overhead_s: float = 0.0005
+    slowdown: float = 1.0  # fault: multiply every step duration
+    # CPU tier
+    cpu_chunks: int = 0
+    cpu_chunk_tokens: int = 256
+    cpu_events: str = "placeholder"  # placeholder | self_describing
+    # events
+    enable_events: bool = True
+    event_block_size_lie: int | None = None
+    loras: tuple[str, ...] = ()
+    vocab_size: int = 32000
+    group_specs: list[GroupSpec] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.group_specs:
+            self.group_specs = parse_groups(self.groups)
+        if self.block_size <= 0 or self.num_gpu_blocks < 2:
+            raise ValueError("block_size must be > 0 and num_gpu_blocks >= 2")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+
+
+@dataclass
+class StepOutput:
+    start_s: float
+    end_s: float
+    new_tokens: dict[str, int]  # request_id -> token generated this step
+    finished: list[Request]
+    events: list[Event]
+
+
+class QueueFull(Exception):
+    pass
+
+
+class SimEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._build()
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.external_queries = 0
+        self.external_hits = 0
+        self.events_enabled = config.enable_events
+
+    def _build(self) -> None:
+        c = self.config
+        self.kv = KVCacheManager(
+            c.group_specs, c.num_gpu_blocks, c.block_size, c.retention_interval,
+            c.event_block_size_lie,
+        )
+        self.cpu: CpuTier | None = None
+        if c.cpu_chunks > 0:
+            fa = [g for g, s in enumerate(c.group_specs) if s.kind == "full_attention"]
+            self.cpu = CpuTier(c.cpu_chunks, c.cpu_chunk_tokens, c.block_size,
+                               c.cpu_events == "self_describing", fa[0] if fa else 0)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._inflight: tuple[float, float, list[tuple[Request, int]]] | None = None
+        self._pending_events: list[Event] = []  # e.g. AllBlocksCleared from a reset
+
+    # ---- admission -----------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        arrival_s: float,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        session_id: str | None = None,
+    ) -> Request:
+        c = self.config
+        if len(self.waiting) >= c.max_waiting:
+            raise QueueFull("request queue is full")
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if len(prompt) >= c.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens, max_model_len is {c.max_model_len}")
+        if -(-len(prompt) // c.block_size) * len(c.group_specs) > c.num_gpu_blocks - 1:
+            raise ValueError("prompt does not fit in the KV cache")
+        max_tokens = max(1, min(int(max_tokens), c.max_model_len - len(prompt)))
+        lora_id = None
+        if lora_name is not None:
+            lora_id = c.loras.index(lora_name) + 1
+        req = Request(
+            request_id, prompt, max_tokens, arrival_s, len(c.group_specs), c.block_size,
+            lora_name, lora_id, cache_salt, session_id,
+            RequestHasher(c.block_size, lora_name, cache_salt),
+        )
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None or req.status == FINISHED:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = FINISHED
+
+    # ---- queries -------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        # A queued AllBlocksCleared alone does not start a step: it rides on the next one.
+        return bool(self.running or self.waiting or (self.cpu is not None and self.cpu.busy()))
+
+    def in_flight(self) -> bool:
+        return self._inflight is not None
+
+    def next_step_time(self, now: float) -> float:
+        """When the next step can start (math.inf if idle)."""
+        if self._inflight is not None:
+            return self._inflight[1]
+        if self.running or (self.cpu is not None and self.cpu.busy()):
+            return now
+        if not self.waiting:
+            return math.inf
+        t = math.inf
+        for r in self.waiting:
+            if r.status != WAITING_FOR_REMOTE_KVS or r.load_ready_s <= now:
+                return now
+            t = min(t, r.load_ready_s)
+        return t
+
+    def queued_prefill_tokens(self) -> int:
+        n = sum(len(r.all_token_ids) - r.num_computed for r in self.waiting)
+        return n + sum(max(0, r.num_prompt - r.num_computed) for r in self.running)
+
+    def kv_usage(self) -> float:
+        return self.kv.pool.usage()
+
+    # ---- reset ---------------------------------------------------------------------------
+    def reset_prefix_cache(self, reset_external: bool = False) -> bool:
+        ok = self.kv.pool.reset_prefix_cache()
+        if ok:
+            # AllBlocksCleared is queued; it goes out with the next step's batch (§2.5).
+            self._pending_events.extend(self.kv.pool.take_events())
+        if reset_external and self.cpu is not None:
+            self.cpu.reset()  # silent, as OffloadingConnector.reset_cache
+        return ok
+
+    def restart(self) -> None:
+        """Full engine restart: every request dropped and the cache emptied, no events."""
+        self._build()
+
+    # ---- stepping --------------------------------------------------------------------------
+    def _step_duration(self, prefill: int, decode: int, load: int) -> float:
+        c = self.config
+        d = c.step_overhead_s + prefill / c.prefill_tokens_per_s
+        if decode:
+            d += c.decode_s_per_token
+        return max(d * c.slowdown, 1e-6)
+
+    def _first_schedule(self, req: Request, now: float) -> bool:
+        """Prefix-cache lookup for a waiting request; returns False if it must wait."""
+        kv, c = self.kv, self.config
+        hit_blocks, per_group, longest = kv.find_hit(req)
+        hit = hit_blocks * c.block_size
+        last = (req.num_prompt - 1) // c.block_size
+        req.reachable = {last} | ({longest} if longest > hit_blocks else set())
+        ext = 0
+        if self.cpu is not None:
+            ext = self.cpu.lookup(req, hit)
+        req.hit_done = True
+        self.prefix_queries += len(req.all_token_ids)
+        self.prefix_hits += hit
+        if self.cpu is not None:
+            self.external_queries += len(req.all_token_ids) - hit
+            self.external_hits += ext
+        if ext:
+            if not kv.allocate_slots(req, 0, per_group, hit, ext):
+                req.hit_done = False
+                return False
+            self.cpu.touch(req, hit + ext)  # type: ignore[union-attr]
+            req.num_computed = hit
+            req.cached_tokens = hit
+            req.cpu_loaded_tokens = ext
+            req.status = WAITING_FOR_REMOTE_KVS
+            req.load_ready_s = now + ext / c.cpu_load_tokens_per_s
+            return False
+        req.cached_tokens = hit
+        self._hit_groups = per_group
+        self._hit_tokens = hit
+        return True
+
+    def schedule(self, now: float) -> float:
+        """Start a step at ``now``; returns its end time. Requires ``not in_flight()``."""
+        assert self._inflight is None
+        c, kv = self.config, self.kv
+        budget = c.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        prefill_tokens = decode_tokens = 0
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(len(req.all_token_ids) - req.num_computed, budget)
+            while not kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, n))
+                budget -= n
+                if req.num_computed < req.num_prompt:
+                    prefill_tokens += n
+                else:
+                    decode_tokens += n
+                i += 1
+                continue
+            break
+        if not preempted:
+            skipped: list[Request] = []
+            while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
+                req = self.waiting[0]
+                if req.status == WAITING_FOR_REMOTE_KVS:
+                    if req.load_ready_s > now:
+                        skipped.append(self.waiting.popleft())
+                        continue
+                    req.num_computed += req.cpu_loaded_tokens
+                    kv.cache_blocks(req, req.num_computed)
+                    req.status = WAITING
+                    new_groups, new_tokens = None, 0
+                elif not req.hit_done:
+                    if not self._first_schedule(req, now):
+                        if req.status == WAITING_FOR_REMOTE_KVS:
+                            skipped.append(self.waiting.popleft())
+                            continue
+                        break
+                    new_groups, new_tokens = self._hit_groups, self._hit_tokens
+                else:
+                    new_groups, new_tokens = None, 0
+                base = req.num_computed + new_tokens
+                n = min(len(req.all_token_ids) - base, budget)
+                if not kv.allocate_slots(req, n, new_groups, new_tokens):
+                    if new_groups is not None:  # retry the lookup next step
+                        req.hit_done = False
+                        self.prefix_queries -= len(req.all_token_ids)
+                        self.prefix_hits -= new_tokens
+                    break
+                req.num_computed = base
+                self.waiting.popleft()
+                req.status = RUNNING
+                self.running.append(req)
+                scheduled.append((req, n))
+                budget -= n
+                prefill_tokens += n
+            for r in reversed(skipped):
+                self.waiting.appendleft(r)
+        if self.cpu is not None:
+            for req, n in scheduled:
+                self.cpu.prepare_store(req, req.num_computed + n)
+        end = now + self._step_duration(prefill_tokens, decode_tokens, 0)
+        self._inflight = (now, end, scheduled)
+        return end
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed = 0
+        req.hit_done = False
+        req.status = WAITING
+        self.waiting.appendleft(req)
+
+    def finish_step(self) -> StepOutput:
+        assert self._inflight is not None
+        start, end, scheduled = self._inflight
+        self._inflight = None
+        new_tokens: dict[str, int] = {}
+        finished: list[Request] = []
+        for req, n in scheduled:
+            req.num_computed += n
+            if req.num_computed < len(req.all_token_ids):
+                continue  # chunked prefill not done yet
+            tok = self._sample(req)
+            req.all_token_ids.append(tok)
+            req.num_output += 1
+            new_tokens[req.request_id] = tok
+            if req.first_token_s is None:
+                req.first_token_s = end
+            if req.num_output >= req.max_tokens or len(req.all_token_ids) >= self.config.max_model_len:
+                req.status = FINISHED
+                req.finish_s = end
+                self.running.remove(req)
+                self.kv.free(req)
+                self.requests.pop(req.request_id, None)
+                finished.append(req)
+        events = self._pending_events + self.kv.pool.take_events()
+        self._pending_events = []
+        if self.cpu is not None:
+            # Connector events follow the KV-manager events: this step's prepare_store
+            # evictions, then the stores submitted by the previous step completing.
+            self.cpu.end_step()
+            events += self.cpu.take_events()
+        return StepOutput(start, end, new_tokens, finished, events)
+
+    def _sample(self, req: Request) -> int:
+        """Deterministic 'generated' token: depends on request id and position only."""
+        h = xxhash.xxh64_intdigest(f"{req.request_id}:{len(req.all_token_ids)}".encode())
+        return 100 + h % max(1, self.config.vocab_size - 100)
