@@ -342,7 +342,8 @@ class SimEngine:
             new_tokens[req.request_id] = tok
             if req.first_token_s is None:
                 req.first_token_s = end
-            if req.num_output >= req.max_tokens or len(req.all_token_ids) >= self.config.max_model_len:
+            too_long = len(req.all_token_ids) >= self.config.max_model_len
+            if req.num_output >= req.max_tokens or too_long:
                 req.status = FINISHED
                 req.finish_s = end
                 self.running.remove(req)

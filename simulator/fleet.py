@@ -90,9 +90,8 @@ class FastFleet:
                 arr, _, w, (rid, toks, mt, salt, lora) = heapq.heappop(self._pending_arrivals)
                 self.engines[w].add_request(rid, toks, mt, arr, lora, salt)
             for w, e in enumerate(self.engines):
-                if e.in_flight():
-                    if e.next_step_time(self.now) <= self.now:
-                        self._finish(w, e)
+                if e.in_flight() and e.next_step_time(self.now) <= self.now:
+                    self._finish(w, e)
                 if not e.in_flight() and e.next_step_time(self.now) <= self.now:
                     e.schedule(self.now)
         self.now = max(self.now, t_s)

@@ -137,7 +137,8 @@ class KVCacheManager:
             else:
                 keep = 1 if spec.kind == MAMBA else self.needed[g]
                 start = max(0, hit - keep)
-                per_group.append([0] * start + [get((digests[i], g)) or 0 for i in range(start, hit)])
+                tail = [get((digests[i], g)) or 0 for i in range(start, hit)]
+                per_group.append([0] * start + tail)
         return hit, per_group, longest
 
     # ---- allocation -------------------------------------------------------------------------

@@ -84,7 +84,8 @@ class CpuTier:
 
     def touch(self, req: Request, upto_tokens: int) -> None:
         digests = req.hasher.digests
-        keys = [digests[(k + 1) * self.per_chunk - 1] for k in range(upto_tokens // self.chunk_tokens)]
+        n = upto_tokens // self.chunk_tokens
+        keys = [digests[(k + 1) * self.per_chunk - 1] for k in range(n)]
         for key in reversed(keys):  # head chunk ends up most recent, as GPU frees tail first
             if key in self.lru:
                 self.lru.move_to_end(key)
