@@ -202,6 +202,21 @@ class SimEngine:
             self.cpu.reset()  # silent, as OffloadingConnector.reset_cache
         return ok
 
+    def silent_reset(self) -> None:
+        """Fault: forget every cached block without announcing it (no AllBlocksCleared)."""
+        pool = self.kv.pool
+        for key_blocks in pool.cached.values():
+            for b in key_blocks:
+                pool.block_key[b] = None
+        for b in list(pool.free_hashed):
+            pool.free_unhashed.append(b)
+        pool.free_hashed.clear()
+        pool.cached.clear()
+        for req in list(self.running) + list(self.waiting):
+            req.num_cached = [len(x) for x in req.blocks]  # nothing left to announce
+        if self.cpu is not None:
+            self.cpu.reset()
+
     def restart(self) -> None:
         """Full engine restart: every request dropped and the cache emptied, no events."""
         self._build()
@@ -363,3 +378,4 @@ class SimEngine:
         """Deterministic 'generated' token: depends on request id and position only."""
         h = xxhash.xxh64_intdigest(f"{req.request_id}:{len(req.all_token_ids)}".encode())
         return 100 + h % max(1, self.config.vocab_size - 100)
+

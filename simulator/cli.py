@@ -1,0 +1,158 @@
+"""``kvrouter-sim``: run N simulated vLLM workers in one process.
+
+Worker i serves HTTP on ``base_port + i``. Its DP rank r publishes events on
+``event_base_port + i*dp_size + r`` and serves replay on ``replay_base_port + i*dp_size + r``
+(so rank r is on "port + r", as vLLM's ``offset_endpoint_port``). ``GET /kv_event_sources``
+reports them as vLLM does (``tcp://*:PORT``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+
+import uvicorn
+
+from simulator.engine import EngineConfig
+from simulator.events import ENCODINGS
+from simulator.kv_cache import parse_groups
+from simulator.server import Worker, WorkerSettings
+
+
+def _retention(v: str) -> int | None:
+    if v.lower() == "none":
+        return None
+    n = int(v)
+    if n < 0:
+        raise argparse.ArgumentTypeError("retention interval must be >= 0 or 'none'")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvrouter-sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--workers", type=int, default=1)
+    a("--host", default="127.0.0.1", help="HTTP bind host")
+    a("--base-port", type=int, default=8100, help="worker i: HTTP port base+i")
+    a("--event-base-port", type=int, default=None, help="default base-port+1000")
+    a("--replay-base-port", type=int, default=None, help="default base-port+2000")
+    a("--dp-size", type=int, default=1)
+    a("--model", default="sim-model")
+    a("--lora", action="append", default=[], help="declare a LoRA adapter name (repeatable)")
+    a("--block-size", type=int, default=16)
+    a("--num-gpu-blocks", "--kv-blocks", dest="num_gpu_blocks", type=int, default=4096,
+      help="KV capacity in blocks, shared by all groups")
+    a("--groups", default="full", help='e.g. "full", "full,swa:64", "swa:64,full", "full,mamba"')
+    a("--retention-interval", type=_retention, default=0,
+      help="SWA/mamba prefix_cache_retention_interval: 0 (sparse, default), N, or none")
+    a("--max-model-len", type=int, default=131072)
+    a("--max-num-batched-tokens", "--token-budget", dest="max_num_batched_tokens", type=int,
+      default=8192)
+    a("--max-num-seqs", type=int, default=256)
+    a("--max-waiting", type=int, default=10000)
+    a("--prefill-tps", type=float, default=20000.0, help="prefill tokens/s (uncached)")
+    a("--cpu-load-tps", type=float, default=200000.0, help="CPU->GPU load tokens/s")
+    a("--decode-ms", type=float, default=20.0, help="decode step time per generated token")
+    a("--step-overhead-ms", type=float, default=0.5)
+    a("--cpu-chunks", type=int, default=0, help="CPU tier capacity in chunks (0 = off)")
+    a("--cpu-chunk-tokens", type=int, default=256)
+    a("--cpu-events", choices=["placeholder", "self_describing"], default="placeholder")
+    a("--event-encoding", choices=list(ENCODINGS), default="map",
+      help="map (vLLM >= 0.24), array (<= 0.23), map-0.32 (byte layout of the captures)")
+    a("--topic", default="")
+    a("--buffer-steps", type=int, default=10_000)
+    a("--hwm", type=int, default=100_000)
+    a("--max-queue-size", type=int, default=100_000)
+    a("--no-events", action="store_true")
+    a("--chat-template", choices=["default", "alt"], default="default")
+    a("--event-block-size-lie", type=int, default=None,
+      help="misconfiguration: events report this block size")
+    a("--vocab-size", type=int, default=32000)
+    a("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    a("--log-level", default="warning")
+    return p
+
+
+def settings_from_args(ns: argparse.Namespace, worker_idx: int) -> WorkerSettings:
+    parse_groups(ns.groups)  # fail early with a clear message
+    eng = EngineConfig(
+        model=ns.model, block_size=ns.block_size, num_gpu_blocks=ns.num_gpu_blocks,
+        groups=ns.groups, retention_interval=ns.retention_interval,
+        max_model_len=ns.max_model_len, max_num_batched_tokens=ns.max_num_batched_tokens,
+        max_num_seqs=ns.max_num_seqs, max_waiting=ns.max_waiting,
+        prefill_tokens_per_s=ns.prefill_tps, cpu_load_tokens_per_s=ns.cpu_load_tps,
+        decode_s_per_token=ns.decode_ms / 1000.0, step_overhead_s=ns.step_overhead_ms / 1000.0,
+        cpu_chunks=ns.cpu_chunks, cpu_chunk_tokens=ns.cpu_chunk_tokens,
+        cpu_events=ns.cpu_events, enable_events=not ns.no_events,
+        event_block_size_lie=ns.event_block_size_lie, loras=tuple(ns.lora),
+        vocab_size=ns.vocab_size,
+    )
+    ev_base = ns.event_base_port if ns.event_base_port is not None else ns.base_port + 1000
+    rp_base = ns.replay_base_port if ns.replay_base_port is not None else ns.base_port + 2000
+    off = worker_idx * ns.dp_size
+    return WorkerSettings(
+        engine=eng, dp_size=ns.dp_size,
+        events_endpoint=None if ns.no_events else f"tcp://*:{ev_base + off}",
+        replay_endpoint=None if ns.no_events else f"tcp://*:{rp_base + off}",
+        topic=ns.topic, buffer_steps=ns.buffer_steps, hwm=ns.hwm,
+        max_queue_size=ns.max_queue_size, event_encoding=ns.event_encoding,
+        chat_template=ns.chat_template, max_body_bytes=ns.max_body_bytes,
+        loras=tuple(ns.lora),
+    )
+
+
+async def serve(ns: argparse.Namespace) -> None:
+    workers = [Worker(settings_from_args(ns, i)) for i in range(ns.workers)]
+    for w in workers:
+        await w.start()
+    servers = [
+        uvicorn.Server(uvicorn.Config(w.app, host=ns.host, port=ns.base_port + i,
+                                      log_level=ns.log_level, access_log=False,
+                                      lifespan="off", timeout_graceful_shutdown=2))
+        for i, w in enumerate(workers)
+    ]
+    for s in servers:
+        s.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    tasks = [asyncio.create_task(s.serve()) for s in servers]
+    stopper = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+    for s in servers:
+        s.should_exit = True
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for w in workers:
+        await w.stop()
+    for t in done:
+        if t is not stopper and t.exception() is not None:
+            raise t.exception()  # type: ignore[misc]
+    if any(t is not stopper for t in done) and not stop.is_set():
+        raise SystemExit(1)  # a server exited on its own (e.g. port in use)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    if ns.workers < 1 or ns.dp_size < 1:
+        print("kvrouter-sim: --workers and --dp-size must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        settings_from_args(ns, 0)
+    except ValueError as e:
+        print(f"kvrouter-sim: {e}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(ns))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
