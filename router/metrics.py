@@ -1,0 +1,144 @@
+"""Prometheus metrics of one router app (own CollectorRegistry, so apps can share a process).
+
+The names are a contract with deploy/grafana/kvrouter-dashboard.json; do not rename.
+Per-worker state that lives elsewhere (subscriber counters, index residency, health, in-flight)
+is read at scrape time by a custom collector, so the numbers can never drift from the source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["RouterMetrics"]
+
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+_DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025)
+_ERROR_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
+
+
+class _StateCollector(Collector):
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._snapshot()
+        inflight = GaugeMetricFamily(
+            "kvrouter_worker_inflight_requests", "Requests in flight per worker", labels=["worker"]
+        )
+        healthy = GaugeMetricFamily(
+            "kvrouter_worker_healthy", "1 if the worker's /health answers", labels=["worker"]
+        )
+        degraded = GaugeMetricFamily(
+            "kvrouter_worker_degraded",
+            "1 if the index of this worker cannot be trusted (gap without replay, overflow)",
+            labels=["worker"],
+        )
+        resident = GaugeMetricFamily(
+            "kvrouter_index_resident_blocks",
+            "Blocks the index holds per worker and medium",
+            labels=["worker", "medium"],
+        )
+        events = CounterMetricFamily(
+            "kvrouter_events", "KV events received per worker", labels=["worker"]
+        )
+        gaps = CounterMetricFamily(
+            "kvrouter_event_gaps", "Sequence gaps seen per worker", labels=["worker"]
+        )
+        replays = CounterMetricFamily(
+            "kvrouter_replays", "Replay attempts per worker and result", labels=["worker", "result"]
+        )
+        decode = CounterMetricFamily(
+            "kvrouter_decode_errors", "Undecodable event payloads per worker", labels=["worker"]
+        )
+        for w in s.get("workers", []):
+            url = w["url"]
+            inflight.add_metric([url], w.get("inflight", 0))
+            healthy.add_metric([url], 1.0 if w.get("healthy") else 0.0)
+            degraded.add_metric([url], 1.0 if w.get("degraded") else 0.0)
+            for medium, n in w.get("resident", {}).items():
+                resident.add_metric([url, medium], n)
+            events.add_metric([url], w.get("events", 0))
+            gaps.add_metric([url], w.get("gaps", 0))
+            replays.add_metric([url, "ok"], w.get("replays_ok", 0))
+            replays.add_metric([url, "failed"], w.get("replays_failed", 0))
+            decode.add_metric([url], w.get("decode_errors", 0))
+        yield from (inflight, healthy, degraded, resident, events, gaps, replays, decode)
+
+
+class RouterMetrics:
+    def __init__(self, snapshot: Callable[[], dict[str, Any]] | None = None) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvrouter_requests_total",
+            "Client requests by policy and outcome",
+            ["policy", "status"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "kvrouter_request_duration_seconds",
+            "Time from request arrival to the end of the response",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvrouter_ttft_seconds",
+            "Time from request arrival to the first response byte from the worker",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.route_decision = Histogram(
+            "kvrouter_route_decision_seconds",
+            "Time to tokenize (cache hit or worker call), match and choose",
+            buckets=(*_DECISION_BUCKETS, 0.05, 0.1, 0.25, 1.0),
+            registry=r,
+        )
+        self.predicted_hit_tokens = Counter(
+            "kvrouter_predicted_hit_tokens_total",
+            "Prompt tokens predicted to be served from cache on the chosen worker",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvrouter_prompt_tokens_total", "Prompt tokens routed", registry=r
+        )
+        self.prediction_error = Histogram(
+            "kvrouter_prediction_error_tokens",
+            "|predicted hit - cached_tokens the worker reported|",
+            buckets=_ERROR_BUCKETS,
+            registry=r,
+        )
+        self.redis_up = Gauge(
+            "kvrouter_redis_up", "1 if Redis shared state is reachable", registry=r
+        )
+        self.tokenize_failures = Counter(
+            "kvrouter_tokenize_failures_total",
+            "Requests routed by load alone because tokenization failed",
+            registry=r,
+        )
+        if snapshot is not None:
+            r.register(_StateCollector(snapshot))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

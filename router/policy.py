@@ -1,0 +1,361 @@
+"""Routing policy: pure code, no I/O, no hidden clocks (``now`` is always an argument).
+
+The kvrouter policy picks the worker with the lowest *expected time to first token*
+(design.md, "Routing policy"), estimated in prefill-token equivalents:
+
+    cost = uncached prefill tokens of this prompt on that worker
+         + cpu_hit_tokens * cpu_transfer_discount        (loading offloaded chunks is cheaper)
+         + prefill tokens already queued there by this router (released at first token)
+         + the worker's own /metrics correction:
+             waiting requests the router did not send itself  * mean prompt tokens
+             running requests                                  * running_request_tokens
+             KV usage above kv_pressure_threshold              * kv_pressure_tokens (scaled)
+    expected TTFT = cost / prefill_tokens_per_s
+
+Hits are the larger of what the index shows and what a short-lived speculative entry predicts
+(a prefix this router just sent there, before the worker's events arrive). Herd protection:
+every candidate whose cost is within ``near_tie_tokens`` of the best is a near-tie; among them
+the one with the fewest in-flight requests wins, remaining ties broken at random (seeded RNG).
+
+The routing benchmark drives this module directly with a simulated clock:
+
+    policy = make_policy("kvrouter", PolicyParams(...), seed=0)
+    spec = SpeculativeCache(ttl_s=2.0)
+    hits = spec.hit_tokens(worker, keys, unit=16, now=t)
+    d = policy.choose([Candidate(w, gpu, cpu, WorkerLoad(...), speculative_tokens=hits)], n, t)
+    spec.record(d.worker, keys, now=t)
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "Candidate",
+    "Decision",
+    "KvRouterPolicy",
+    "LeastLoadedPolicy",
+    "Policy",
+    "PolicyParams",
+    "RandomPolicy",
+    "RoundRobinPolicy",
+    "SpeculativeCache",
+    "WorkerCost",
+    "WorkerLoad",
+    "make_policy",
+]
+
+Worker = Hashable
+"""A worker identity: the router uses ``(url, dp_rank)``; the benchmark may use anything."""
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """Load of one worker as the router knows it."""
+
+    inflight_requests: int = 0
+    """Requests this router sent there that have not finished."""
+    queued_prefill_tokens: int = 0
+    """Uncached prompt tokens of this router's requests there that have not produced a token."""
+    running: int = 0
+    """``vllm:num_requests_running`` (last poll)."""
+    waiting: int = 0
+    """``vllm:num_requests_waiting`` (last poll)."""
+    kv_usage: float = 0.0
+    """``vllm:kv_cache_usage_perc``, a fraction 0..1 (last poll)."""
+    prefilling_requests: int = 0
+    """This router's requests there that have not produced a first token (for the waiting
+    correction: the worker's waiting queue already contains them)."""
+
+
+@dataclass(slots=True)
+class Candidate:
+    worker: Worker
+    gpu_hit_tokens: int = 0
+    cpu_hit_tokens: int = 0
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    speculative_tokens: int = 0
+    """Hit predicted by a speculative entry; used when larger than the indexed GPU hit."""
+
+
+@dataclass(slots=True)
+class PolicyParams:
+    cpu_transfer_discount: float = 0.25
+    near_tie_tokens: int = 64
+    prefill_tokens_per_s: float = 8000.0
+    """Converts token cost to seconds for reporting (same for every worker: ranks don't change)."""
+    mean_prompt_tokens: float = 1024.0
+    """Assumed prompt size of a waiting request the router did not send (other routers)."""
+    running_request_tokens: float = 16.0
+    """Prefill-token equivalent each running (decoding) request costs a new prefill."""
+    kv_pressure_threshold: float = 0.9
+    kv_pressure_tokens: float = 2048.0
+    """Added cost at 100 % KV usage (linear from the threshold): preemption and eviction risk."""
+
+
+@dataclass(slots=True)
+class WorkerCost:
+    worker: Worker
+    hit_tokens: int
+    """GPU hit used (max of index and speculative)."""
+    cpu_hit_tokens: int
+    uncached_tokens: int
+    queued_tokens: float
+    metrics_tokens: float
+    cost_tokens: float
+    expected_ttft_s: float
+    speculative: bool
+    """True when the speculative entry supplied the hit."""
+
+
+@dataclass(slots=True)
+class Decision:
+    worker: Worker
+    ranked: list[Worker]
+    """Every candidate, best first (the proxy retries on ``ranked[1]``)."""
+    costs: list[WorkerCost]
+    """Per candidate, in candidate order (empty for policies that do not score)."""
+    reason: str
+    predicted_hit_tokens: int = 0
+
+
+class Policy:
+    name = "base"
+
+    def choose(self, candidates: Sequence[Candidate], prompt_tokens: int, now: float) -> Decision:
+        raise NotImplementedError
+
+
+class KvRouterPolicy(Policy):
+    name = "kvrouter"
+
+    def __init__(self, params: PolicyParams | None = None, seed: int | None = None) -> None:
+        self.params = params or PolicyParams()
+        self._rng = random.Random(seed)
+
+    def cost(self, c: Candidate, prompt_tokens: int) -> WorkerCost:
+        p = self.params
+        max_hit = max(prompt_tokens - 1, 0)
+        spec = c.speculative_tokens > c.gpu_hit_tokens
+        hit = min(max(c.gpu_hit_tokens, c.speculative_tokens), max_hit)
+        cpu = min(c.cpu_hit_tokens, max(max_hit - hit, 0)) if not spec else 0
+        uncached = max(prompt_tokens - hit - cpu, 0)
+        ld = c.load
+        foreign_waiting = max(ld.waiting - ld.prefilling_requests, 0)
+        metrics = foreign_waiting * p.mean_prompt_tokens + ld.running * p.running_request_tokens
+        if ld.kv_usage > p.kv_pressure_threshold < 1.0:
+            frac = (ld.kv_usage - p.kv_pressure_threshold) / (1.0 - p.kv_pressure_threshold)
+            metrics += min(frac, 1.0) * p.kv_pressure_tokens
+        total = uncached + cpu * p.cpu_transfer_discount + ld.queued_prefill_tokens + metrics
+        return WorkerCost(
+            worker=c.worker,
+            hit_tokens=hit,
+            cpu_hit_tokens=cpu,
+            uncached_tokens=uncached,
+            queued_tokens=float(ld.queued_prefill_tokens),
+            metrics_tokens=metrics,
+            cost_tokens=total,
+            expected_ttft_s=total / p.prefill_tokens_per_s,
+            speculative=spec,
+        )
+
+    def choose(self, candidates: Sequence[Candidate], prompt_tokens: int, now: float) -> Decision:
+        if not candidates:
+            raise ValueError("no candidates")
+        costs = [self.cost(c, prompt_tokens) for c in candidates]
+        best = min(x.cost_tokens for x in costs)
+        tie = self.params.near_tie_tokens
+        # Rank: near-ties of the best by in-flight requests, then a random tie-break; everything
+        # else by cost. The random key is drawn per decision so equal workers share the load.
+        keyed = []
+        for i, (c, x) in enumerate(zip(candidates, costs, strict=True)):
+            near = x.cost_tokens <= best + tie
+            if near:
+                key = (0, c.load.inflight_requests, x.cost_tokens, self._rng.random(), i)
+            else:
+                key = (1, 0, x.cost_tokens, self._rng.random(), i)
+            keyed.append((key, i))
+        keyed.sort()
+        order = [i for _, i in keyed]
+        chosen = costs[order[0]]
+        near_count = sum(1 for x in costs if x.cost_tokens <= best + tie)
+        if chosen.hit_tokens or chosen.cpu_hit_tokens:
+            reason = (
+                f"lowest expected TTFT: {chosen.cost_tokens:.0f} token-equivalents "
+                f"({chosen.hit_tokens} cached{' speculatively' if chosen.speculative else ''}"
+                f", {chosen.cpu_hit_tokens} on CPU, {chosen.queued_tokens:.0f} queued)"
+            )
+        else:
+            reason = f"no cached prefix helps; least queued work ({chosen.cost_tokens:.0f})"
+        if near_count > 1:
+            reason += f"; {near_count} near-ties within {tie} tokens spread by in-flight count"
+        return Decision(
+            worker=chosen.worker,
+            ranked=[candidates[i].worker for i in order],
+            costs=costs,
+            reason=reason,
+            predicted_hit_tokens=chosen.hit_tokens,
+        )
+
+
+class RoundRobinPolicy(Policy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, candidates: Sequence[Candidate], prompt_tokens: int, now: float) -> Decision:
+        if not candidates:
+            raise ValueError("no candidates")
+        i = self._next % len(candidates)
+        self._next += 1
+        order = list(range(i, len(candidates))) + list(range(i))
+        return Decision(
+            worker=candidates[i].worker,
+            ranked=[candidates[j].worker for j in order],
+            costs=[],
+            reason="round robin",
+            predicted_hit_tokens=candidates[i].gpu_hit_tokens,
+        )
+
+
+class LeastLoadedPolicy(Policy):
+    name = "least_loaded"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, candidates: Sequence[Candidate], prompt_tokens: int, now: float) -> Decision:
+        if not candidates:
+            raise ValueError("no candidates")
+        keyed = sorted(
+            (
+                (c.load.inflight_requests + max(c.load.waiting - c.load.prefilling_requests, 0)),
+                self._rng.random(),
+                i,
+            )
+            for i, c in enumerate(candidates)
+        )
+        order = [i for *_, i in keyed]
+        return Decision(
+            worker=candidates[order[0]].worker,
+            ranked=[candidates[i].worker for i in order],
+            costs=[],
+            reason="fewest in-flight plus foreign waiting requests",
+            predicted_hit_tokens=candidates[order[0]].gpu_hit_tokens,
+        )
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, candidates: Sequence[Candidate], prompt_tokens: int, now: float) -> Decision:
+        if not candidates:
+            raise ValueError("no candidates")
+        order = list(range(len(candidates)))
+        self._rng.shuffle(order)
+        return Decision(
+            worker=candidates[order[0]].worker,
+            ranked=[candidates[i].worker for i in order],
+            costs=[],
+            reason="random",
+            predicted_hit_tokens=candidates[order[0]].gpu_hit_tokens,
+        )
+
+
+def make_policy(name: str, params: PolicyParams | None = None, seed: int | None = None) -> Policy:
+    if name == "kvrouter":
+        return KvRouterPolicy(params, seed)
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "least_loaded":
+        return LeastLoadedPolicy(seed)
+    if name == "random":
+        return RandomPolicy(seed)
+    raise ValueError(f"unknown policy {name!r}")
+
+
+class SpeculativeCache:
+    """Short-lived "this worker is about to hold this prefix" entries, as content keys.
+
+    ``record(worker, keys, now)`` after routing a prompt whose content keys (one per ``unit``
+    tokens, chained) are ``keys``; ``hit_tokens(worker, keys, unit, now)`` returns how many
+    leading tokens of another prompt such entries cover. Entries expire ``ttl_s`` after they
+    were recorded (re-recording refreshes them). Keys are chained, so one key names a whole
+    prefix and the covered run is found by binary search. Bounded by ``max_keys``: when full,
+    the oldest records are dropped first.
+    """
+
+    def __init__(self, ttl_s: float = 2.0, max_keys: int = 1_000_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_keys = max_keys
+        self._entries: dict[Worker, dict[int, float]] = {}
+        self._expiry: list[tuple[float, int, Worker, Sequence[int]]] = []
+        self._seq = 0
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def record(self, worker: Worker, keys: Sequence[int], now: float) -> None:
+        if self.ttl_s <= 0 or not keys:
+            return
+        self.expire(now)
+        until = now + self.ttl_s
+        entries = self._entries.setdefault(worker, {})
+        before = len(entries)
+        for k in keys:
+            entries[k] = until
+        self._size += len(entries) - before
+        self._seq += 1
+        heapq.heappush(self._expiry, (until, self._seq, worker, keys))
+        while self._size > self.max_keys and self._expiry:
+            self._drop(heapq.heappop(self._expiry), force=True)
+
+    def expire(self, now: float) -> None:
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            self._drop(heapq.heappop(heap), force=False)
+
+    def _drop(self, item: tuple[float, int, Worker, Sequence[int]], force: bool) -> None:
+        until, _, worker, keys = item
+        entries = self._entries.get(worker)
+        if entries is None:
+            return
+        for k in keys:
+            t = entries.get(k)
+            if t is not None and (force or t <= until):
+                del entries[k]
+                self._size -= 1
+        if not entries:
+            del self._entries[worker]
+
+    def hit_tokens(self, worker: Worker, keys: Sequence[int], unit: int, now: float) -> int:
+        entries = self._entries.get(worker)
+        if not entries or not keys:
+            return 0
+
+        def live(i: int) -> bool:
+            t = entries.get(keys[i])
+            return t is not None and t > now
+
+        if not live(0):
+            return 0
+        lo, hi = 0, len(keys) - 1  # invariant: live(lo)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if live(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return (lo + 1) * unit
+
+    def workers(self, now: float) -> list[Worker]:
+        self.expire(now)
+        return list(self._entries)

@@ -1,0 +1,339 @@
+"""Forwarding a routed request to a worker: headers, retry, streaming passthrough, cancellation.
+
+* The client's body bytes are sent unchanged; response bytes come back unchanged
+  (``aiter_raw``: no re-encoding, SSE chunks forwarded one by one as they arrive).
+* Hop-by-hop headers are dropped both ways; ``Authorization`` is forwarded only when
+  ``server.forward_authorization`` is set. Every response carries ``x-kvrouter-worker``.
+* A connect failure or a 5xx status before the first byte is retried once on the next-best
+  worker (the policy's ranking); connect failures also mark the worker unhealthy until its next
+  good health probe.
+* A client disconnect cancels the upstream request (the upstream connection is closed, which
+  makes vLLM abort the request), for streaming and non-streaming responses alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+import msgspec
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from router.workers import Worker, WorkerRegistry
+
+__all__ = ["HOP_BY_HOP", "Passthrough", "Ticket", "error_response", "forward"]
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+_RESP_DROP = HOP_BY_HOP | {"date", "server"}
+WORKER_HEADER = "x-kvrouter-worker"
+
+
+def error_response(
+    status: int, message: str, etype: str, code: str | int | None = None
+) -> Response:
+    return JSONResponse(
+        {
+            "error": {
+                "message": message,
+                "type": etype,
+                "code": code if code is not None else status,
+            }
+        },
+        status_code=status,
+    )
+
+
+class Ticket:
+    """The router's own load accounting for one request on one engine (idempotent release)."""
+
+    __slots__ = ("_done", "_first", "ld", "uncached")
+
+    def __init__(self, w: Worker, rank: int, uncached: int) -> None:
+        self.ld = w.load(rank)
+        self.uncached = uncached
+        self.ld.inflight += 1
+        self.ld.prefilling += 1
+        self.ld.queued_prefill_tokens += uncached
+        self._first = False
+        self._done = False
+
+    def first_token(self) -> None:
+        if not self._first:
+            self._first = True
+            self.ld.prefilling -= 1
+            self.ld.queued_prefill_tokens -= self.uncached
+
+    def finish(self) -> None:
+        self.first_token()
+        if not self._done:
+            self._done = True
+            self.ld.inflight -= 1
+
+
+@dataclass
+class Attempt:
+    engine: tuple[str, int]
+    uncached: int
+
+
+@dataclass
+class Outcome:
+    status: int
+    worker: str | None
+    ttft_s: float | None
+    cached_tokens: int | None
+
+
+_usage_dec = msgspec.json.Decoder()
+
+
+def cached_tokens_of(doc: Any) -> int | None:
+    if not isinstance(doc, dict):
+        return None
+    usage = doc.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        return details["cached_tokens"]
+    return None
+
+
+def _cached_from_sse(chunk: bytes) -> int | None:
+    for line in chunk.split(b"\n"):
+        if line.startswith(b"data: {") and b"cached_tokens" in line:
+            with contextlib.suppress(msgspec.DecodeError):
+                v = cached_tokens_of(_usage_dec.decode(line[6:]))
+                if v is not None:
+                    return v
+    return None
+
+
+class Passthrough(Response):
+    """Streams an upstream response, cancelling it when the client goes away."""
+
+    def __init__(
+        self,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        body: AsyncIterator[bytes],
+        on_close: Callable[[bool], Awaitable[None]],
+    ) -> None:
+        self.status_code = status
+        self.raw_headers_list = headers
+        self.raw_headers = headers
+        self.body_iter = body
+        self.on_close = on_close
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        completed = False
+
+        async def pump() -> None:
+            nonlocal completed
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers_list,
+                }
+            )
+            async for chunk in self.body_iter:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            completed = True
+
+        async def watch() -> None:
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return
+
+        pump_t = asyncio.ensure_future(pump())
+        watch_t = asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait({pump_t, watch_t}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (pump_t, watch_t):
+                if not t.done():
+                    t.cancel()
+            for t in (pump_t, watch_t):
+                with contextlib.suppress(BaseException):
+                    await t
+            with anyio.CancelScope(shield=True):
+                await self.on_close(completed)
+
+
+def request_headers(
+    headers: list[tuple[bytes, bytes]], forward_authorization: bool
+) -> list[tuple[bytes, bytes]]:
+    out = []
+    for k, v in headers:
+        lk = k.lower().decode("latin-1")
+        if lk in HOP_BY_HOP:
+            continue
+        if lk == "authorization" and not forward_authorization:
+            continue
+        out.append((k, v))
+    return out
+
+
+def response_headers(resp: httpx.Response, worker: str) -> list[tuple[bytes, bytes]]:
+    out = [(k, v) for k, v in resp.headers.raw if k.lower().decode("latin-1") not in _RESP_DROP]
+    out.append((WORKER_HEADER.encode(), worker.encode()))
+    return out
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def forward(
+    *,
+    registry: WorkerRegistry,
+    path: str,
+    body: bytes,
+    headers: list[tuple[bytes, bytes]],
+    attempts: list[Attempt],
+    stream: bool,
+    receive: Receive,
+    t0: float,
+    done: Callable[[Outcome], None],
+) -> Response:
+    """Send ``body`` to the first attempt that answers; stream or buffer the answer back."""
+    last_error = "no worker available"
+    last_status = 503
+    for i, att in enumerate(attempts):
+        w = registry.workers[att.engine[0]]
+        retry_left = i + 1 < len(attempts)
+        hdrs = list(headers)
+        if w.dp_size > 1:
+            hdrs.append((b"x-data-parallel-rank", str(att.engine[1]).encode()))
+        ticket = Ticket(w, att.engine[1], att.uncached)
+        req = w.client.build_request("POST", path, content=body, headers=hdrs)
+        try:
+            resp = await w.client.send(req, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            ticket.finish()
+            registry.mark_failed(w, f"{type(exc).__name__}: {exc}")
+            last_error, last_status = f"worker {w.url} unreachable: {type(exc).__name__}", 502
+            continue
+        except httpx.TimeoutException:
+            ticket.finish()
+            last_error, last_status = f"worker {w.url} timed out before the first byte", 504
+            continue
+        except httpx.HTTPError as exc:  # e.g. connection reset before any byte: retry once
+            ticket.finish()
+            last_error, last_status = f"worker {w.url} failed: {type(exc).__name__}: {exc}", 502
+            continue
+        if resp.status_code >= 500 and retry_left:
+            await resp.aclose()
+            ticket.finish()
+            last_error, last_status = f"worker {w.url} returned {resp.status_code}", 502
+            continue
+        if stream:
+            return _stream(resp, w, ticket, t0, done)
+        return await _buffered(resp, w, ticket, t0, receive, done)
+    done(Outcome(last_status, None, None, None))
+    etype = "timeout" if last_status == 504 else "bad_gateway"
+    return error_response(last_status, last_error, etype)
+
+
+def _stream(
+    resp: httpx.Response, w: Worker, ticket: Ticket, t0: float, done: Callable[[Outcome], None]
+) -> Response:
+    state: dict[str, Any] = {"ttft": None, "cached": None}
+
+    async def body() -> AsyncIterator[bytes]:
+        async for chunk in resp.aiter_raw():
+            if state["ttft"] is None:
+                state["ttft"] = time.perf_counter() - t0
+                ticket.first_token()
+            if b"cached_tokens" in chunk:
+                v = _cached_from_sse(chunk)
+                if v is not None:
+                    state["cached"] = v
+            yield chunk
+
+    async def on_close(completed: bool) -> None:
+        ticket.finish()
+        await resp.aclose()
+        status = resp.status_code if completed else 499
+        done(Outcome(status, w.url, state["ttft"], state["cached"]))
+
+    return Passthrough(resp.status_code, response_headers(resp, w.url), body(), on_close)
+
+
+async def _buffered(
+    resp: httpx.Response,
+    w: Worker,
+    ticket: Ticket,
+    t0: float,
+    receive: Receive,
+    done: Callable[[Outcome], None],
+) -> Response:
+    async def read() -> bytes:
+        parts = [chunk async for chunk in resp.aiter_raw()]
+        return b"".join(parts)
+
+    reader = asyncio.ensure_future(read())
+    watcher = asyncio.ensure_future(_until_disconnect(receive))
+    try:
+        await asyncio.wait({reader, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not watcher.done():
+            watcher.cancel()
+        if not reader.done():
+            reader.cancel()  # client went away: closing the upstream aborts the request
+        with contextlib.suppress(BaseException):
+            await watcher
+    ttft = time.perf_counter() - t0
+    try:
+        data = await reader
+    except asyncio.CancelledError:
+        ticket.finish()
+        with anyio.CancelScope(shield=True):
+            await resp.aclose()
+        done(Outcome(499, w.url, None, None))
+        return Response(status_code=499)
+    except httpx.HTTPError as exc:
+        ticket.finish()
+        await resp.aclose()
+        done(Outcome(502, w.url, None, None))
+        return error_response(502, f"worker {w.url} failed mid-response: {exc}", "bad_gateway")
+    ticket.finish()
+    await resp.aclose()
+    cached = None
+    if resp.status_code == 200 and b"cached_tokens" in data:
+        with contextlib.suppress(msgspec.DecodeError):
+            cached = cached_tokens_of(_usage_dec.decode(data))
+    done(Outcome(resp.status_code, w.url, ttft, cached))
+    headers = response_headers(resp, w.url)
+    r = Response(content=data, status_code=resp.status_code)
+    r.raw_headers = [*headers, (b"content-length", str(len(data)).encode())]
+    return r

@@ -1,0 +1,393 @@
+"""Exact prompt tokens and content keys for a request.
+
+Default (``tokenizer.mode: remote``): ask a worker's ``POST /tokenize`` -- chat form for chat
+requests (the worker's own chat template renders ``messages`` with the request's
+``add_generation_prompt`` / ``continue_final_message`` / ``chat_template_kwargs`` / ``tools``),
+prompt form for completions (``add_special_tokens`` defaults to true). A completion whose
+``prompt`` is already token ids is not tokenized at all.
+
+Optional ``tokenizer.mode: local``: a ``tokenizers`` tokenizer from ``tokenizer.path``
+(``tokenizer.json``; chat template from ``tokenizer_config.json`` rendered with jinja2), checked
+against a worker's ``/tokenize`` at start-up (:meth:`PromptTokenizer.verify_local`); on any
+mismatch the router logs it and stays remote.
+
+Caching (bounded LRU, ``tokenizer.cache_entries`` entries and a token budget): results are keyed
+by a 128-bit hash of the namespace plus the canonical (sorted-key) JSON of the tokenize request,
+and hold the tokens (packed uint32) and their chained content keys. Multi-turn chat: each entry is
+also filed under the hash of its message list, so a request whose messages *extend* a cached
+conversation finds it. The worker still tokenizes the new request (exactness: a chat template
+may render earlier turns differently once more follow), but content keys are reused for the
+longest token prefix shared with the cached conversation and computed only for the new tokens;
+since keys are chained, that is exact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from array import array
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import xxhash
+
+from indexer.keys import chain_keys, tokens_to_bytes
+
+__all__ = ["LocalTokenizer", "PromptTokenizer", "TokenizeError", "Tokenized"]
+
+log = logging.getLogger("kvrouter.tokenize")
+
+CHAT_FORWARD_KEYS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "tools",
+    "add_special_tokens",
+    "chat_template",
+)
+
+RemoteCall = Callable[[dict[str, Any]], Awaitable[list[int]]]
+
+
+class TokenizeError(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class Tokenized:
+    n_tokens: int
+    data: bytes
+    """Tokens as packed little-endian uint32."""
+    keys: Sequence[int]
+    """Content keys at every unit boundary up to ``n_tokens - 1`` (``PrefixIndex.prompt_keys``)."""
+    root: int
+    source: str
+    """"cache", "remote", "local", "ids", or "remote+prefix" (keys partly reused)."""
+    reused_keys: int = 0
+
+
+class _TokResp(msgspec.Struct):
+    tokens: list[int]
+
+
+_tok_decoder = msgspec.json.Decoder(_TokResp)
+_enc = msgspec.json.Encoder(order="sorted")
+
+
+def _h128(*parts: bytes) -> bytes:
+    h = xxhash.xxh3_128()
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    return h.digest()
+
+
+def decode_tokenize_response(body: bytes) -> list[int]:
+    try:
+        return _tok_decoder.decode(body).tokens
+    except msgspec.DecodeError as exc:
+        raise TokenizeError(f"bad /tokenize response: {exc}") from None
+
+
+class LocalTokenizer:
+    """``tokenizers`` tokenizer plus the model's jinja2 chat template."""
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer  # optional dependency (test extra)
+
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        self.tok = Tokenizer.from_file(file)
+        self.template: Any = None
+        self.special: dict[str, str] = {}
+        cfg_path = os.path.join(os.path.dirname(file), "tokenizer_config.json")
+        if os.path.exists(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                cfg = json.load(f)
+            for k in ("bos_token", "eos_token", "unk_token", "pad_token"):
+                v = cfg.get(k)
+                if isinstance(v, dict):
+                    v = v.get("content")
+                if isinstance(v, str):
+                    self.special[k] = v
+            tmpl = cfg.get("chat_template")
+            if isinstance(tmpl, list):  # named templates: use "default"
+                tmpl = next((t["template"] for t in tmpl if t.get("name") == "default"), None)
+            if isinstance(tmpl, str):
+                try:
+                    import jinja2
+                    from jinja2.sandbox import ImmutableSandboxedEnvironment
+                except ImportError:  # pragma: no cover - jinja2 ships with fastapi's extras
+                    log.warning("jinja2 not installed: local chat templating unavailable")
+                else:
+                    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                    env.globals["raise_exception"] = _raise
+                    env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False)
+                    self.template = env.from_string(tmpl)
+                    self._jinja_error = jinja2.TemplateError
+
+    def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(prompt, add_special_tokens=add_special_tokens).ids
+
+    def encode_chat(self, req: dict[str, Any]) -> list[int]:
+        if self.template is None:
+            raise TokenizeError("no chat template available locally")
+        if req.get("chat_template") is not None:
+            raise TokenizeError("request-supplied chat_template: use the worker")
+        kwargs = dict(req.get("chat_template_kwargs") or {})
+        text = self.template.render(
+            messages=req["messages"],
+            tools=req.get("tools"),
+            add_generation_prompt=req.get("add_generation_prompt", True)
+            and not req.get("continue_final_message", False),
+            **self.special,
+            **kwargs,
+        )
+        return self.encode_prompt(text, bool(req.get("add_special_tokens", False)))
+
+
+def _raise(msg: str) -> None:
+    raise TokenizeError(msg)
+
+
+@dataclass(slots=True)
+class _Entry:
+    data: bytes
+    keys: array
+    root: int
+
+
+class PromptTokenizer:
+    def __init__(
+        self,
+        unit: int,
+        cache_entries: int = 4096,
+        max_cached_tokens: int = 32_000_000,
+        local: LocalTokenizer | None = None,
+    ) -> None:
+        self.unit = unit
+        self.cache_entries = cache_entries
+        self.max_cached_tokens = max_cached_tokens
+        self.local = local
+        self._cache: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._conv: OrderedDict[bytes, bytes] = OrderedDict()
+        self._cached_tokens = 0
+        self.stats = {"hits": 0, "misses": 0, "prefix_reuse": 0, "reused_keys": 0}
+
+    # ---------------------------------------------------------------- request forms
+
+    @staticmethod
+    def tokenize_payload(body: dict[str, Any], chat: bool) -> dict[str, Any] | list[int] | None:
+        """The worker ``/tokenize`` body for a request, or token ids when none is needed.
+
+        None: nothing to tokenize (no prompt).
+        """
+        model = body.get("model")
+        if chat:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list):
+                return None
+            payload: dict[str, Any] = {"messages": msgs}
+            for k in CHAT_FORWARD_KEYS:
+                if k in body:
+                    payload[k] = body[k]
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt:
+                first = prompt[0]
+                if isinstance(first, int) and not isinstance(first, bool):
+                    return prompt  # already token ids
+                if isinstance(first, list):
+                    return first  # batch of token-id prompts: route by the first
+                if isinstance(first, str):
+                    prompt = first  # batch of strings: route by the first
+            if not isinstance(prompt, str):
+                return None
+            payload = {"prompt": prompt, "add_special_tokens": body.get("add_special_tokens", True)}
+        if model is not None:
+            payload["model"] = model
+        return payload
+
+    # ---------------------------------------------------------------- main entry
+
+    async def tokenize(
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        root: int,
+        remote: RemoteCall | None,
+    ) -> Tokenized:
+        payload = self.tokenize_payload(body, chat)
+        if payload is None:
+            raise TokenizeError("request has no prompt or messages to tokenize")
+        if isinstance(payload, list):
+            try:
+                data = tokens_to_bytes(payload)
+            except (ValueError, TypeError) as exc:
+                raise TokenizeError(f"prompt token ids: {exc}") from None
+            n = len(payload)
+            return Tokenized(n, data, self._keys(data, n, root), root, "ids")
+        try:
+            enc = _enc.encode(payload)
+        except (TypeError, msgspec.EncodeError) as exc:
+            raise TokenizeError(f"request not encodable: {exc}") from None
+        rootb = root.to_bytes(8, "little")
+        ckey = _h128(rootb, enc)
+        hit = self._cache.get(ckey)
+        if hit is not None:
+            self._cache.move_to_end(ckey)
+            self.stats["hits"] += 1
+            return Tokenized(len(hit.data) // 4, hit.data, hit.keys, root, "cache")
+        self.stats["misses"] += 1
+        conv_hashes = self._conv_hashes(rootb, payload) if chat else []
+        tokens: list[int] | None = None
+        source = "remote"
+        if self.local is not None:
+            try:
+                if chat:
+                    tokens = self.local.encode_chat(payload)
+                else:
+                    tokens = self.local.encode_prompt(
+                        payload["prompt"], bool(payload.get("add_special_tokens", True))
+                    )
+                source = "local"
+            except Exception as exc:  # template errors etc.: the worker decides
+                log.debug("local tokenization failed, asking a worker: %s", exc)
+                tokens = None
+        if tokens is None:
+            if remote is None:
+                raise TokenizeError("no worker available for /tokenize")
+            tokens = await remote(payload)
+        data = tokens_to_bytes(tokens)
+        n = len(tokens)
+        reused = 0
+        keys: Sequence[int] | None = None
+        if conv_hashes:
+            prev = self._find_conversation(conv_hashes[:-1])
+            if prev is not None:
+                keys, reused = self._extend_keys(prev, data, n, root)
+                if reused:
+                    source += "+prefix"
+                    self.stats["prefix_reuse"] += 1
+                    self.stats["reused_keys"] += reused
+        if keys is None:
+            keys = self._keys(data, n, root)
+        karr = keys if isinstance(keys, array) else array("Q", keys)
+        self._store(ckey, _Entry(data, karr, root), conv_hashes[-1] if conv_hashes else None)
+        return Tokenized(n, data, karr, root, source, reused)
+
+    # ---------------------------------------------------------------- keys
+
+    def _keys(self, data: bytes, n: int, root: int) -> list[int]:
+        usable = max(n - 1, 0) // self.unit
+        return chain_keys(root, data, self.unit, usable)
+
+    def _extend_keys(self, prev: _Entry, data: bytes, n: int, root: int) -> tuple[array, int]:
+        if prev.root != root or not prev.keys:
+            return array("Q", self._keys(data, n, root)), 0
+        a = np.frombuffer(prev.data, dtype=np.uint32)
+        b = np.frombuffer(data, dtype=np.uint32)
+        m = min(len(a), len(b))
+        diff = np.flatnonzero(a[:m] != b[:m])
+        common = int(diff[0]) if len(diff) else m
+        usable = max(n - 1, 0) // self.unit
+        reuse = min(common // self.unit, len(prev.keys), usable)
+        keys = array("Q", prev.keys[:reuse])
+        seed = keys[-1] if reuse else root
+        start = reuse * self.unit * 4
+        keys.extend(chain_keys(seed, data[start : usable * self.unit * 4], self.unit))
+        return keys, reuse
+
+    # ---------------------------------------------------------------- conversation index
+
+    @staticmethod
+    def _conv_hashes(rootb: bytes, payload: dict[str, Any]) -> list[bytes]:
+        """Running hashes of messages[:1], messages[:2], ... (with the non-message options)."""
+        msgs = payload.get("messages") or []
+        rest = {k: v for k, v in payload.items() if k != "messages"}
+        try:
+            h = xxhash.xxh3_128(rootb + _enc.encode(rest))
+            out = []
+            for m in msgs:
+                part = _enc.encode(m)
+                h.update(len(part).to_bytes(8, "little"))
+                h.update(part)
+                out.append(h.digest())
+        except (TypeError, msgspec.EncodeError):
+            return []
+        return out
+
+    def _find_conversation(self, prefixes: list[bytes]) -> _Entry | None:
+        for h in reversed(prefixes):
+            ck = self._conv.get(h)
+            if ck is not None:
+                e = self._cache.get(ck)
+                if e is not None:
+                    return e
+        return None
+
+    def _store(self, ckey: bytes, entry: _Entry, conv: bytes | None) -> None:
+        if self.cache_entries <= 0:
+            return
+        self._cache[ckey] = entry
+        self._cached_tokens += len(entry.data) // 4
+        if conv is not None:
+            self._conv[conv] = ckey
+            if len(self._conv) > self.cache_entries:
+                self._conv.popitem(last=False)
+        while self._cache and (
+            len(self._cache) > self.cache_entries or self._cached_tokens > self.max_cached_tokens
+        ):
+            _, old = self._cache.popitem(last=False)
+            self._cached_tokens -= len(old.data) // 4
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    # ---------------------------------------------------------------- start-up check
+
+    async def verify_local(self, remote: RemoteCall, model: str | None) -> list[str]:
+        """Compare the local tokenizer with a worker's; returns mismatches (empty: exact)."""
+        if self.local is None:
+            return []
+        samples: list[tuple[bool, dict[str, Any]]] = [
+            (
+                False,
+                {
+                    "prompt": "Hello, world! The quick brown fox: 123 ü ✓",
+                    "add_special_tokens": True,
+                },
+            ),
+            (
+                True,
+                {
+                    "messages": [
+                        {"role": "system", "content": "You are a helpful assistant."},
+                        {"role": "user", "content": "What is 2+2?"},
+                    ]
+                },
+            ),
+        ]
+        problems = []
+        for chat, payload in samples:
+            if model is not None:
+                payload["model"] = model
+            try:
+                if chat:
+                    mine = self.local.encode_chat(payload)
+                else:
+                    mine = self.local.encode_prompt(payload["prompt"], True)
+            except Exception as exc:
+                problems.append(f"{'chat' if chat else 'prompt'}: local tokenizer failed: {exc}")
+                continue
+            theirs = await remote(payload)
+            if mine != theirs:
+                problems.append(
+                    f"{'chat' if chat else 'prompt'}: local {mine[:12]}... "
+                    f"!= worker {theirs[:12]}..."
+                )
+        return problems

@@ -1,0 +1,321 @@
+"""Worker registry: health, load (own accounting + the worker's /metrics), event sources.
+
+One :class:`Worker` per vLLM API server (base URL); one *engine* ``(url, dp_rank)`` per
+data-parallel rank, which is what the index and the policy see. Background loops per worker:
+
+* ``GET /health`` and ``GET /metrics`` every ``poll_interval_s`` with bounded timeouts; a worker
+  that fails its health check is skipped until it passes again;
+* event-source discovery: ``workers[].events`` from config, else ``GET /kv_event_sources``
+  (vLLM >= 0.32: ``{"0": {"endpoint", "replay_endpoint", "topic", ...}}`` per DP rank, ``*``
+  replaced by the worker's host), retried until it answers, then handed to the subscriber.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import msgspec
+
+from router.config import WorkerSpec
+from router.policy import WorkerLoad
+
+__all__ = ["ModelNames", "Worker", "WorkerRegistry", "parse_vllm_metrics"]
+
+log = logging.getLogger("kvrouter.workers")
+
+_WANTED = {
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_requests_running": "running",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+}
+
+
+def parse_vllm_metrics(text: str) -> dict[int, dict[str, float]]:
+    """Per DP engine index, the load gauges kvrouter uses from a worker's /metrics text."""
+    out: dict[int, dict[str, float]] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        brace = line.find("{")
+        name = line[:brace] if brace >= 0 else line.split(" ", 1)[0]
+        field_name = _WANTED.get(name)
+        if field_name is None:
+            continue
+        engine = 0
+        if brace >= 0:
+            end = line.find("}", brace)
+            labels = line[brace + 1 : end]
+            pos = labels.find('engine="')
+            if pos >= 0:
+                val = labels[pos + 8 : labels.find('"', pos + 8)]
+                with contextlib.suppress(ValueError):
+                    engine = int(val)
+            rest = line[end + 1 :].split()
+        else:
+            rest = line.split()[1:]
+        if not rest:
+            continue
+        try:
+            value = float(rest[0])
+        except ValueError:
+            continue
+        slot = out.setdefault(engine, {})
+        slot[field_name] = slot.get(field_name, 0.0) + value
+    return out
+
+
+@dataclass
+class EngineLoad:
+    inflight: int = 0
+    prefilling: int = 0
+    queued_prefill_tokens: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+
+@dataclass
+class Worker:
+    spec: WorkerSpec
+    client: httpx.AsyncClient
+    healthy: bool = True
+    last_health_error: str | None = None
+    dp_size: int = 1
+    events_endpoint: str | None = None
+    replay_endpoint: str | None = None
+    topic: str = ""
+    subscribed: bool = False
+    models: list[dict[str, Any]] = field(default_factory=list)
+    loads: dict[int, EngineLoad] = field(default_factory=dict)
+    metrics_ts: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def host(self) -> str:
+        return self.spec.host
+
+    def engines(self) -> list[tuple[str, int]]:
+        return [(self.url, r) for r in range(self.dp_size)]
+
+    def load(self, rank: int) -> EngineLoad:
+        ld = self.loads.get(rank)
+        if ld is None:
+            ld = self.loads[rank] = EngineLoad()
+        return ld
+
+    @property
+    def inflight(self) -> int:
+        return sum(x.inflight for x in self.loads.values())
+
+    def worker_load(self, rank: int) -> WorkerLoad:
+        ld = self.load(rank)
+        return WorkerLoad(
+            inflight_requests=ld.inflight,
+            queued_prefill_tokens=ld.queued_prefill_tokens,
+            running=ld.running,
+            waiting=ld.waiting,
+            kv_usage=ld.kv_usage,
+            prefilling_requests=ld.prefilling,
+        )
+
+
+class ModelNames:
+    """Request ``model`` -> namespace: LoRA adapters are their own, base aliases map to one."""
+
+    def __init__(self, configured: str | None) -> None:
+        self.configured = configured
+        self.base: str | None = configured
+        self.aliases: set[str] = set()
+        self.loras: set[str] = set()
+        self.entries: list[dict[str, Any]] = []
+
+    def learn(self, data: list[dict[str, Any]]) -> None:
+        for m in data:
+            mid = m.get("id")
+            if not isinstance(mid, str):
+                continue
+            if m.get("parent"):
+                self.loras.add(mid)
+            else:
+                self.aliases.add(mid)
+                if self.base is None:
+                    self.base = mid
+            if all(e.get("id") != mid for e in self.entries):
+                self.entries.append(m)
+
+    def namespace(self, model: Any) -> str:
+        if isinstance(model, str) and model in self.loras:
+            return model
+        return self.base or (model if isinstance(model, str) else "")
+
+
+class WorkerRegistry:
+    def __init__(
+        self,
+        specs: list[WorkerSpec],
+        *,
+        model_name: str | None = None,
+        connect_timeout_s: float = 5.0,
+        first_byte_timeout_s: float = 600.0,
+        max_connections: int = 256,
+        poll_interval_s: float = 1.0,
+        probe_timeout_s: float = 1.0,
+        on_events_ready: Callable[[Worker], None] | None = None,
+    ) -> None:
+        self.poll_interval_s = poll_interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self.models = ModelNames(model_name)
+        self.on_events_ready = on_events_ready
+        limits = httpx.Limits(
+            max_connections=max_connections,
+            max_keepalive_connections=max_connections,
+            keepalive_expiry=30.0,
+        )
+        timeout = httpx.Timeout(
+            connect=connect_timeout_s, read=first_byte_timeout_s, write=30.0, pool=connect_timeout_s
+        )
+        self.workers: dict[str, Worker] = {}
+        for spec in specs:
+            client = httpx.AsyncClient(
+                base_url=spec.url, limits=limits, timeout=timeout, http2=False, trust_env=False
+            )
+            w = Worker(spec=spec, client=client, dp_size=spec.dp_size, topic=spec.topic)
+            w.events_endpoint = spec.events
+            w.replay_endpoint = spec.replay
+            self.workers[spec.url] = w
+        self._probe = httpx.AsyncClient(
+            timeout=httpx.Timeout(probe_timeout_s),
+            limits=httpx.Limits(max_connections=4 * max(len(specs), 1)),
+            trust_env=False,
+        )
+        self._tasks: list[asyncio.Task[None]] = []
+        self._rr = 0
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        await asyncio.gather(*(self._check(w) for w in self.workers.values()))
+        for w in self.workers.values():
+            self._tasks.append(asyncio.create_task(self._poll_loop(w)))
+            self._tasks.append(asyncio.create_task(self._discover_loop(w)))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        await asyncio.gather(*(w.client.aclose() for w in self.workers.values()))
+        await self._probe.aclose()
+
+    # ---------------------------------------------------------------- selection
+
+    def healthy(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.healthy]
+
+    def tokenizer_workers(self) -> list[Worker]:
+        """Healthy workers, rotated so /tokenize calls spread over the fleet."""
+        ws = self.healthy()
+        if not ws:
+            return []
+        self._rr = (self._rr + 1) % len(ws)
+        return ws[self._rr :] + ws[: self._rr]
+
+    # ---------------------------------------------------------------- loops
+
+    async def _check(self, w: Worker) -> None:
+        try:
+            r = await self._probe.get(w.url + "/health")
+            ok = r.status_code == 200
+            w.last_health_error = None if ok else f"/health returned {r.status_code}"
+        except httpx.HTTPError as exc:
+            ok = False
+            w.last_health_error = f"{type(exc).__name__}: {exc}"
+        if ok != w.healthy:
+            log.info(
+                "worker %s is %s", w.url, "healthy" if ok else f"unhealthy ({w.last_health_error})"
+            )
+        w.healthy = ok
+        if not ok:
+            return
+        try:
+            r = await self._probe.get(w.url + "/metrics")
+            if r.status_code == 200:
+                for rank, vals in parse_vllm_metrics(r.text).items():
+                    ld = w.load(rank)
+                    ld.waiting = int(vals.get("waiting", 0))
+                    ld.running = int(vals.get("running", 0))
+                    ld.kv_usage = float(vals.get("kv_usage", 0.0))
+                w.metrics_ts = time.monotonic()
+        except httpx.HTTPError:
+            pass
+
+    def mark_failed(self, w: Worker, why: str) -> None:
+        """A connect failure seen by the proxy: skip the worker until its next good probe."""
+        if w.healthy:
+            log.warning("worker %s marked unhealthy: %s", w.url, why)
+        w.healthy = False
+        w.last_health_error = why
+
+    async def _poll_loop(self, w: Worker) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            try:
+                await self._check(w)
+            except Exception:  # never let one bad answer kill the loop
+                log.exception("health/metrics poll of %s failed", w.url)
+
+    async def _discover_loop(self, w: Worker) -> None:
+        delay = 0.2
+        while True:
+            try:
+                if await self._discover(w):
+                    return
+            except Exception as exc:
+                log.debug("discovery of %s: %s", w.url, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    async def _discover(self, w: Worker) -> bool:
+        if not w.models:
+            r = await self._probe.get(w.url + "/v1/models")
+            r.raise_for_status()
+            data = r.json().get("data") or []
+            w.models = [m for m in data if isinstance(m, dict)]
+            self.models.learn(w.models)
+        if w.events_endpoint is None:
+            r = await self._probe.get(w.url + "/kv_event_sources")
+            if r.status_code == 404:
+                log.warning("worker %s has no /kv_event_sources and no events= configured", w.url)
+                return True  # routable by load alone; nothing to subscribe to
+            r.raise_for_status()
+            sources = msgspec.json.decode(r.content)
+            if not isinstance(sources, dict) or not sources:
+                log.warning("worker %s publishes no KV events (empty /kv_event_sources)", w.url)
+                return True
+            ranks = sorted(sources, key=lambda k: int(k))
+            first = sources[ranks[0]]
+            w.events_endpoint = first.get("endpoint")
+            w.replay_endpoint = first.get("replay_endpoint")
+            w.topic = first.get("topic") or w.topic
+            w.dp_size = max(len(ranks), w.spec.dp_size)
+        if self.on_events_ready is not None:
+            self.on_events_ready(w)
+        w.subscribed = True
+        return True
+
+
+def host_of(url: str) -> str:
+    return urlsplit(url).hostname or "127.0.0.1"
