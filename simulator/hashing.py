@@ -103,15 +103,29 @@ class RequestHasher:
             return i
         parent = digests[-1] if digests else self.none_hash
         ev = self.event_hashes
+        plain = self.lora_name is None and self.salt is None
+        memo = _MEMO
+        dumps, sha = pickle.dumps, hashlib.sha256
         while i < n_full:
-            d = hashlib.sha256(
-                pickle.dumps(
-                    (parent, tuple(tokens[i * bs : (i + 1) * bs]), self.extra_keys(i)),
-                    protocol=_PROTO,
-                )
-            ).digest()
+            tup = tuple(tokens[i * bs : (i + 1) * bs])
+            key = (parent, tup) if plain or (self.lora_name is None and i > 0) else None
+            d = memo.get(key) if key is not None else None
+            if d is None:
+                extra = None if plain else self.extra_keys(i)
+                d = sha(dumps((parent, tup, extra), protocol=_PROTO)).digest()
+                if key is not None:
+                    if len(memo) >= _MEMO_CAP:
+                        memo.clear()
+                    memo[key] = d
             digests.append(d)
             ev.append(int.from_bytes(d[-8:], "big"))
             parent = d
             i += 1
         return i
+
+
+# Process-wide memo (parent digest, block tokens) -> digest for blocks without extra keys:
+# requests sharing a prefix (system prompts, multi-turn chats) skip pickle+sha256. Keys are
+# exact (no collision risk); bounded by clearing when full.
+_MEMO_CAP = 400_000
+_MEMO: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
