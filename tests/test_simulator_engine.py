@@ -1,0 +1,267 @@
+"""Unit tests of the simulator core: hashing, tokenizer, block pool, hybrid hit rules,
+CPU tier, timing, and the fast in-process fleet API used by the routing benchmark."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from simulator.block_pool import BlockPool
+from simulator.engine import EngineConfig, SimEngine
+from simulator.events import encode_batch
+from simulator.fleet import FastFleet
+from simulator.hashing import NONE_HASH, RequestHasher, hash_block_tokens, to_event_hash
+from simulator.kv_cache import parse_groups
+from simulator.tokenizer import Tokenizer
+
+
+def _drain(eng: SimEngine, now: float = 0.0) -> tuple[float, list[list[dict[str, Any]]]]:
+    enc = msgspec.msgpack.Encoder()
+    batches = []
+    while eng.has_work():
+        now = max(now, eng.next_step_time(now))
+        now = eng.schedule(now)
+        out = eng.finish_step()
+        if out.events:
+            batches.append(msgspec.msgpack.decode(enc.encode(out.events)))
+    return now, batches
+
+
+# ---- hashing / tokenizer ------------------------------------------------------------------
+def test_hash_test_vectors() -> None:
+    assert NONE_HASH.hex().startswith("066b1e89") and NONE_HASH.hex().endswith("d71198")
+    h0 = hash_block_tokens(None, list(range(16)))
+    h1 = hash_block_tokens(h0, list(range(16, 32)))
+    assert to_event_hash(h0) == 3262291359910021016
+    assert to_event_hash(h1) == 7142137847444424233
+    rh = RequestHasher(16)
+    assert rh.extend(list(range(40))) == 2
+    assert rh.event_hashes == [3262291359910021016, 7142137847444424233]
+
+
+def test_salt_and_lora_change_hashes() -> None:
+    toks = list(range(64))
+    plain, salted, lora = RequestHasher(16), RequestHasher(16, cache_salt="s"), RequestHasher(
+        16, lora_name="ad")
+    for h in (plain, salted, lora):
+        h.extend(toks)
+    assert salted.event_hashes[0] != plain.event_hashes[0]
+    assert all(a != b for a, b in zip(plain.event_hashes, salted.event_hashes, strict=True))
+    assert all(a != b for a, b in zip(plain.event_hashes, lora.event_hashes, strict=True))
+    assert salted.event_extra_keys(0) == ("s",) and salted.event_extra_keys(1) is None
+    assert lora.event_extra_keys(3) == ("ad",)
+
+
+def test_tokenizer_matches_capture_template_shape() -> None:
+    t = Tokenizer()
+    ids = t.encode_chat([{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": "hello router"}])
+    nl = t.encode("\n")[0]
+    assert ids[:3] == [2, 4, nl] and ids[-4:] == [7, nl, 6, nl]
+    assert t.encode_chat([{"role": "user", "content": "hello router"}],
+                         add_generation_prompt=False)[-2:] == [7, nl]
+    assert t.token_strs("hello router") == ["hello", "\u0120router"]
+    assert t.encode("hello router") == Tokenizer().encode("hello router")  # stable
+    alt = Tokenizer(template="alt")
+    assert alt.encode_chat([{"role": "user", "content": "x"}]) != t.encode_chat(
+        [{"role": "user", "content": "x"}])
+    assert t.decode(t.encode("hello router, cache!")) == "hello router, cache!"
+
+
+def test_parse_groups() -> None:
+    g = parse_groups("full,swa:64,mamba")
+    assert [x.kind for x in g] == ["full_attention", "sliding_window", "mamba"]
+    assert g[1].sliding_window == 64
+    for bad in ("", "swa", "foo", "swa:x"):
+        with pytest.raises(ValueError):
+            parse_groups(bad)
+
+
+# ---- block pool ------------------------------------------------------------------------------
+def test_pool_lru_and_reset_rules() -> None:
+    pool = BlockPool(5)
+    a = pool.get_new_blocks(2)
+    pool.cache_block(a[0], (b"h0" * 16, 0))
+    pool.cache_block(a[1], (b"h1" * 16, 0))
+    assert not pool.reset_prefix_cache()  # blocks in use: refused, no event
+    assert pool.take_events() == []
+    pool.free_blocks(a[::-1])  # tail first
+    assert pool.get_cached_block((b"h0" * 16, 0)) == a[0]  # freed but still hit-able
+    got = pool.get_new_blocks(3)  # 2 never-hashed blocks first, then the LRU tail block
+    ev = pool.take_events()
+    assert len(ev) == 1 and ev[0].block_hashes == [to_event_hash(b"h1" * 16)]
+    assert a[1] in got
+    pool.free_blocks(got)
+    assert pool.reset_prefix_cache()
+    assert [type(e).__name__ for e in pool.take_events()] == ["AllBlocksCleared"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 120), st.integers(1, 6)),
+                min_size=1, max_size=25))
+def test_engine_accounting_invariants(reqs: list[tuple[int, int, int]]) -> None:
+    """Whatever the traffic: blocks are conserved, stores and removes balance per key."""
+    eng = SimEngine(EngineConfig(block_size=8, num_gpu_blocks=40, groups="full,swa:16",
+                                 max_num_batched_tokens=64))
+    live: dict[tuple[int, int], int] = {}
+    now = 0.0
+    for i, (prefix, n, mt) in enumerate(reqs):
+        toks = [1000 + prefix] * 8 + [2000 + i] * n
+        try:
+            eng.add_request(f"r{i}", toks, mt, now)
+        except ValueError:
+            continue
+        now, batches = _drain(eng, now)
+        for b in batches:
+            for e in b:
+                if e["type"] == "BlockStored":
+                    for h in e["block_hashes"]:
+                        live[(e["group_idx"], h)] = live.get((e["group_idx"], h), 0) + 1
+                elif e["type"] == "BlockRemoved":
+                    k = (e["group_idx"], e["block_hashes"][0])
+                    assert live.get(k, 0) > 0
+                    live[k] -= 1
+    pool = eng.kv.pool
+    assert pool.num_free() == pool.num_blocks - 1
+    assert sum(live.values()) == sum(len(v) for v in pool.cached.values())
+
+
+# ---- hybrid hit rules ----------------------------------------------------------------------
+def test_swa_hit_survives_head_eviction_and_mamba_needs_boundary_state() -> None:
+    cfg = EngineConfig(block_size=16, num_gpu_blocks=200, groups="full,swa:32",
+                       retention_interval=None)
+    eng = SimEngine(cfg)
+    toks = list(range(100, 100 + 161))  # 10 full blocks + 1
+    eng.add_request("a", toks, 1, 0.0)
+    now, _ = _drain(eng)
+    eng.add_request("b", toks, 1, now)
+    now, _ = _drain(eng, now)
+    assert eng.kv.pool.num_free() == 199
+    # a fresh request with the same prompt hits the whole prefix (160 tokens)
+    req = eng.add_request("c", toks, 1, now)
+    hit, _, _ = eng.kv.find_hit(req)
+    assert hit == 10
+    eng.abort("c")
+    m = SimEngine(EngineConfig(block_size=16, num_gpu_blocks=200, groups="full,mamba"))
+    m.add_request("a", toks, 1, 0.0)
+    _drain(m)
+    r2 = m.add_request("b", toks[:120] + [7] * 50, 1, 10.0)
+    hit, _, longest = m.kv.find_hit(r2)
+    # FA would hit 7 blocks but mamba only kept the state at the replay boundary (block 10)
+    assert longest == 7 and hit == 0
+
+
+def test_sparse_swa_lists_only_reachable_blocks() -> None:
+    eng = SimEngine(EngineConfig(block_size=32, num_gpu_blocks=72, groups="swa:64,full"))
+    eng.add_request("a", list(range(200, 410)), 2, 0.0)
+    _, batches = _drain(eng)
+    swa, fa = batches[0]
+    assert swa["kv_cache_spec_kind"] == "sliding_window"
+    assert swa["kv_cache_spec_sliding_window"] == 64
+    assert len(swa["token_ids"]) == 192 and len(swa["block_hashes"]) == 2
+    assert swa["block_hashes"] == fa["block_hashes"][4:6]
+    assert "kv_cache_spec_sliding_window" not in fa
+
+
+# ---- CPU tier ----------------------------------------------------------------------------------
+def test_cpu_tier_extends_hit_and_costs_load_time() -> None:
+    cfg = EngineConfig(block_size=16, num_gpu_blocks=40, cpu_chunks=16, cpu_chunk_tokens=64,
+                       cpu_events="self_describing", cpu_load_tokens_per_s=1000.0)
+    eng = SimEngine(cfg)
+    base = list(range(300, 300 + 257))
+    eng.add_request("a", base, 1, 0.0)
+    now, b1 = _drain(eng)
+    cpu = [e for b in b1 for e in b if e.get("medium") == "CPU"]
+    assert len(cpu) == 4 and all(e["block_size"] == 16 and len(e["token_ids"]) == 64
+                                 for e in cpu)
+    for i in range(3):  # flush the GPU with other prompts
+        eng.add_request(f"x{i}", [5000 + i] * 200 + list(range(i, i + 57)), 1, now)
+        now, _ = _drain(eng, now)
+    eng.add_request("again", base, 1, now)
+    t0 = now
+    r = eng.requests["again"]
+    now, _ = _drain(eng, now)
+    assert r.cpu_loaded_tokens > 0 and r.cached_tokens + r.cpu_loaded_tokens <= 256
+    assert r.first_token_s is not None and r.first_token_s - t0 >= r.cpu_loaded_tokens / 1000.0
+
+
+# ---- fast fleet --------------------------------------------------------------------------------
+def test_fleet_api_and_timing() -> None:
+    cfg = EngineConfig(block_size=16, num_gpu_blocks=2000, prefill_tokens_per_s=10000.0,
+                       decode_s_per_token=0.01)
+    fleet = FastFleet(2, cfg)
+    prompt = list(range(1000, 3000))
+    fleet.submit(0, "cold", prompt, 4, 0.0)
+    fleet.submit(0, "warm", [*prompt, 1], 4, 5.0)
+    fleet.submit(1, "other", [*prompt, 1], 4, 5.0)
+    assert fleet.next_event_time() == 0.0
+    fleet.run_until(1.0)
+    assert fleet.load(0).running == 0
+    fleet.run_until(100.0)
+    done = {c.request_id: c for c in fleet.completed()}
+    assert set(done) == {"cold", "warm", "other"}
+    cold, warm, other = done["cold"], done["warm"], done["other"]
+    assert cold.cached_tokens == 0 and warm.cached_tokens == 2000
+    assert other.worker_idx == 1 and other.cached_tokens == 0
+    ttft = {k: v.first_token_s - v.arrival_s for k, v in done.items()}
+    assert ttft["cold"] > 0.19 and ttft["warm"] < 0.01 and ttft["other"] > 0.19
+    assert cold.finish_s > cold.first_token_s
+    ev = fleet.drain_events()
+    assert [e[2] for e in ev if e[0] == 0] == list(range(sum(1 for e in ev if e[0] == 0)))
+
+
+def test_fleet_events_are_vllm_payloads() -> None:
+    fleet = FastFleet(1, EngineConfig(block_size=16, num_gpu_blocks=64))
+    fleet.submit(0, "a", list(range(40)), 1, 0.0)
+    fleet.run_until(10.0)
+    (w, rank, seq, payload), = fleet.drain_events()
+    assert (w, rank, seq) == (0, 0, 0)
+    ts, events, dp = msgspec.msgpack.decode(payload)
+    assert dp == 0 and events[0]["type"] == "BlockStored"
+    assert events[0]["block_hashes"] == [3262291359910021016, 7142137847444424233]
+    assert encode_batch(ts, [], 0) != payload
+
+
+def test_fleet_queueing_shows_in_ttft_and_load() -> None:
+    cfg = EngineConfig(block_size=16, num_gpu_blocks=5000, prefill_tokens_per_s=10000.0,
+                       max_num_batched_tokens=2048)
+    fleet = FastFleet(1, cfg)
+    for i in range(5):
+        fleet.submit(0, f"r{i}", [10000 + i] * 4000, 2, 0.0)
+    fleet.run_until(0.0)
+    ld = fleet.load(0)
+    assert ld.running + ld.waiting == 5 and ld.queued_prefill_tokens > 0 and ld.kv_usage > 0
+    fleet.run_until(60.0)
+    ttfts = sorted(c.first_token_s for c in fleet.completed())
+    assert ttfts[-1] > 1.9  # 20k tokens at 10k tok/s: the last one waited
+
+
+def test_fleet_replay_speed() -> None:
+    """10,000 requests with shared prefixes replay in seconds."""
+    rng = random.Random(1)
+    prefixes = [[rng.randrange(100, 30000) for _ in range(rng.choice([256, 1024, 2048]))]
+                for _ in range(30)]
+    fleet = FastFleet(4, EngineConfig(block_size=32, num_gpu_blocks=20000,
+                                      max_num_batched_tokens=8192))
+    t0 = time.perf_counter()
+    t = 0.0
+    n = 10_000
+    for i in range(n):
+        t += rng.expovariate(200.0)
+        toks = prefixes[rng.randrange(30)] + [rng.randrange(100, 30000)
+                                              for _ in range(rng.randrange(20, 200))]
+        fleet.run_until(t)
+        fleet.submit(i % 4, f"r{i}", toks, 8, t)
+        fleet.drain_events()
+    fleet.run_until(t + 1000)
+    done = fleet.completed()
+    elapsed = time.perf_counter() - t0
+    assert len(done) == n
+    assert sum(c.cached_tokens for c in done) > 0.5 * sum(c.prompt_tokens for c in done)
+    assert elapsed < 60, elapsed
