@@ -23,11 +23,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import eq
 from typing import Any
 
 import msgspec
 
 from indexer.keys import DEFAULT_UNIT, chain_keys, mix_extra, namespace_root, tokens_to_bytes
+from indexer.vllm_hash import VllmHashLocator
 from indexer.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 
 __all__ = [
@@ -121,6 +124,7 @@ class _Engine:
     resident: dict[tuple[int, str], int] = field(default_factory=dict)
     pending: list[tuple[BlockStored, int]] = field(default_factory=list)
     pending_removed: set[BlockHash] = field(default_factory=set)
+    locator: VllmHashLocator | None = None
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
 
     @property
@@ -159,6 +163,9 @@ class PrefixIndex:
     vouch for. The caller (the subscriber) marks that engine degraded until events rebuild it.
     ``pending_batches``: how many later batches an event with an unknown parent waits for its
     parent (replay may fill the gap) before it is dropped (``pending_expired``).
+    ``vllm_hash_seed`` / ``locator_entries``: for models with no full-attention group only, sparse
+    hashes are located by recomputing vLLM's default hash chain (see indexer/vllm_hash.py), with
+    this seed (vLLM's default, or the workers' PYTHONHASHSEED) and a bounded memory per engine.
     """
 
     def __init__(
@@ -168,6 +175,8 @@ class PrefixIndex:
         max_entries: int = 5_000_000,
         pending_batches: int = 8,
         max_pending_events: int = 256,
+        vllm_hash_seed: str = "vllm-none-hash",
+        locator_entries: int = 32_768,
     ) -> None:
         if unit <= 0 or cpu_chunk_tokens % unit:
             raise ValueError("unit must be positive and divide cpu_chunk_tokens")
@@ -176,6 +185,8 @@ class PrefixIndex:
         self.max_entries = max_entries
         self.pending_batches = pending_batches
         self.max_pending_events = max_pending_events
+        self.vllm_hash_seed = vllm_hash_seed
+        self.locator_entries = locator_entries
         self._engines: dict[EngineId, _Engine] = {}
         self._by_slot: dict[int, _Engine] = {}
         self._free_slots: list[int] = []
@@ -244,10 +255,13 @@ class PrefixIndex:
         e = self._engines.get(engine) or self._new_engine(engine)
         e.counters["batches"] += 1
         lookahead: dict[BlockHash, int] | None = None
+        # One re-announce decision per prefix per batch: vLLM sends one event per group for the
+        # same request step, and storing the first must not change how the next is judged.
+        reannounce: dict[int, bool] = {}
         for i, ev in enumerate(events):
             kind = type(ev)
             if kind is BlockStored:
-                if not self._store(e, ev):
+                if not self._store(e, ev, reannounce):
                     continue
                 # A sparse event listed hashes we could not resolve yet: vLLM sends the
                 # sliding-window group's event *before* the full-attention group's event of the
@@ -312,8 +326,11 @@ class PrefixIndex:
             extras = ev.extra_keys
         step = bs // unit
         nblocks = len(ev.token_ids) // bs
-        block_extras = [_strip_lora(x, ev.lora_name) for x in extras] if extras else None
-        if not block_extras or all(x is None for x in block_extras):
+        # Common case first: no extras at all (a C-level count, not a Python loop).
+        block_extras = None
+        if extras and extras.count(None) != len(extras):
+            block_extras = [_strip_lora(x, ev.lora_name) for x in extras]
+        if block_extras is None or block_extras.count(None) == len(block_extras):
             keys = chain_keys(seed, ev.token_ids, unit, nblocks * step)
             return keys[step - 1 :: step] if step > 1 else keys
         # Rare path: multimodal or prompt-embeds extras fold into the chain block by block
@@ -328,7 +345,7 @@ class PrefixIndex:
             out.append(seed)
         return out
 
-    def _store(self, e: _Engine, ev: BlockStored) -> bool:
+    def _store(self, e: _Engine, ev: BlockStored, reannounce: dict[int, bool]) -> bool:
         """Apply a BlockStored. Returns True when it is sparse and still needs resolving."""
         hashes = ev.block_hashes
         if not hashes:
@@ -351,6 +368,12 @@ class PrefixIndex:
                 else:
                     self._add(e, g, medium, h, v & _MASK64)
             return False
+        nblocks = len(ev.token_ids) // ev.block_size
+        if len(hashes) > nblocks:
+            e.counters["malformed_events"] += 1
+            return False
+        if len(hashes) < nblocks:
+            return True  # sparse: resolved through the engine map by the caller
         if ev.parent_block_hash is not None and ev.parent_block_hash not in e.hashes:
             e.counters["unknown_parent"] += 1
             if len(e.pending) >= self.max_pending_events:
@@ -358,21 +381,11 @@ class PrefixIndex:
                 e.counters["pending_expired"] += 1
             e.pending.append((ev, e.counters["batches"]))
             return False
-        nblocks = len(ev.token_ids) // ev.block_size
-        if len(hashes) > nblocks:
-            e.counters["malformed_events"] += 1
-            return False
-        if len(hashes) < nblocks:
-            return True  # sparse: resolved through the engine map by the caller
         keys = self._block_keys(e, ev)
         if keys is None:
             return False
-        if ev.parent_block_hash is None and medium == GPU and self._all_resident(e, g, keys):
-            # vLLM's kv_cache_report_mode="full" re-announces a cache hit from token 0 with
-            # parent None; no BlockRemoved will match it, so it must not add references. A real
-            # duplicate store from token 0 of an all-resident prefix cannot happen: the second
-            # request would have hit those blocks instead of computing them. (Erring here could
-            # only under-count, which under-predicts hits -- the safe direction.)
+        from_root_on_gpu = ev.parent_block_hash is None and medium == GPU
+        if from_root_on_gpu and self._is_reannounce(e, ev, reannounce):
             e.counters["reannounced"] += 1
             return False
         res = self._residency.get((g, medium))
@@ -385,6 +398,7 @@ class PrefixIndex:
         g = ev.group_idx or 0
         medium = ev.medium or GPU
         hashes_map = e.hashes
+        located: dict[int, int] | None = None
         for h in ev.block_hashes:
             v = hashes_map.get(h)
             if v is not None:
@@ -392,9 +406,38 @@ class PrefixIndex:
                 continue
             key = lookahead.get(h)
             if key is None:
+                if located is None:
+                    located = self._locate(e, ev)
+                key = located.get(h)  # type: ignore[arg-type]
+            if key is None:
                 e.counters["unresolved_hashes"] += 1
             else:
                 self._add(e, g, medium, h, key)
+
+    def _locate(self, e: _Engine, ev: BlockStored) -> dict[int, int]:
+        """Event hash -> content key for every block of a sparse event, by recomputing vLLM's
+        default hash chain (indexer/vllm_hash.py). Empty when that cannot be done exactly."""
+        parent = ev.parent_block_hash
+        if isinstance(parent, bytes) or any(isinstance(h, bytes) for h in ev.block_hashes):
+            return {}
+        if ev.extra_keys and any(x is not None for x in ev.extra_keys):
+            return {}  # internal extra keys (LoRA path, tagged salt) are not in the event
+        if e.locator is None:
+            e.locator = VllmHashLocator(self.vllm_hash_seed, self.locator_entries)
+        if parent is None:
+            seed: int | None = self._root(e, ev, None)[0]
+        else:
+            v = e.hashes.get(parent)
+            seed = v & _MASK64 if v is not None else e.locator.key_of(parent)
+        if seed is None:
+            return {}
+        keys = self._chain_from(seed, ev)
+        if not keys:
+            return {}
+        lows = e.locator.chain(parent, ev.token_ids, ev.block_size, keys)
+        if lows is None:
+            return {}
+        return dict(zip(lows, keys, strict=True))
 
     def _learn_ahead(self, e: _Engine, events: Sequence[Event], start: int) -> dict[BlockHash, int]:
         """Hash -> key mappings that dense BlockStored events later in this batch will create."""
@@ -445,12 +488,32 @@ class PrefixIndex:
                 spec = GroupSpec(kind, ev.block_size, None, e.configured_groups[g].attention_chunk)
             e.groups[g] = spec
 
-    def _all_resident(self, e: _Engine, g: int, keys: list[int]) -> bool:
-        res = self._residency.get((g, GPU))
-        if not res:
+    def _is_reannounce(self, e: _Engine, ev: BlockStored, decided: dict[int, bool]) -> bool:
+        """Is this parent-None GPU store vLLM's ``kv_cache_report_mode="full"`` re-announce?
+
+        vLLM stores from token 0 (parent None) only when the request's prefix hit was zero.
+        The re-announce instead re-sends a *hit* from token 0: no BlockRemoved will match it,
+        so it must add no references -- and on a sliding-window group it lists every position,
+        including blocks that group never cached (seen in the gemma3-swa capture). So: if the
+        engine, by the hit rules over all its groups, would hit the event's whole range, vLLM
+        would have hit it too, and the event is a re-announce. A from-scratch recompute after
+        sliding-window-only eviction (full attention still resident, window tail gone) fails
+        this test and is stored, with its full-attention duplicates reference-counted.
+        """
+        if not e.groups or not e.resident:
             return False
-        bit = e.bit
-        return all(res.get(k, 0) & bit for k in keys)
+        align = math.lcm(*(spec.block_size for spec in e.groups.values()))
+        point = (len(ev.token_ids) // align) * align
+        if point == 0:
+            return False
+        seed, _ = self._root(e, ev, ev.extra_keys[0] if ev.extra_keys else None)
+        keys = chain_keys(seed, ev.token_ids[:point], self.unit)
+        verdict = decided.get(keys[-1])
+        if verdict is None:
+            verdict = decided[keys[-1]] = all(
+                self._group_ok(e, g, spec, keys, point) for g, spec in e.groups.items()
+            )
+        return verdict
 
     def _add_many(
         self,
@@ -463,18 +526,27 @@ class PrefixIndex:
     ) -> None:
         bit = e.bit
         hmap = e.hashes
-        added = 0
-        for h, key in zip(hashes, keys, strict=False):
-            m = res.get(key, 0)
-            if m & bit:
-                dk = (e.slot, g, medium, key)
-                self._dups[dk] = self._dups.get(dk, 0) + 1
-                e.counters["duplicates"] += 1
-            else:
-                res[key] = m | bit
-                added += 1
-            v = hmap.get(h)
-            hmap[h] = _ONE_REF | key if v is None else v + _ONE_REF
+        get = res.get
+        # The whole event in C-level passes (map/update) rather than a Python loop per block:
+        # this is what makes ingest fast. Duplicates (a block already resident on this engine,
+        # group and medium) are rare and take the slow loop.
+        before = list(map(get, keys, repeat(0, len(keys))))
+        after = list(map(bit.__or__, before))
+        if any(map(eq, after, before)):
+            added = 0
+            for key, m, m_new in zip(keys, before, after, strict=True):
+                if m_new == m:
+                    dk = (e.slot, g, medium, key)
+                    self._dups[dk] = self._dups.get(dk, 0) + 1
+                    e.counters["duplicates"] += 1
+                else:
+                    res[key] = m_new
+                    added += 1
+        else:
+            res.update(zip(keys, after, strict=False))
+            added = len(keys)
+        # Absent hash: key + one ref == (1 << 64) | key; present: one more ref.
+        hmap.update(zip(hashes, map(_ONE_REF.__add__, map(hmap.get, hashes, keys)), strict=False))
         if added:
             gm = (g, medium)
             e.resident[gm] = e.resident.get(gm, 0) + added
@@ -563,7 +635,7 @@ class PrefixIndex:
                         # would create phantom residency.
                         e.counters["pending_expired"] += 1
                         continue
-                    if self._store(e, ev):
+                    if self._store(e, ev, {}):
                         self._store_sparse(e, ev, {})
                     e.counters["pending_applied"] += 1
                     progress = True
@@ -733,8 +805,17 @@ class PrefixIndex:
         return max(point, 0)
 
     def _group_ok(
-        self, e: _Engine, g: int, spec: GroupSpec, keys: Sequence[int], point: int
+        self,
+        e: _Engine,
+        g: int,
+        spec: GroupSpec,
+        keys: Sequence[int],
+        point: int,
     ) -> bool:
+        """Whether group ``g`` of engine ``e`` accepts a hit ending at ``point``.
+
+        Full attention needs every block from 0 (in :meth:`match` it is handled by the faster
+        fleet-wide :meth:`_full_run`; this per-engine check serves :meth:`_is_reannounce`)."""
         if point == 0:
             return True
         res = self._residency.get((g, GPU))

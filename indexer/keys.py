@@ -59,15 +59,16 @@ def chain_keys(
     """
     data = tokens if isinstance(tokens, bytes) else tokens_to_bytes(tokens)
     step = unit * 4
-    count = len(data) // step
-    if limit is not None and limit < count:
-        count = limit
-    view = memoryview(data)
-    keys = [0] * count
+    end = len(data) - len(data) % step
+    if limit is not None and limit * step < end:
+        end = limit * step
+    keys = []
+    append = keys.append
     key = seed
-    for i in range(count):
-        key = _xxh64(view[i * step : (i + 1) * step], key)
-        keys[i] = key
+    for start in range(0, end, step):
+        # Slicing bytes (a 64-byte copy) is cheaper than creating memoryview slices.
+        key = _xxh64(data[start : start + step], key)
+        append(key)
     return keys
 
 

@@ -1,0 +1,179 @@
+"""Index benchmark: ingest rate, match latency and memory of the prefix index.
+
+    python bench/index_bench.py            # ~30 s; last line is one JSON object
+
+Shape (issue 2): 64 engines, ~1,000,000 resident (engine, block) entries, block size 16.
+Payloads are realistic vLLM 0.33 msgpack batches of 32-block ``BlockStored`` events (map
+encoding, parents chained, int hashes >= 2**63 included), pre-encoded so that the timed part is
+exactly decode + apply. Conversations share system prompts and some are resident on several
+engines, as in a real fleet. ``match`` latency includes computing the prompt's content keys.
+RSS growth is measured around ingest and divided by the resident entries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import xxhash
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from indexer.index import PrefixIndex
+from indexer.wire import decode_payload
+
+BLOCK = 16
+BLOCKS_PER_EVENT = 32
+MODEL = "bench-model"
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def make_chain(rng: random.Random, tokens: int, prefix: list[int] | None = None) -> list[int]:
+    body = [rng.randrange(32000) for _ in range(tokens - (len(prefix) if prefix else 0))]
+    return (prefix or []) + body
+
+
+def block_hashes(chain: list[int]) -> list[int]:
+    """Engine hashes the way vLLM makes them: chained over content, so equal prefixes hash
+    equally on every engine (vLLM >= 0.25 default seed). Not the index's content keys."""
+    out, h = [], 0x5EED
+    for i in range(len(chain) // BLOCK):
+        h = xxhash.xxh3_64_intdigest(str(chain[i * BLOCK : (i + 1) * BLOCK]).encode(), h)
+        out.append(h)
+    return out
+
+
+def chain_payloads(chain: list[int], cached: set[int], rank: int) -> list[bytes]:
+    """vLLM-shaped batches storing the blocks of ``chain`` the engine does not hold yet.
+
+    Like vLLM, blocks already cached on the engine are hits, not stores: events start at the
+    first missing block with the previous block as parent, 32 blocks per BlockStored.
+    """
+    hashes = block_hashes(chain)
+    first = 0
+    while first < len(hashes) and hashes[first] in cached:
+        first += 1
+    cached.update(hashes[first:])
+    payloads = []
+    for start in range(first, len(hashes), BLOCKS_PER_EVENT):
+        blk = hashes[start : start + BLOCKS_PER_EVENT]
+        event = {
+            "type": "BlockStored",
+            "block_hashes": blk,
+            "parent_block_hash": hashes[start - 1] if start else None,
+            "token_ids": chain[start * BLOCK : (start + len(blk)) * BLOCK],
+            "block_size": BLOCK,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+            "extra_keys": [None] * len(blk),
+            "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention",
+        }
+        payloads.append(msgspec.msgpack.encode([time.time(), [event], rank]))
+    return payloads
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workers", type=int, default=64)
+    ap.add_argument("--blocks", type=int, default=1_000_000)
+    ap.add_argument("--queries", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=7)
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+
+    # A fleet-like population: 8k-token conversations, 8 shared system prompts of 1k tokens,
+    # a quarter of conversations resident on 2-3 engines, plus 128k-token documents on 4 engines.
+    systems = [make_chain(rng, 1024) for _ in range(8)]
+    conv_tokens = 8192
+    per_conv = conv_tokens // BLOCK
+    long_tokens = 131_072
+    long_docs = [make_chain(rng, long_tokens) for _ in range(2)]
+    long_blocks = len(long_docs) * 4 * (long_tokens // BLOCK)
+    target = args.blocks - long_blocks
+    engines = [(f"http://worker-{i}:8000", 0) for i in range(args.workers)]
+    placements: list[tuple[int, list[int]]] = []  # (engine idx, chain)
+    conversations: list[list[int]] = []
+    placed = 0
+    while placed < target:
+        chain = make_chain(rng, conv_tokens, rng.choice(systems))
+        conversations.append(chain)
+        copies = rng.choice((1, 1, 1, 2, 3))
+        for w in rng.sample(range(args.workers), copies):
+            placements.append((w, chain))
+            placed += per_conv - 64 // 2  # system prompts are often already cached
+    for doc in long_docs:
+        for w in rng.sample(range(args.workers), 4):
+            placements.append((w, doc))
+    rng.shuffle(placements)
+    cached: list[set[int]] = [set() for _ in engines]
+    payloads = [
+        (engines[w], p) for w, chain in placements for p in chain_payloads(chain, cached[w], 0)
+    ]
+    del cached
+    total_blocks = sum(len(msgspec.msgpack.decode(p)[1][0]["block_hashes"]) for _, p in payloads)
+
+    index = PrefixIndex(unit=16, max_entries=10_000_000)
+    for e in engines:
+        index.add_engine(e, MODEL)
+    gc.collect()
+    gc.disable()  # as a long-running service would tune it; ingest allocates no cycles
+    rss0 = rss_bytes()
+    t0 = time.perf_counter()
+    for engine, payload in payloads:
+        index.apply(engine, decode_payload(payload).events)
+    ingest_s = time.perf_counter() - t0
+    gc.enable()
+    gc.collect()
+    rss1 = rss_bytes()
+    resident = index.total_entries
+
+    root = index.root(MODEL)
+
+    def timed(prompts: list[list[int]]) -> tuple[list[float], list[int]]:
+        times, hits = [], []
+        for p in prompts:
+            t = time.perf_counter()
+            result = index.match(p, root)
+            times.append((time.perf_counter() - t) * 1000)
+            hits.append(max((m.gpu_tokens for m in result.values()), default=0))
+        return times, hits
+
+    q8 = []
+    for _ in range(args.queries):
+        base = rng.choice(conversations)
+        cut = rng.randrange(BLOCK * 8, conv_tokens)
+        q8.append(base[:cut] + make_chain(rng, conv_tokens - cut))
+    t8, h8 = timed(q8)
+    q128 = [[*rng.choice(long_docs)[: long_tokens - 7], 1, 2, 3, 4, 5, 6, 7] for _ in range(30)]
+    t128, h128 = timed(q128)
+    result = {
+        "workers": args.workers,
+        "resident_blocks": resident,
+        "stored_blocks": total_blocks,
+        "ingest_s": round(ingest_s, 3),
+        "ingest_blocks_per_s": round(total_blocks / ingest_s),
+        "match_p50_ms_8k": round(statistics.median(t8), 3),
+        "match_p99_ms_8k": round(sorted(t8)[int(len(t8) * 0.99) - 1], 3),
+        "match_p50_ms_128k": round(statistics.median(t128), 3),
+        "match_8k_mean_hit_tokens": round(statistics.mean(h8)),
+        "match_128k_hit_tokens": min(h128),
+        "bytes_per_block": round((rss1 - rss0) / max(resident, 1), 1),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

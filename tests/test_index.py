@@ -1,0 +1,415 @@
+"""Behaviour of the prefix index on hand-built vLLM event sequences (the hard cases first)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from indexer.index import GroupSpec, PrefixIndex
+from indexer.keys import chain_keys
+from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored
+
+MODEL = "m"
+W0: tuple[str, int] = ("http://w0", 0)
+W1: tuple[str, int] = ("http://w1", 0)
+
+_hash_counter = itertools.count(2**63)  # engine hashes >= 2**63, as vLLM often sends
+
+
+def prompt(n: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + n))
+
+
+class Engine:
+    """Emits events the way one vLLM engine would, with its own (arbitrary) hash values."""
+
+    def __init__(self) -> None:
+        self.hash_of: dict[tuple[int, ...], int] = {}
+
+    def h(self, prefix: list[int]) -> int:
+        key = tuple(prefix)
+        if key not in self.hash_of:
+            self.hash_of[key] = next(_hash_counter)
+        return self.hash_of[key]
+
+    def stored(
+        self,
+        tokens: list[int],
+        start: int,
+        end: int,
+        bs: int,
+        group: int = 0,
+        kind: str | None = "full_attention",
+        window: int | None = None,
+        medium: str = "GPU",
+        listed: list[int] | None = None,
+        lora: str | None = None,
+        extra_keys: list | None = None,
+    ) -> BlockStored:
+        """BlockStored for blocks [start, end) of ``tokens``; ``listed`` = sparse block subset."""
+        blocks = listed if listed is not None else list(range(start, end))
+        return BlockStored(
+            block_hashes=[self.h(tokens[: (b + 1) * bs]) for b in blocks],
+            parent_block_hash=self.h(tokens[: start * bs]) if start else None,
+            token_ids=tokens[start * bs : end * bs],
+            block_size=bs,
+            lora_id=None,
+            medium=medium,
+            lora_name=lora,
+            extra_keys=extra_keys,
+            group_idx=group,
+            kv_cache_spec_kind=kind,
+            kv_cache_spec_sliding_window=window,
+        )
+
+    def removed(
+        self, tokens: list[int], blocks: list[int], bs: int, group: int = 0, medium: str = "GPU"
+    ) -> list[BlockRemoved]:
+        return [
+            BlockRemoved([self.h(tokens[: (b + 1) * bs])], medium=medium, group_idx=group)
+            for b in blocks
+        ]
+
+
+def gpu(index: PrefixIndex, tokens: list[int], engine=W0, model: str = MODEL, salt=None) -> int:
+    return index.match(tokens, index.root(model, salt))[engine].gpu_tokens
+
+
+def test_dense_full_attention_hit_is_prefix_run_capped_at_n_minus_1() -> None:
+    index, eng, p = PrefixIndex(), Engine(), prompt(64)
+    index.add_engine(W0, MODEL)
+    index.apply(W0, [eng.stored(p, 0, 4, 16)])
+    assert gpu(index, p + [7]) == 64
+    assert gpu(index, p) == 48  # 64 tokens: at most 63 usable, rounded down to a block
+    assert gpu(index, p[:40] + [1] * 30) == 32
+    assert gpu(index, prompt(64, start=5)) == 0
+    index.apply(W0, eng.removed(p, [1], 16))  # a hole breaks the chain for full attention
+    assert gpu(index, p + [7]) == 16
+
+
+def test_hybrid_swa_eviction_keeps_prefix_partly_usable() -> None:
+    """Full attention keeps every block; SWA (W=32, b=16 -> 2 tail blocks) loses early ones."""
+    index, eng, p = PrefixIndex(), Engine(), prompt(128)
+    index.add_engine(W0, MODEL)
+    # vLLM order: one BlockStored per group per step, the SWA group may come first.
+    index.apply(
+        W0,
+        [
+            eng.stored(p, 0, 8, 16, group=1, kind="sliding_window", window=32),
+            eng.stored(p, 0, 8, 16, group=0),
+        ],
+    )
+    q = p + [5]
+    assert gpu(index, q) == 128
+    index.apply(W0, eng.removed(p, [0, 1, 2, 3], 16, group=1))  # SWA-only eviction of the head
+    assert gpu(index, q) == 128, "the window tail is resident: the full prefix stays usable"
+    assert gpu(index, p[:64] + [5]) == 0, "at 64 the window needs blocks 2,3: gone"
+    index.apply(W0, eng.removed(p, [7], 16, group=1))  # the tail's last block goes
+    # Falls back to the last point with a full window tail (blocks 5,6 -> 112); never to zero,
+    # never to the unusable 128.
+    assert gpu(index, q) == 112
+    groups = index.match(q, index.root(MODEL))[W0].groups
+    assert [(g.group_idx, g.kind, g.hit_tokens) for g in groups] == [
+        (0, "full_attention", 128),
+        (1, "sliding_window", 112),
+    ]
+
+
+def test_sparse_swa_event_resolved_through_full_attention_group_in_same_batch() -> None:
+    index, eng, p = PrefixIndex(), Engine(), prompt(96)
+    index.add_engine(W0, MODEL)
+    # The SWA group lists only its tail blocks 4 and 5 while token_ids covers all 6 blocks.
+    sparse = eng.stored(p, 0, 6, 16, group=1, kind="sliding_window", window=32, listed=[4, 5])
+    index.apply(W0, [sparse, eng.stored(p, 0, 6, 16, group=0)])
+    assert index.engine_stats(W0).resident == {"0/GPU": 6, "1/GPU": 2}
+    assert index.engine_stats(W0).counters["unresolved_hashes"] == 0
+    assert gpu(index, p + [1]) == 96
+    assert gpu(index, p[:64] + [1]) == 0  # blocks 2,3 were never cached in the SWA group
+
+
+def test_mamba_needs_the_state_block_at_the_hit_point() -> None:
+    index, eng, p = PrefixIndex(), Engine(), prompt(128)
+    index.add_engine(W0, MODEL)
+    index.apply(
+        W0,
+        [
+            eng.stored(p, 0, 8, 16, group=0),
+            eng.stored(p, 0, 8, 16, group=1, kind="mamba", listed=[3, 7]),
+        ],
+    )
+    assert gpu(index, p + [1]) == 128
+    assert gpu(index, p[:100]) == 64  # state blocks only at 64 and 128
+    index.apply(W0, eng.removed(p, [7], 16, group=1))
+    assert gpu(index, p + [1]) == 64
+
+
+def test_hit_aligned_to_lcm_of_group_block_sizes() -> None:
+    index, eng, p = PrefixIndex(), Engine(), prompt(96)
+    index.add_engine(W0, MODEL)
+    index.apply(
+        W0,
+        [
+            eng.stored(p, 0, 6, 16, group=0),
+            eng.stored(p, 0, 2, 48, group=1, kind="sliding_window", window=48),
+        ],
+    )
+    assert gpu(index, p + [1]) == 96
+    assert gpu(index, p[:90]) == 48  # lcm(16, 48) = 48
+
+
+def test_deepseek_v4_layout_gpu_and_self_describing_cpu_share_keys() -> None:
+    """256-token full-attention group (vLLM hash unit 4 inside the engine): GPU events carry one
+    tail hash per 256-token block; self-describing CPU events carry the same per-block tail
+    hashes for a 512-token chunk (2 hashes). Both must name the same content keys."""
+    eng, p = Engine(), prompt(1536)
+    for chunk, cpu_blocks, expect in ((256, [2], 256), (512, [2, 3], 512)):
+        index = PrefixIndex(unit=16, cpu_chunk_tokens=chunk)
+        index.add_engine(W0, MODEL)
+        index.apply(W0, [eng.stored(p, 0, 2, 256)])  # GPU: tokens 0..512
+        start, end = cpu_blocks[0], cpu_blocks[-1] + 1
+        # The CPU chunk right after the GPU hit: parent = the hash before the chunk.
+        index.apply(W0, [eng.stored(p, start, end, 256, medium="CPU")])
+        # And the same blocks 0..1 offloaded too: their keys must equal the GPU ones.
+        index.apply(W0, [eng.stored(p, 0, 2, 256, medium="CPU")])
+        m = index.match(p + [1], index.root(MODEL))[W0]
+        assert (m.gpu_tokens, m.cpu_tokens) == (512, expect)
+        k512 = chain_keys(index.root(MODEL), p[:512], 16)[-1]
+        assert index.holds(W0, 0, "GPU", k512) and index.holds(W0, 0, "CPU", k512)
+
+
+def test_cpu_placeholder_events_resolve_through_gpu_hashes() -> None:
+    index, eng, p = PrefixIndex(cpu_chunk_tokens=256), Engine(), prompt(600)
+    index.add_engine(W0, MODEL)
+    index.apply(W0, [eng.stored(p, 0, 32, 16)])  # 512 tokens on GPU
+    # OffloadingConnector default: one chunk-tail hash per chunk, no tokens, block_size 0.
+    placeholder = BlockStored(
+        [eng.h(p[:256]), eng.h(p[:512])], None, [], 0, None, "CPU", None, group_idx=0
+    )
+    index.apply(W0, [placeholder])
+    index.apply(W0, eng.removed(p, list(range(31, -1, -1)), 16))  # GPU evicts everything
+    m = index.match(p, index.root(MODEL))[W0]
+    assert (m.gpu_tokens, m.cpu_tokens) == (0, 512)
+    index.apply(W0, [BlockRemoved([eng.h(p[:512])], medium="CPU", group_idx=0)])
+    m = index.match(p, index.root(MODEL))[W0]
+    assert (m.gpu_tokens, m.cpu_tokens) == (0, 256)
+    assert index.engine_stats(W0).counters["unresolved_hashes"] == 0
+    # A placeholder whose hash was never seen on the GPU cannot be placed: counted, dropped.
+    index.apply(W0, [BlockStored([12345], None, [], 0, None, "CPU", None, group_idx=0)])
+    assert index.engine_stats(W0).counters["unresolved_hashes"] == 1
+
+
+def test_cpu_extension_needs_contiguous_chunks_beyond_gpu_hit() -> None:
+    index, eng, p = PrefixIndex(cpu_chunk_tokens=256), Engine(), prompt(1100)
+    index.add_engine(W0, MODEL)
+    index.apply(W0, [eng.stored(p, 0, 20, 16)])  # GPU 320 tokens (mid chunk 1)
+    index.apply(W0, [eng.stored(p, 16, 32, 16, medium="CPU")])  # chunk 1: 256..512
+    index.apply(W0, [eng.stored(p, 48, 64, 16, medium="CPU")])  # chunk 3 only: not contiguous
+    m = index.match(p, index.root(MODEL))[W0]
+    assert (m.gpu_tokens, m.cpu_tokens) == (320, 192)  # up to 512, aligned to the chunk
+    m = index.match(p[:400], index.root(MODEL))[W0]
+    assert (m.gpu_tokens, m.cpu_tokens) == (320, 0)  # 512 > n - 1: no whole chunk fits
+
+
+def test_one_engines_eviction_never_changes_another() -> None:
+    index, p = PrefixIndex(), prompt(128)
+    e0, e1 = Engine(), Engine()
+    for w, e in ((W0, e0), (W1, e1)):
+        index.add_engine(w, MODEL)
+        index.apply(w, [e.stored(p, 0, 8, 16)])
+    index.apply(W0, e0.removed(p, [3], 16))
+    index.apply(W0, [AllBlocksCleared()])
+    assert gpu(index, p + [1], W0) == 0
+    assert gpu(index, p + [1], W1) == 128
+    index.remove_engine(W0)
+    assert gpu(index, p + [1], W1) == 128
+    # A new engine reusing the freed slot inherits nothing.
+    index.add_engine(("http://w2", 0), MODEL)
+    assert gpu(index, p + [1], ("http://w2", 0)) == 0
+
+
+def test_duplicate_stores_are_reference_counted() -> None:
+    index, eng, p = PrefixIndex(), Engine(), prompt(64)
+    index.add_engine(W0, MODEL)
+    index.apply(W0, [eng.stored(p, 0, 2, 16)])
+    # Two requests compute blocks 2-3 concurrently (vLLM does not de-duplicate).
+    index.apply(W0, [eng.stored(p, 2, 4, 16), eng.stored(p, 2, 4, 16)])
+    index.apply(W0, eng.removed(p, [3], 16))
+    assert gpu(index, p + [1]) == 64, "one copy of block 3 is still cached"
+    index.apply(W0, eng.removed(p, [3], 16))
+    assert gpu(index, p + [1]) == 48
+    assert index.engine_stats(W0).counters["duplicates"] == 2
+
+
+def test_report_mode_full_reannounce_adds_no_reference() -> None:
+    """kv_cache_report_mode=full re-sends a cache hit from token 0 (parent None)."""
+    index, eng, p = PrefixIndex(), Engine(), prompt(64)
+    index.add_engine(W0, MODEL)
+    index.apply(W0, [eng.stored(p, 0, 4, 16)])
+    index.apply(W0, [eng.stored(p, 0, 4, 16)])  # re-announce
+    index.apply(W0, eng.removed(p, [3], 16))
+    assert gpu(index, p + [1]) == 48, "no phantom copy left behind"
+    assert index.engine_stats(W0).counters["reannounced"] == 1
+
+
+def test_all_blocks_cleared_drops_every_medium() -> None:
+    index, eng, p = PrefixIndex(), Engine(), prompt(600)
+    index.add_engine(W0, MODEL)
+    index.apply(W0, [eng.stored(p, 0, 32, 16), eng.stored(p, 0, 32, 16, medium="CPU")])
+    assert index.resident_blocks(W0) == 64
+    index.apply(W0, [AllBlocksCleared()])
+    assert index.resident_blocks(W0) == 0
+    m = index.match(p, index.root(MODEL))[W0]
+    assert (m.gpu_tokens, m.cpu_tokens) == (0, 0)
+    assert index.total_entries == 0
+
+
+def test_unknown_parent_waits_for_replay_then_expires() -> None:
+    index, eng, p = PrefixIndex(pending_batches=2), Engine(), prompt(96)
+    index.add_engine(W0, MODEL)
+    child = eng.stored(p, 2, 4, 16)
+    index.apply(W0, [child])  # the parent's batch was lost
+    assert index.engine_stats(W0).counters["unknown_parent"] == 1
+    index.apply(W0, [eng.stored(p, 0, 2, 16)])  # replay brings it
+    assert gpu(index, p + [1]) == 64
+    assert index.engine_stats(W0).counters["pending_applied"] == 1
+    # A child whose parent never comes is dropped after the bound.
+    orphan = eng.stored(p, 5, 6, 16)
+    index.apply(W0, [orphan])
+    index.apply(W0, [])
+    index.apply(W0, [])
+    assert index.engine_stats(W0).counters["pending_expired"] == 1
+    index.apply(W0, [eng.stored(p, 4, 5, 16)])
+    assert gpu(index, p + [1]) == 80, "the expired orphan is not applied late"
+
+
+def test_pending_event_evicted_meanwhile_is_not_applied() -> None:
+    index, eng, p = PrefixIndex(), Engine(), prompt(64)
+    index.add_engine(W0, MODEL)
+    index.apply(W0, [eng.stored(p, 2, 4, 16)])  # parent lost
+    index.apply(W0, eng.removed(p, [3], 16))  # ...and the block is evicted before replay
+    index.apply(W0, [eng.stored(p, 0, 2, 16)])
+    assert gpu(index, p + [1]) == 32, "no phantom blocks 2-3"
+
+
+def test_namespaces_lora_and_cache_salt_never_share_keys() -> None:
+    index, eng, p = PrefixIndex(), Engine(), prompt(64)
+    index.add_engine(W0, MODEL)
+    index.apply(W0, [eng.stored(p, 0, 4, 16, lora="sql-lora", extra_keys=[("sql-lora",)] * 4)])
+    assert gpu(index, p + [1]) == 0
+    assert gpu(index, p + [1], model="sql-lora") == 64
+    eng2 = Engine()
+    salted = eng2.stored(p, 0, 4, 16, extra_keys=["tenant-a", None, None, None])
+    index.apply(W0, [salted])
+    assert gpu(index, p + [1], salt="tenant-a") == 64
+    assert gpu(index, p + [1], salt="tenant-b") == 0
+    assert gpu(index, p + [1]) == 0
+
+
+def test_multimodal_extra_keys_never_predict_a_text_hit() -> None:
+    index, eng, p = PrefixIndex(), Engine(), prompt(64)
+    index.add_engine(W0, MODEL)
+    index.apply(W0, [eng.stored(p, 0, 4, 16, extra_keys=[None, (("img-1", 0),), None, None])])
+    assert gpu(index, p + [1]) == 16  # the image block and everything after it are not text
+
+
+def test_bytes_block_hashes_work() -> None:
+    index, p = PrefixIndex(), prompt(32)
+    index.add_engine(W0, MODEL)
+    h0, h1 = b"\x01" * 32, b"\x02" * 32
+    index.apply(W0, [BlockStored([h0, h1], None, p, 16, None, "GPU", None, group_idx=0)])
+    assert gpu(index, p + [1]) == 32
+    index.apply(W0, [BlockRemoved([h1], "GPU", 0)])
+    assert gpu(index, p + [1]) == 16
+
+
+def test_configured_groups_for_events_without_spec_kind() -> None:
+    """vLLM < 0.24 sends no kv_cache_spec_kind: group facts come from configuration."""
+    index, eng, p = PrefixIndex(), Engine(), prompt(128)
+    index.add_engine(W0, MODEL, groups={1: GroupSpec("sliding_window", 16, 32)})
+    index.apply(W0, [eng.stored(p, 0, 8, 16, kind=None), eng.stored(p, 0, 8, 16, 1, kind=None)])
+    index.apply(W0, eng.removed(p, [7], 16, group=1))
+    assert gpu(index, p + [1]) == 112
+
+
+def test_unaligned_block_size_is_counted_not_guessed() -> None:
+    index, eng, p = PrefixIndex(unit=16), Engine(), prompt(40)
+    index.add_engine(W0, MODEL)
+    index.apply(W0, [eng.stored(p, 0, 5, 8)])
+    assert index.engine_stats(W0).counters["unaligned_blocks"] == 5
+    assert gpu(index, p + [1]) == 0
+
+
+def test_cap_resets_the_largest_engine_and_reports_it() -> None:
+    index, p = PrefixIndex(max_entries=100), prompt(2000)
+    e0, e1 = Engine(), Engine()
+    index.add_engine(W0, MODEL)
+    index.add_engine(W1, MODEL)
+    index.apply(W1, [e1.stored(p, 0, 10, 16)])
+    index.apply(W0, [e0.stored(p, 0, 95, 16)])
+    assert index.total_entries <= 100
+    assert index.overflowed == [W0]
+    assert index.resident_blocks(W0) == 0 and index.resident_blocks(W1) == 10
+    assert index.engine_stats(W0).counters["overflow_resets"] == 1
+
+
+def test_dp_ranks_are_separate_engines() -> None:
+    index, eng, p = PrefixIndex(), Engine(), prompt(64)
+    r0, r1 = ("http://w0", 0), ("http://w0", 1)
+    index.add_engine(r0, MODEL)
+    index.add_engine(r1, MODEL)
+    index.apply(r1, [eng.stored(p, 0, 4, 16)])
+    result = index.match(p + [1], index.root(MODEL))
+    assert result[r0].gpu_tokens == 0 and result[r1].gpu_tokens == 64
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17])
+def test_tiny_prompts(n: int) -> None:
+    index, eng, p = PrefixIndex(), Engine(), prompt(64)
+    index.add_engine(W0, MODEL)
+    index.apply(W0, [eng.stored(p, 0, 4, 16)])
+    assert gpu(index, p[:n]) == (16 if n == 17 else 0)
+
+
+def test_sliding_window_needs_cdiv_w_minus_1_blocks() -> None:
+    """W = 33, b = 16: vLLM needs cdiv(32, 16) = 2 tail blocks, not cdiv(33, 16) = 3."""
+    index, eng, p = PrefixIndex(), Engine(), prompt(128)
+    index.add_engine(W0, MODEL)
+    index.apply(
+        W0,
+        [
+            eng.stored(p, 0, 8, 16, group=0),
+            eng.stored(p, 0, 8, 16, group=1, kind="sliding_window", window=33),
+        ],
+    )
+    index.apply(W0, eng.removed(p, [5], 16, group=1))
+    assert gpu(index, p + [1]) == 128  # blocks 6, 7 suffice
+    index.apply(W0, eng.removed(p, [6], 16, group=1))
+    assert gpu(index, p + [1]) == 80  # blocks 3, 4 end at 80; 96 needs 4, 5 (5 is gone)
+
+
+def test_hybrid_reannounce_adds_no_phantom_sliding_window_blocks() -> None:
+    """The re-announce lists every position on the SWA group, cached there or not."""
+    index, eng, p = PrefixIndex(), Engine(), prompt(192)
+    index.add_engine(W0, MODEL)
+    swa = {"group": 1, "kind": "sliding_window", "window": 32}
+    index.apply(W0, [eng.stored(p, 0, 12, 16, **swa, listed=[10, 11]), eng.stored(p, 0, 12, 16)])
+    index.apply(W0, [eng.stored(p, 0, 12, 16, **swa), eng.stored(p, 0, 12, 16)])  # re-announce
+    assert index.engine_stats(W0).resident == {"0/GPU": 12, "1/GPU": 2}
+    assert gpu(index, p[:128] + [1]) == 0, "blocks 6-7 were never cached in the SWA group"
+
+
+def test_recompute_after_sliding_window_eviction_is_stored_and_ref_counted() -> None:
+    """Window tail evicted, full attention kept: vLLM's hit is 0 so it recomputes from token 0;
+    the full-attention blocks become genuine duplicates, each removed separately later."""
+    index, eng, p = PrefixIndex(), Engine(), prompt(64)
+    index.add_engine(W0, MODEL)
+    swa = {"group": 1, "kind": "sliding_window", "window": 32}
+    index.apply(W0, [eng.stored(p, 0, 4, 16, **swa), eng.stored(p, 0, 4, 16)])
+    index.apply(W0, eng.removed(p, [3, 2, 1, 0], 16, group=1))
+    assert gpu(index, p + [1]) == 0
+    index.apply(W0, [eng.stored(p, 0, 4, 16, **swa), eng.stored(p, 0, 4, 16)])  # recompute
+    assert gpu(index, p + [1]) == 64
+    assert index.engine_stats(W0).counters["reannounced"] == 0
+    index.apply(W0, eng.removed(p, [3], 16, group=0))  # one of the two full-attention copies
+    assert gpu(index, p + [1]) == 64
