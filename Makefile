@@ -1,0 +1,22 @@
+# The two commands of README.md. Both install what they need first.
+PYTHON ?= python3
+
+.PHONY: demo test lint bench
+
+demo:  ## the router in front of a simulated 4-worker fleet, kvrouter vs round-robin
+	./scripts/setup.sh
+	kvrouter demo
+
+test:  ## the whole test suite (installs Python deps and redis-server; tests start their own servers)
+	./scripts/setup.sh --with-redis
+	ruff check .
+	$(PYTHON) -m pytest -q -p no:cacheprovider
+
+lint:
+	ruff check . && ruff format --check .
+
+bench:
+	$(PYTHON) bench/index_bench.py
+	$(PYTHON) bench/subscriber_bench.py
+	$(PYTHON) bench/proxy_bench.py
+	$(PYTHON) bench/routing_bench.py --quick
