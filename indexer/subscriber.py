@@ -25,13 +25,14 @@ Sequence logic per source:
 * ``seq > last + 1`` (gap, PUB high-water drops, queue overflow) or an undecodable payload (a
   lost batch): replay from ``last + 1`` over DEALER. While a replay is in flight the source's live
   messages stay queued (bounded); after it, the replayed batches are applied in order and queued
-  live messages the replay already covered are skipped (same seq *and* same payload hash), so
-  nothing is lost or applied twice.
+  live messages the replay already covered (seq <= last applied while the live stream still
+  moves forward) are skipped, so nothing is lost or applied twice.
 * Repair impossible (no replay endpoint, replay timed out, first replayed seq > asked, a hole in
   the replay, the replayed batch still undecodable, or a second loss right after a replay that did
   not fix it): ``index.clear_engine``, ``resets += 1``, the source is **degraded**, ``on_reset`` is
   called, and the next batch is accepted as the new base.
-* ``seq <= last`` with a decodable payload that is not a replay duplicate: the engine restarted.
+* The *live* stream going backwards (a decodable message whose seq is <= the previous live
+  message's; ZMQ delivers one connection in order) means the engine restarted.
   ``restarts += 1``, ``clear_engine``, ``on_reset(engine, "restart")``, and the batch is handled
   like a first message: seq 0 starts an exact fresh state (and ends any degradation).
 * First message with seq > 0 (joined mid-stream, or restarted while unheard): replay from 0 when
@@ -64,7 +65,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
-import xxhash
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -91,7 +91,8 @@ MID_STREAM = "joined mid-stream"
 INDEX_CAP = "index cap"
 RESTART = "restart"
 
-_hash = xxhash.xxh3_64_intdigest
+_UNDECODABLE = DecodedBatch(0.0, [])
+"""Queue marker: this message's payload failed to decode (counted once)."""
 _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
@@ -162,9 +163,8 @@ class _Source:
     """Highest seq dropped by a full queue and not yet accounted for."""
     replay_task: asyncio.Task[None] | None = None
     replay_streak: int = 0
-    replayed: dict[int, int] = field(default_factory=dict)
-    """seq -> payload hash of the last replay, to skip live copies of the same batches."""
-    replayed_max: int = -1
+    last_live_seq: int | None = None
+    """Seq of the last decodable live message handled (restart = the live stream goes back)."""
     degraded: bool = False
     degraded_reason: str | None = None
     degraded_since: float = 0.0
@@ -632,8 +632,20 @@ class Subscriber:
         n = 0
         while q and n < budget and src.replay_task is None:
             seq, payload, batch = q[0]
-            if not self._handle(src, seq, payload, batch):
-                return  # a replay started; the message stays queued until it ends
+            if batch is None:
+                try:
+                    batch = decode_payload(payload)
+                except DecodeError:
+                    src.decode_errors += 1
+                    batch = _UNDECODABLE
+                q[0] = (seq, payload, batch)  # decoded once, even if it waits for a replay
+            if batch is _UNDECODABLE:
+                if not self._handle(src, seq, None):
+                    return  # a replay started; the message stays queued until it ends
+            else:
+                if not self._handle(src, seq, batch):
+                    return
+                src.last_live_seq = seq
             q.popleft()
             n += 1
         if (
@@ -646,31 +658,21 @@ class Subscriber:
             start = 0 if src.last_seq is None else src.last_seq + 1
             src.overflow_max = None
             src.gaps += 1
-            self._lose(src, start, "queue overflow", None, None, None)
+            self._lose(src, start, "queue overflow", None, None)
 
-    def _handle(self, src: _Source, seq: int, payload: bytes, batch: DecodedBatch | None) -> bool:
-        """Process one live message; False when it must wait for a replay just started."""
-        if src.replayed:
-            if seq <= src.replayed_max:
-                if src.replayed.get(seq) == _hash(payload):
-                    src.duplicates += 1
-                    return True
-            else:
-                src.replayed.clear()
-                src.replayed_max = -1
-        if batch is None:
-            try:
-                batch = decode_payload(payload)
-            except DecodeError:
-                src.decode_errors += 1
+    def _handle(self, src: _Source, seq: int, batch: DecodedBatch | None) -> bool:
+        """Process one live batch (None: undecodable); False when it must wait for a replay."""
         last = src.last_seq
         if last is not None and not src.resync and seq <= last:
             if batch is None:
                 return True  # garbage with an old seq: nothing to repair, nothing to reset
+            if src.last_live_seq is None or seq > src.last_live_seq:
+                # The live stream is still moving forward: a replay already applied this one.
+                src.duplicates += 1
+                return True
+            # The live stream itself went backwards (ZMQ delivers in order): a new publisher.
             src.restarts += 1
             src.last_seq = last = None
-            src.replayed.clear()
-            src.replayed_max = -1
             src.overflow_max = None
             src.replay_streak = 0
             self.index.clear_engine(src.engine)
@@ -693,12 +695,12 @@ class Subscriber:
             return True
         if seq == last + 1:
             if batch is None:
-                return self._lose(src, seq, "undecodable batch", seq, None, payload)
+                return self._lose(src, seq, "undecodable batch", seq, None)
             src.replay_streak = 0
             self._apply(src, seq, batch)
             return True
         src.gaps += 1
-        return self._lose(src, last + 1, "gap", seq, batch, payload)
+        return self._lose(src, last + 1, "gap", seq, batch)
 
     def _lose(
         self,
@@ -707,7 +709,6 @@ class Subscriber:
         reason: str,
         seq: int | None,
         batch: DecodedBatch | None,
-        payload: bytes | None,
     ) -> bool:
         """Batches from ``start`` on are missing: replay them, or reset and go on from ``seq``."""
         if src.replay_endpoint is not None and src.replay_streak < MAX_REPLAY_STREAK:
@@ -827,8 +828,6 @@ class Subscriber:
         else:
             src.replays_failed += 1
             self._replay_failed(src, reason, "replay cannot reach back")
-        src.replayed = {seq: _hash(payload) for seq, payload in batches}
-        src.replayed_max = max(src.replayed, default=-1)
         n = 0
         for seq, payload in batches:
             if src.removed:
