@@ -873,6 +873,62 @@ class PrefixIndex:
             end = k * chunk
         return end - gpu_hit if end > gpu_hit else 0
 
+    # ------------------------------------------------------------------ snapshots
+
+    def export_engine(self, engine: EngineId) -> bytes:
+        """One engine's exact state as msgpack (for Redis snapshots): a new router replica
+        imports it and replays only the sequence numbers after it. Size is bounded by the
+        engine's resident blocks (about 30 bytes per block)."""
+        e = self._engines.get(engine)
+        if e is None:
+            raise KeyError(engine)
+        resident: list[tuple[int, str, list[int]]] = []
+        bit = e.bit
+        for (g, medium), res in self._residency.items():
+            keys = [k for k in {v & _MASK64 for v in e.hashes.values()} if res.get(k, 0) & bit]
+            if keys:
+                resident.append((g, medium, keys))
+        dups = [(g, m, k, n) for (slot, g, m, k), n in self._dups.items() if slot == e.slot]
+        state = _EngineSnapshot(
+            model=e.model,
+            hashes=[(h, v & _MASK64, v >> 64) for h, v in e.hashes.items()],
+            groups=[
+                (g, s.kind, s.block_size, s.sliding_window, s.attention_chunk)
+                for g, s in e.groups.items()
+            ],
+            resident=resident,
+            dups=dups,
+        )
+        return msgspec.msgpack.encode(state)
+
+    def import_engine(self, engine: EngineId, data: bytes) -> None:
+        """Replace an engine's state with an :meth:`export_engine` snapshot.
+
+        Raises ``ValueError`` on a malformed snapshot (the engine is then left empty)."""
+        try:
+            state = msgspec.msgpack.decode(data, type=_EngineSnapshot)
+        except msgspec.MsgspecError as exc:
+            self.clear_engine(engine)
+            raise ValueError(f"bad index snapshot: {exc}") from None
+        e = self._engines.get(engine) or self._new_engine(engine, state.model)
+        self._drop_state(e)
+        e.model = state.model
+        e.hashes = {h: (refs << 64) | key for h, key, refs in state.hashes}
+        e.groups = {
+            g: GroupSpec(kind, bs, window, chunk) for g, kind, bs, window, chunk in state.groups
+        }
+        bit = e.bit
+        for g, medium, keys in state.resident:
+            res = self._residency.setdefault((g, medium), {})
+            for k in keys:
+                res[k] = res.get(k, 0) | bit
+            e.resident[(g, medium)] = e.resident.get((g, medium), 0) + len(keys)
+            self.total_entries += len(keys)
+        for g, medium, k, n in state.dups:
+            self._dups[(e.slot, g, medium, k)] = n
+        if self.total_entries > self.max_entries:
+            self._enforce_cap()
+
     # ------------------------------------------------------------------ inspection
 
     def engine_stats(self, engine: EngineId) -> EngineStats | None:
@@ -904,6 +960,14 @@ class PrefixIndex:
         e = self._engines.get(engine)
         res = self._residency.get((group_idx, medium))
         return bool(e is not None and res and res.get(key, 0) & e.bit)
+
+
+class _EngineSnapshot(msgspec.Struct, array_like=True, gc=False):
+    model: str
+    hashes: list[tuple[BlockHash, int, int]]  # (engine hash, content key, references)
+    groups: list[tuple[int, str, int, int | None, int | None]]
+    resident: list[tuple[int, str, list[int]]]
+    dups: list[tuple[int, str, int, int]]
 
 
 def _as_tuple(extra: Any) -> tuple[Any, ...]:

@@ -80,12 +80,12 @@ def test_dense_full_attention_hit_is_prefix_run_capped_at_n_minus_1() -> None:
     index, eng, p = PrefixIndex(), Engine(), prompt(64)
     index.add_engine(W0, MODEL)
     index.apply(W0, [eng.stored(p, 0, 4, 16)])
-    assert gpu(index, p + [7]) == 64
+    assert gpu(index, [*p, 7]) == 64
     assert gpu(index, p) == 48  # 64 tokens: at most 63 usable, rounded down to a block
     assert gpu(index, p[:40] + [1] * 30) == 32
     assert gpu(index, prompt(64, start=5)) == 0
     index.apply(W0, eng.removed(p, [1], 16))  # a hole breaks the chain for full attention
-    assert gpu(index, p + [7]) == 16
+    assert gpu(index, [*p, 7]) == 16
 
 
 def test_hybrid_swa_eviction_keeps_prefix_partly_usable() -> None:
@@ -100,11 +100,11 @@ def test_hybrid_swa_eviction_keeps_prefix_partly_usable() -> None:
             eng.stored(p, 0, 8, 16, group=0),
         ],
     )
-    q = p + [5]
+    q = [*p, 5]
     assert gpu(index, q) == 128
     index.apply(W0, eng.removed(p, [0, 1, 2, 3], 16, group=1))  # SWA-only eviction of the head
     assert gpu(index, q) == 128, "the window tail is resident: the full prefix stays usable"
-    assert gpu(index, p[:64] + [5]) == 0, "at 64 the window needs blocks 2,3: gone"
+    assert gpu(index, [*p[:64], 5]) == 0, "at 64 the window needs blocks 2,3: gone"
     index.apply(W0, eng.removed(p, [7], 16, group=1))  # the tail's last block goes
     # Falls back to the last point with a full window tail (blocks 5,6 -> 112); never to zero,
     # never to the unusable 128.
@@ -124,8 +124,8 @@ def test_sparse_swa_event_resolved_through_full_attention_group_in_same_batch() 
     index.apply(W0, [sparse, eng.stored(p, 0, 6, 16, group=0)])
     assert index.engine_stats(W0).resident == {"0/GPU": 6, "1/GPU": 2}
     assert index.engine_stats(W0).counters["unresolved_hashes"] == 0
-    assert gpu(index, p + [1]) == 96
-    assert gpu(index, p[:64] + [1]) == 0  # blocks 2,3 were never cached in the SWA group
+    assert gpu(index, [*p, 1]) == 96
+    assert gpu(index, [*p[:64], 1]) == 0  # blocks 2,3 were never cached in the SWA group
 
 
 def test_mamba_needs_the_state_block_at_the_hit_point() -> None:
@@ -138,10 +138,10 @@ def test_mamba_needs_the_state_block_at_the_hit_point() -> None:
             eng.stored(p, 0, 8, 16, group=1, kind="mamba", listed=[3, 7]),
         ],
     )
-    assert gpu(index, p + [1]) == 128
+    assert gpu(index, [*p, 1]) == 128
     assert gpu(index, p[:100]) == 64  # state blocks only at 64 and 128
     index.apply(W0, eng.removed(p, [7], 16, group=1))
-    assert gpu(index, p + [1]) == 64
+    assert gpu(index, [*p, 1]) == 64
 
 
 def test_hit_aligned_to_lcm_of_group_block_sizes() -> None:
@@ -154,7 +154,7 @@ def test_hit_aligned_to_lcm_of_group_block_sizes() -> None:
             eng.stored(p, 0, 2, 48, group=1, kind="sliding_window", window=48),
         ],
     )
-    assert gpu(index, p + [1]) == 96
+    assert gpu(index, [*p, 1]) == 96
     assert gpu(index, p[:90]) == 48  # lcm(16, 48) = 48
 
 
@@ -172,7 +172,7 @@ def test_deepseek_v4_layout_gpu_and_self_describing_cpu_share_keys() -> None:
         index.apply(W0, [eng.stored(p, start, end, 256, medium="CPU")])
         # And the same blocks 0..1 offloaded too: their keys must equal the GPU ones.
         index.apply(W0, [eng.stored(p, 0, 2, 256, medium="CPU")])
-        m = index.match(p + [1], index.root(MODEL))[W0]
+        m = index.match([*p, 1], index.root(MODEL))[W0]
         assert (m.gpu_tokens, m.cpu_tokens) == (512, expect)
         k512 = chain_keys(index.root(MODEL), p[:512], 16)[-1]
         assert index.holds(W0, 0, "GPU", k512) and index.holds(W0, 0, "CPU", k512)
@@ -219,13 +219,13 @@ def test_one_engines_eviction_never_changes_another() -> None:
         index.apply(w, [e.stored(p, 0, 8, 16)])
     index.apply(W0, e0.removed(p, [3], 16))
     index.apply(W0, [AllBlocksCleared()])
-    assert gpu(index, p + [1], W0) == 0
-    assert gpu(index, p + [1], W1) == 128
+    assert gpu(index, [*p, 1], W0) == 0
+    assert gpu(index, [*p, 1], W1) == 128
     index.remove_engine(W0)
-    assert gpu(index, p + [1], W1) == 128
+    assert gpu(index, [*p, 1], W1) == 128
     # A new engine reusing the freed slot inherits nothing.
     index.add_engine(("http://w2", 0), MODEL)
-    assert gpu(index, p + [1], ("http://w2", 0)) == 0
+    assert gpu(index, [*p, 1], ("http://w2", 0)) == 0
 
 
 def test_duplicate_stores_are_reference_counted() -> None:
@@ -235,9 +235,9 @@ def test_duplicate_stores_are_reference_counted() -> None:
     # Two requests compute blocks 2-3 concurrently (vLLM does not de-duplicate).
     index.apply(W0, [eng.stored(p, 2, 4, 16), eng.stored(p, 2, 4, 16)])
     index.apply(W0, eng.removed(p, [3], 16))
-    assert gpu(index, p + [1]) == 64, "one copy of block 3 is still cached"
+    assert gpu(index, [*p, 1]) == 64, "one copy of block 3 is still cached"
     index.apply(W0, eng.removed(p, [3], 16))
-    assert gpu(index, p + [1]) == 48
+    assert gpu(index, [*p, 1]) == 48
     assert index.engine_stats(W0).counters["duplicates"] == 2
 
 
@@ -248,7 +248,7 @@ def test_report_mode_full_reannounce_adds_no_reference() -> None:
     index.apply(W0, [eng.stored(p, 0, 4, 16)])
     index.apply(W0, [eng.stored(p, 0, 4, 16)])  # re-announce
     index.apply(W0, eng.removed(p, [3], 16))
-    assert gpu(index, p + [1]) == 48, "no phantom copy left behind"
+    assert gpu(index, [*p, 1]) == 48, "no phantom copy left behind"
     assert index.engine_stats(W0).counters["reannounced"] == 1
 
 
@@ -271,7 +271,7 @@ def test_unknown_parent_waits_for_replay_then_expires() -> None:
     index.apply(W0, [child])  # the parent's batch was lost
     assert index.engine_stats(W0).counters["unknown_parent"] == 1
     index.apply(W0, [eng.stored(p, 0, 2, 16)])  # replay brings it
-    assert gpu(index, p + [1]) == 64
+    assert gpu(index, [*p, 1]) == 64
     assert index.engine_stats(W0).counters["pending_applied"] == 1
     # A child whose parent never comes is dropped after the bound.
     orphan = eng.stored(p, 5, 6, 16)
@@ -280,7 +280,7 @@ def test_unknown_parent_waits_for_replay_then_expires() -> None:
     index.apply(W0, [])
     assert index.engine_stats(W0).counters["pending_expired"] == 1
     index.apply(W0, [eng.stored(p, 4, 5, 16)])
-    assert gpu(index, p + [1]) == 80, "the expired orphan is not applied late"
+    assert gpu(index, [*p, 1]) == 80, "the expired orphan is not applied late"
 
 
 def test_pending_event_evicted_meanwhile_is_not_applied() -> None:
@@ -289,28 +289,28 @@ def test_pending_event_evicted_meanwhile_is_not_applied() -> None:
     index.apply(W0, [eng.stored(p, 2, 4, 16)])  # parent lost
     index.apply(W0, eng.removed(p, [3], 16))  # ...and the block is evicted before replay
     index.apply(W0, [eng.stored(p, 0, 2, 16)])
-    assert gpu(index, p + [1]) == 32, "no phantom blocks 2-3"
+    assert gpu(index, [*p, 1]) == 32, "no phantom blocks 2-3"
 
 
 def test_namespaces_lora_and_cache_salt_never_share_keys() -> None:
     index, eng, p = PrefixIndex(), Engine(), prompt(64)
     index.add_engine(W0, MODEL)
     index.apply(W0, [eng.stored(p, 0, 4, 16, lora="sql-lora", extra_keys=[("sql-lora",)] * 4)])
-    assert gpu(index, p + [1]) == 0
-    assert gpu(index, p + [1], model="sql-lora") == 64
+    assert gpu(index, [*p, 1]) == 0
+    assert gpu(index, [*p, 1], model="sql-lora") == 64
     eng2 = Engine()
     salted = eng2.stored(p, 0, 4, 16, extra_keys=["tenant-a", None, None, None])
     index.apply(W0, [salted])
-    assert gpu(index, p + [1], salt="tenant-a") == 64
-    assert gpu(index, p + [1], salt="tenant-b") == 0
-    assert gpu(index, p + [1]) == 0
+    assert gpu(index, [*p, 1], salt="tenant-a") == 64
+    assert gpu(index, [*p, 1], salt="tenant-b") == 0
+    assert gpu(index, [*p, 1]) == 0
 
 
 def test_multimodal_extra_keys_never_predict_a_text_hit() -> None:
     index, eng, p = PrefixIndex(), Engine(), prompt(64)
     index.add_engine(W0, MODEL)
     index.apply(W0, [eng.stored(p, 0, 4, 16, extra_keys=[None, (("img-1", 0),), None, None])])
-    assert gpu(index, p + [1]) == 16  # the image block and everything after it are not text
+    assert gpu(index, [*p, 1]) == 16  # the image block and everything after it are not text
 
 
 def test_bytes_block_hashes_work() -> None:
@@ -318,9 +318,9 @@ def test_bytes_block_hashes_work() -> None:
     index.add_engine(W0, MODEL)
     h0, h1 = b"\x01" * 32, b"\x02" * 32
     index.apply(W0, [BlockStored([h0, h1], None, p, 16, None, "GPU", None, group_idx=0)])
-    assert gpu(index, p + [1]) == 32
+    assert gpu(index, [*p, 1]) == 32
     index.apply(W0, [BlockRemoved([h1], "GPU", 0)])
-    assert gpu(index, p + [1]) == 16
+    assert gpu(index, [*p, 1]) == 16
 
 
 def test_configured_groups_for_events_without_spec_kind() -> None:
@@ -329,7 +329,7 @@ def test_configured_groups_for_events_without_spec_kind() -> None:
     index.add_engine(W0, MODEL, groups={1: GroupSpec("sliding_window", 16, 32)})
     index.apply(W0, [eng.stored(p, 0, 8, 16, kind=None), eng.stored(p, 0, 8, 16, 1, kind=None)])
     index.apply(W0, eng.removed(p, [7], 16, group=1))
-    assert gpu(index, p + [1]) == 112
+    assert gpu(index, [*p, 1]) == 112
 
 
 def test_unaligned_block_size_is_counted_not_guessed() -> None:
@@ -337,7 +337,7 @@ def test_unaligned_block_size_is_counted_not_guessed() -> None:
     index.add_engine(W0, MODEL)
     index.apply(W0, [eng.stored(p, 0, 5, 8)])
     assert index.engine_stats(W0).counters["unaligned_blocks"] == 5
-    assert gpu(index, p + [1]) == 0
+    assert gpu(index, [*p, 1]) == 0
 
 
 def test_cap_resets_the_largest_engine_and_reports_it() -> None:
@@ -359,7 +359,7 @@ def test_dp_ranks_are_separate_engines() -> None:
     index.add_engine(r0, MODEL)
     index.add_engine(r1, MODEL)
     index.apply(r1, [eng.stored(p, 0, 4, 16)])
-    result = index.match(p + [1], index.root(MODEL))
+    result = index.match([*p, 1], index.root(MODEL))
     assert result[r0].gpu_tokens == 0 and result[r1].gpu_tokens == 64
 
 
@@ -383,9 +383,9 @@ def test_sliding_window_needs_cdiv_w_minus_1_blocks() -> None:
         ],
     )
     index.apply(W0, eng.removed(p, [5], 16, group=1))
-    assert gpu(index, p + [1]) == 128  # blocks 6, 7 suffice
+    assert gpu(index, [*p, 1]) == 128  # blocks 6, 7 suffice
     index.apply(W0, eng.removed(p, [6], 16, group=1))
-    assert gpu(index, p + [1]) == 80  # blocks 3, 4 end at 80; 96 needs 4, 5 (5 is gone)
+    assert gpu(index, [*p, 1]) == 80  # blocks 3, 4 end at 80; 96 needs 4, 5 (5 is gone)
 
 
 def test_hybrid_reannounce_adds_no_phantom_sliding_window_blocks() -> None:
@@ -396,7 +396,7 @@ def test_hybrid_reannounce_adds_no_phantom_sliding_window_blocks() -> None:
     index.apply(W0, [eng.stored(p, 0, 12, 16, **swa, listed=[10, 11]), eng.stored(p, 0, 12, 16)])
     index.apply(W0, [eng.stored(p, 0, 12, 16, **swa), eng.stored(p, 0, 12, 16)])  # re-announce
     assert index.engine_stats(W0).resident == {"0/GPU": 12, "1/GPU": 2}
-    assert gpu(index, p[:128] + [1]) == 0, "blocks 6-7 were never cached in the SWA group"
+    assert gpu(index, [*p[:128], 1]) == 0, "blocks 6-7 were never cached in the SWA group"
 
 
 def test_recompute_after_sliding_window_eviction_is_stored_and_ref_counted() -> None:
@@ -407,9 +407,32 @@ def test_recompute_after_sliding_window_eviction_is_stored_and_ref_counted() -> 
     swa = {"group": 1, "kind": "sliding_window", "window": 32}
     index.apply(W0, [eng.stored(p, 0, 4, 16, **swa), eng.stored(p, 0, 4, 16)])
     index.apply(W0, eng.removed(p, [3, 2, 1, 0], 16, group=1))
-    assert gpu(index, p + [1]) == 0
+    assert gpu(index, [*p, 1]) == 0
     index.apply(W0, [eng.stored(p, 0, 4, 16, **swa), eng.stored(p, 0, 4, 16)])  # recompute
-    assert gpu(index, p + [1]) == 64
+    assert gpu(index, [*p, 1]) == 64
     assert index.engine_stats(W0).counters["reannounced"] == 0
     index.apply(W0, eng.removed(p, [3], 16, group=0))  # one of the two full-attention copies
-    assert gpu(index, p + [1]) == 64
+    assert gpu(index, [*p, 1]) == 64
+
+
+def test_snapshot_round_trip_restores_exact_state() -> None:
+    index, eng, p = PrefixIndex(), Engine(), prompt(600)
+    index.add_engine(W0, MODEL)
+    swa = {"group": 1, "kind": "sliding_window", "window": 32}
+    index.apply(W0, [eng.stored(p, 0, 12, 16, **swa, listed=[10, 11]), eng.stored(p, 0, 12, 16)])
+    index.apply(W0, [eng.stored(p, 12, 14, 16), eng.stored(p, 12, 14, 16)])  # a duplicate
+    index.apply(W0, [eng.stored(p, 0, 32, 16, medium="CPU")])
+    blob = index.export_engine(W0)
+    other = PrefixIndex()
+    other.add_engine(W1, MODEL)
+    other.import_engine(W0, blob)
+    for q in ([*p, 1], p[:200], p[:180] + [3] * 20):
+        assert other.match(q, other.root(MODEL))[W0] == index.match(q, index.root(MODEL))[W0]
+    assert other.engine_stats(W0).resident == index.engine_stats(W0).resident
+    # Events continue to apply on the imported state, duplicates included.
+    for ix in (index, other):
+        ix.apply(W0, eng.removed(p, [13], 16))
+    assert gpu(other, [*p, 1]) == gpu(index, [*p, 1]) == 224
+    with pytest.raises(ValueError):
+        other.import_engine(W0, b"\x00garbage")
+    assert other.resident_blocks(W0) == 0
