@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="misconfiguration: events report this block size")
     a("--vocab-size", type=int, default=32000)
     a("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    a("--default-max-tokens", type=int, default=16,
+      help="output length when a request sets none (finish_reason 'stop')")
     a("--log-level", default="warning")
     return p
 
@@ -101,7 +103,7 @@ def settings_from_args(ns: argparse.Namespace, worker_idx: int) -> WorkerSetting
         topic=ns.topic, buffer_steps=ns.buffer_steps, hwm=ns.hwm,
         max_queue_size=ns.max_queue_size, event_encoding=ns.event_encoding,
         chat_template=ns.chat_template, max_body_bytes=ns.max_body_bytes,
-        loras=tuple(ns.lora),
+        loras=tuple(ns.lora), default_max_tokens=ns.default_max_tokens,
     )
 
 

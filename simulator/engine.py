@@ -125,6 +125,7 @@ class SimEngine:
         lora_name: str | None = None,
         cache_salt: str | None = None,
         session_id: str | None = None,
+        report_full: bool = False,
     ) -> Request:
         c = self.config
         if len(self.waiting) >= c.max_waiting:
@@ -138,7 +139,11 @@ class SimEngine:
                 f"prompt has {len(prompt)} tokens, max_model_len is {c.max_model_len}")
         if -(-len(prompt) // c.block_size) * len(c.group_specs) > c.num_gpu_blocks - 1:
             raise ValueError("prompt does not fit in the KV cache")
-        max_tokens = max(1, min(int(max_tokens), c.max_model_len - len(prompt)))
+        # Clamp so that prompt + output always fit the pool: a lone request can then never
+        # preempt itself forever (vLLM bounds this through max_model_len vs. capacity).
+        cap_tokens = (c.num_gpu_blocks - 1) // len(c.group_specs) * c.block_size
+        max_tokens = max(1, min(int(max_tokens), c.max_model_len - len(prompt),
+                                cap_tokens - len(prompt)))
         lora_id = None
         if lora_name is not None:
             lora_id = c.loras.index(lora_name) + 1
@@ -147,6 +152,7 @@ class SimEngine:
             lora_name, lora_id, cache_salt, session_id,
             RequestHasher(c.block_size, lora_name, cache_salt),
         )
+        req.report_full = report_full
         self.requests[request_id] = req
         self.waiting.append(req)
         return req
@@ -236,6 +242,8 @@ class SimEngine:
         hit = hit_blocks * c.block_size
         last = (req.num_prompt - 1) // c.block_size
         req.reachable = {last} | ({longest} if longest > hit_blocks else set())
+        if req.report_full and hit_blocks:
+            kv.emit_cached_block_events(req, hit_blocks)
         ext = 0
         if self.cpu is not None:
             ext = self.cpu.lookup(req, hit)

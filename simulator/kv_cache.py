@@ -252,6 +252,22 @@ class KVCacheManager:
             )
             req.num_cached[g] = num_full
 
+    def emit_cached_block_events(self, req: Request, hit_blocks: int) -> None:
+        """``block_pool.emit_cached_block_events`` (L405): a request sent with
+        ``kv_cache_report_mode="full"`` re-announces its prefix hit, parent None, tokens
+        ``[0, hit)``, every hash of the hit in every group (not a new copy: no matching
+        BlockRemoved will follow)."""
+        h = req.hasher
+        n = hit_blocks
+        for g, spec in enumerate(self.groups):
+            self.pool.events.append(BlockStored(
+                block_hashes=h.event_hashes[:n], parent_block_hash=None,
+                token_ids=req.all_token_ids[: n * self.bs], block_size=self.event_bs,
+                lora_id=req.lora_id, medium=MEDIUM_GPU, lora_name=req.lora_name,
+                extra_keys=[h.event_extra_keys(i) for i in range(n)], group_idx=g,
+                kv_cache_spec_kind=spec.kind, kv_cache_spec_sliding_window=spec.sliding_window,
+                session_id=req.session_id))
+
     def free(self, req: Request) -> None:
         for g in range(len(self.groups)):
             blocks = req.blocks[g]

@@ -31,6 +31,7 @@ class Request:
         "num_prompt",
         "offloaded_chunks",
         "reachable",
+        "report_full",
         "request_id",
         "session_id",
         "status",
@@ -73,4 +74,5 @@ class Request:
         self.cpu_loaded_tokens = 0
         self.load_ready_s = 0.0
         self.offloaded_chunks = 0
+        self.report_full = False  # vllm_xargs kv_cache_report_mode == "full"
         self.user: object = None  # opaque slot for the HTTP layer

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from simulator.engine import SimEngine
 from simulator.events import encode_batch
 from simulator.publisher import ZmqPublisher
+
+log = logging.getLogger("kvrouter.sim")
 
 
 @dataclass
@@ -59,10 +62,11 @@ class EngineRunner:
     # ---- requests -------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: list[int], max_tokens: int,
                lora_name: str | None, cache_salt: str | None,
-               session_id: str | None = None) -> asyncio.Queue[TokenOut]:
+               session_id: str | None = None,
+               report_full: bool = False) -> asyncio.Queue[TokenOut]:
         q: asyncio.Queue[TokenOut] = asyncio.Queue()
         self.engine.add_request(request_id, prompt, max_tokens, self.now(), lora_name,
-                                cache_salt, session_id)
+                                cache_salt, session_id, report_full)
         self._streams[request_id] = q
         self._wake.set()
         return q
@@ -87,8 +91,18 @@ class EngineRunner:
 
     # ---- loop --------------------------------------------------------------------------------
     async def _loop(self) -> None:
-        eng = self.engine
         while True:
+            try:
+                await self._run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a simulator bug must not hang every client forever
+                log.exception("engine step failed; restarting the simulated engine")
+                self.restart_engine()
+
+    async def _run(self) -> None:
+        while True:
+            eng = self.engine
             now = self.now()
             t = eng.next_step_time(now)
             if t == math.inf:

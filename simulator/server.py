@@ -46,6 +46,7 @@ class WorkerSettings:
     chat_template: str = "default"
     max_body_bytes: int = 8 * 1024 * 1024
     request_timeout_s: float = 600.0
+    default_max_tokens: int = 16  # output length when a request sets no max_tokens
     loras: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -201,7 +202,7 @@ class Worker:
                            f"{self.s.engine.max_model_len} tokens. However, you requested "
                            f"{prompt_len} tokens in the messages.", param="messages")
         if mt is None:
-            return min(limit, 16 if not chat else limit)
+            return min(limit, self.s.default_max_tokens)
         if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
             raise ApiError(400, f"{key} must be a positive integer", param=key)
         if mt > limit:
@@ -227,12 +228,18 @@ class Worker:
             raise ApiError(400, "stream must be a boolean", param="stream")
         so = data.get("stream_options") or {}
         include_usage = bool(isinstance(so, dict) and so.get("include_usage"))
-        session = data.get("session_id")
-        session = session if isinstance(session, str) else None
+        xargs = data.get("vllm_xargs")
+        xargs = xargs if isinstance(xargs, dict) else {}
+        session = data.get("session_id", xargs.get("session_id"))
+        if session is not None and not isinstance(session, str):
+            raise ApiError(400, "session_id must be a string", param="session_id")
+        report_full = xargs.get("kv_cache_report_mode") == "full"
+        explicit = (data.get("max_completion_tokens") if chat else None) is not None or (
+            data.get("max_tokens") is not None)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         runner = self.pick_runner()
         try:
-            q = runner.submit(rid, ids, max_tokens, lora, salt, session)
+            q = runner.submit(rid, ids, max_tokens, lora, salt, session, report_full)
         except QueueFull:
             raise ApiError(503, "server is overloaded, request queue full",
                            "ServiceUnavailableError") from None
@@ -241,7 +248,8 @@ class Worker:
         model = data.get("model") or self.s.engine.model
         if stream:
             return StreamingResponse(
-                self._sse(runner, q, rid, model, chat, include_usage),
+                self._sse(runner, q, rid, model, chat, include_usage,
+                          "length" if explicit else "stop"),
                 media_type="text/event-stream")
         toks: list[int] = []
         last = TokenOut(None, True)
@@ -259,7 +267,8 @@ class Worker:
             raise ApiError(503, "engine restarted", "ServiceUnavailableError")
         text = self.tokenizer.decode(toks)
         usage = self._usage(len(ids), len(toks), last.cached_tokens)
-        finish = "length"
+        # Without max_tokens the fake model "emits EOS" after default_max_tokens.
+        finish = "length" if explicit else "stop"
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text,
                                                "refusal": None, "tool_calls": []},
@@ -279,7 +288,8 @@ class Worker:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def _sse(self, runner: EngineRunner, q: asyncio.Queue[TokenOut], rid: str,
-                   model: str, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+                   model: str, chat: bool, include_usage: bool,
+                   finish: str = "length") -> AsyncIterator[bytes]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         n_out = 0
@@ -299,7 +309,7 @@ class Worker:
             while True:
                 out = await asyncio.wait_for(q.get(), self.s.request_timeout_s)
                 prompt_tokens, cached = out.prompt_tokens, out.cached_tokens
-                fin = "length" if out.finished else None
+                fin = finish if out.finished else None
                 if out.token is None:
                     break
                 n_out += 1

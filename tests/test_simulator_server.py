@@ -385,3 +385,42 @@ def test_dp_ranks_publish_separately(ctx: zmq.Context) -> None:
         finally:
             for s in subs:
                 s.close()
+
+
+def test_concurrent_load_with_preemption_completes() -> None:
+    """Many concurrent long requests on a tiny pool: preemption, queueing, all answered."""
+    import asyncio
+
+    async def main(w: WorkerInfo) -> list[int]:
+        async with httpx.AsyncClient(base_url=w.url, timeout=30.0) as c:
+            async def one(i: int) -> int:
+                r = await c.post("/v1/completions", json={"prompt": toks(150 + i),
+                                                          "max_tokens": 20})
+                return r.status_code
+            return await asyncio.gather(*(one(i) for i in range(30)))
+
+    with running_fleet(1, block_size=16, num_gpu_blocks=40, decode_ms=1,
+                       max_num_batched_tokens=256) as (w,):
+        codes = asyncio.run(main(w))
+        assert codes == [200] * 30
+        r = httpx.post(w.url + "/v1/completions", json={"prompt": "hi there"}, timeout=DEADLINE)
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+        assert r.json()["usage"]["completion_tokens"] == 16
+        m = httpx.get(w.url + "/metrics", timeout=DEADLINE).text
+        assert 'vllm:num_requests_running{engine="0",model_name="sim-model"} 0.0' in m
+
+
+def test_report_full_over_http(fleet: list[WorkerInfo], ctx: zmq.Context) -> None:
+    w = fleet[0]
+    sub = Sub(ctx, w)
+    try:
+        sub.warm()
+        p = toks(64)
+        complete(w, p, 1)
+        sub.recv()
+        complete(w, p, 1, vllm_xargs={"kv_cache_report_mode": "full"}, session_id="s1")
+        _, _, (_, events, _) = sub.recv()
+        assert events[0]["parent_block_hash"] is None and len(events[0]["block_hashes"]) == 3
+        assert events[0]["session_id"] == "s1"
+    finally:
+        sub.close()
