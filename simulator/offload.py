@@ -25,10 +25,11 @@ from simulator.request import Request
 
 
 class _Chunk:
-    __slots__ = ("block_hashes", "parent", "ready", "tail", "tokens")
+    __slots__ = ("block_hashes", "key", "parent", "ready", "tail", "tokens")
 
-    def __init__(self, tail: int, block_hashes: list[int], parent: int | None,
+    def __init__(self, key: bytes, tail: int, block_hashes: list[int], parent: int | None,
                  tokens: list[int]) -> None:
+        self.key = key
         self.tail = tail
         self.block_hashes = block_hashes
         self.parent = parent
@@ -105,7 +106,7 @@ class CpuTier:
             key = digests[hi - 1]
             if key in self.lru:
                 continue
-            new.append((key, _Chunk(ev[hi - 1], ev[lo:hi], ev[lo - 1] if lo else None,
+            new.append((key, _Chunk(key, ev[hi - 1], ev[lo:hi], ev[lo - 1] if lo else None,
                                     req.all_token_ids[k * c : (k + 1) * c])))
         req.offloaded_chunks = n_chunks
         if not new or self.capacity <= 0:
@@ -129,6 +130,8 @@ class CpuTier:
         """Complete the previous step's stores (``complete_store``), then move on."""
         done, self.inflight, self.pending = self.inflight, self.pending, []
         for ch in done:
+            if self.lru.get(ch.key) is not ch:
+                continue  # evicted before its store completed: never announced
             ch.ready = True
             if self.self_describing:
                 self.events.append(BlockStored(

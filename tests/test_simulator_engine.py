@@ -265,3 +265,52 @@ def test_fleet_replay_speed() -> None:
     assert len(done) == n
     assert sum(c.cached_tokens for c in done) > 0.5 * sum(c.prompt_tokens for c in done)
     assert elapsed < 60, elapsed
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    groups=st.sampled_from(["full", "full,swa:16", "swa:24,full", "full,mamba"]),
+    cpu=st.sampled_from([0, 4]),
+    reqs=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 150), st.integers(1, 12),
+                            st.floats(0, 0.05)), min_size=1, max_size=30),
+)
+def test_fleet_concurrent_invariants(groups: str, cpu: int,
+                                     reqs: list[tuple[int, int, int, float]]) -> None:
+    """Concurrent traffic on a tiny pool (preemption, chunked prefill, early SWA frees,
+    CPU tier): every request completes, stores/removes balance, the pool drains."""
+    cfg = EngineConfig(block_size=8, num_gpu_blocks=48, groups=groups,
+                       max_num_batched_tokens=48, max_num_seqs=6, cpu_chunks=cpu,
+                       cpu_chunk_tokens=16, prefill_tokens_per_s=5000.0)
+    fleet = FastFleet(1, cfg)
+    t = 0.0
+    n = 0
+    for i, (prefix, ln, mt, dt) in enumerate(reqs):
+        t += dt
+        toks = [500 + prefix] * 16 + [1000 + i] * ln
+        try:
+            fleet.submit(0, f"r{i}", toks, mt, t)
+            n += 1
+        except ValueError:
+            pass
+    fleet.run_until(1e6)
+    assert len(fleet.completed()) == n
+    live: dict[tuple[str, int, int], int] = {}
+    for _, _, _, payload in fleet.drain_events():
+        for e in msgspec.msgpack.decode(payload)[1]:
+            if e["type"] == "BlockStored":
+                for h in e["block_hashes"]:
+                    k = (e["medium"], e["group_idx"], h)
+                    live[k] = live.get(k, 0) + 1
+            elif e["type"] == "BlockRemoved":
+                for h in e["block_hashes"]:
+                    k = (e["medium"], e["group_idx"], h)
+                    assert live.get(k, 0) > 0, k
+                    live[k] -= 1
+    eng = fleet.engines[0]
+    pool = eng.kv.pool
+    assert pool.num_free() == pool.num_blocks - 1 and not eng.running and not eng.waiting
+    gpu_live = sum(v for k, v in live.items() if k[0] == "GPU")
+    assert gpu_live == sum(len(v) for v in pool.cached.values())
+    if eng.cpu is not None:
+        cpu_live = sum(v for k, v in live.items() if k[0] == "CPU")
+        assert cpu_live == sum(1 for ch in eng.cpu.lru.values() if ch.ready)
