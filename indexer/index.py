@@ -668,9 +668,9 @@ class PrefixIndex:
         return root
 
     def prompt_keys(self, tokens: Sequence[int], root: int) -> list[int]:
-        """Content keys of a prompt at every unit boundary up to ``len(tokens) - 1``."""
-        usable = max(len(tokens) - 1, 0) // self.unit
-        return chain_keys(root, tokens[: usable * self.unit], self.unit)
+        """Content keys of a prompt at every whole-unit boundary (the GPU hit stops at
+        ``n - 1`` but a CPU chunk may end exactly at ``n``)."""
+        return chain_keys(root, tokens, self.unit)
 
     def match(
         self, tokens: Sequence[int], root: int, engines: Iterable[EngineId] | None = None
@@ -687,7 +687,6 @@ class PrefixIndex:
             if engines is None
             else [self._engines[x] for x in engines if x in self._engines]
         )
-        max_hit = max(n_tokens - 1, 0)
         # Engines with the same group layout are matched together, one pass over the prompt.
         layouts: dict[tuple[tuple[int, GroupSpec], ...], list[_Engine]] = {}
         for e in selected:
@@ -695,7 +694,7 @@ class PrefixIndex:
             layouts.setdefault(layout, []).append(e)
         out: dict[EngineId, PrefixMatch] = {}
         for layout, members in layouts.items():
-            self._match_layout(dict(layout), members, keys, max_hit, out)
+            self._match_layout(dict(layout), members, keys, n_tokens, out)
         return out
 
     def _match_layout(
@@ -703,10 +702,12 @@ class PrefixIndex:
         groups: dict[int, GroupSpec],
         members: list[_Engine],
         keys: Sequence[int],
-        max_hit: int,
+        n_tokens: int,
         out: dict[EngineId, PrefixMatch],
     ) -> None:
-        unit = self.unit
+        max_hit = max(n_tokens - 1, 0)
+        # Callers may pass keys for fewer tokens than n_tokens; never read past them.
+        max_hit = min(max_hit, len(keys) * self.unit)
         if not groups:
             for e in members:
                 out[e.engine] = PrefixMatch(0, 0, [])
@@ -739,7 +740,7 @@ class PrefixIndex:
                 for g in others
             )
             explain.sort(key=lambda x: x.group_idx)
-            cpu = self._cpu_extension(e, full or others, keys, point, max_hit, unit)
+            cpu = self._cpu_extension(e, full or others, keys, point, n_tokens)
             out[e.engine] = PrefixMatch(point, cpu, explain)
 
     def _full_run(
@@ -847,31 +848,38 @@ class PrefixIndex:
         groups: list[int],
         keys: Sequence[int],
         gpu_hit: int,
-        max_hit: int,
-        unit: int,
+        n_tokens: int,
     ) -> int:
-        """Whole CPU chunks, contiguous from the chunk holding the GPU hit point, beyond it.
+        """Tokens loadable from CPU chunks beyond the GPU hit, as vLLM's OffloadingConnector
+        counts them (``OffloadingConnectorScheduler.get_num_new_matched_tokens``):
 
-        Mirrors OffloadingConnector: the lookup starts at chunk ``gpu_hit // chunk`` and the hit
-        is aligned to the chunk size. A chunk is present when its tail key (vLLM's offload key
-        is the chunk's last block hash) is resident on CPU in every group considered.
+        * the lookup covers the request's whole chunks (``n // chunk``) and starts at chunk
+          ``gpu_hit // chunk``; present chunks must be contiguous from there;
+        * the loaded part must be at least one whole chunk, else nothing is loaded;
+        * a chunk is present when its tail key (the offload key is the chunk's last block hash)
+          is resident on CPU in every group considered;
+        * if GPU + CPU cover the whole prompt, the scheduler recomputes the last token
+          (``num_computed_tokens -= 1`` after the load), so the usable extension is one less.
         """
         chunk = self.cpu_chunk_tokens
         tables = [self._residency.get((g, CPU)) for g in groups]
         if not all(tables):
             return 0
+        whole = n_tokens // chunk
+        if whole * chunk - gpu_hit < chunk:
+            return 0
         bit = e.bit
-        step = chunk // unit
+        step = chunk // self.unit
         k = gpu_hit // chunk
-        end = k * chunk
-        last_chunk = max_hit // chunk
-        while k < last_chunk:
-            key = keys[(k + 1) * step - 1]
-            if not all(t.get(key, 0) & bit for t in tables):  # type: ignore[union-attr]
+        while k < whole:
+            key = keys[(k + 1) * step - 1] if (k + 1) * step <= len(keys) else None
+            if key is None or not all(t.get(key, 0) & bit for t in tables):  # type: ignore[union-attr]
                 break
             k += 1
-            end = k * chunk
-        return end - gpu_hit if end > gpu_hit else 0
+        loaded = k * chunk - gpu_hit
+        if loaded < chunk:
+            return 0
+        return min(loaded, n_tokens - 1 - gpu_hit)
 
     # ------------------------------------------------------------------ snapshots
 

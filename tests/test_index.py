@@ -199,16 +199,24 @@ def test_cpu_placeholder_events_resolve_through_gpu_hashes() -> None:
     assert index.engine_stats(W0).counters["unresolved_hashes"] == 1
 
 
-def test_cpu_extension_needs_contiguous_chunks_beyond_gpu_hit() -> None:
+def test_cpu_extension_follows_offloading_connector_rules() -> None:
+    """vLLM's OffloadingConnector loads whole chunks, contiguous from chunk gpu_hit // chunk,
+    only if at least one whole chunk's worth of tokens is gained."""
     index, eng, p = PrefixIndex(cpu_chunk_tokens=256), Engine(), prompt(1100)
     index.add_engine(W0, MODEL)
     index.apply(W0, [eng.stored(p, 0, 20, 16)])  # GPU 320 tokens (mid chunk 1)
     index.apply(W0, [eng.stored(p, 16, 32, 16, medium="CPU")])  # chunk 1: 256..512
-    index.apply(W0, [eng.stored(p, 48, 64, 16, medium="CPU")])  # chunk 3 only: not contiguous
+    index.apply(W0, [eng.stored(p, 48, 64, 16, medium="CPU")])  # chunk 3: not contiguous
     m = index.match(p, index.root(MODEL))[W0]
-    assert (m.gpu_tokens, m.cpu_tokens) == (320, 192)  # up to 512, aligned to the chunk
-    m = index.match(p[:400], index.root(MODEL))[W0]
-    assert (m.gpu_tokens, m.cpu_tokens) == (320, 0)  # 512 > n - 1: no whole chunk fits
+    assert (m.gpu_tokens, m.cpu_tokens) == (320, 0), "512 - 320 < one chunk: nothing loaded"
+    index.apply(W0, [eng.stored(p, 32, 48, 16, medium="CPU")])  # chunk 2: now 1..3 contiguous
+    m = index.match(p, index.root(MODEL))[W0]
+    assert (m.gpu_tokens, m.cpu_tokens) == (320, 704)  # up to 1024 = chunk 3's end
+    m = index.match(p[:1024], index.root(MODEL))[W0]
+    # The whole prompt is loadable; vLLM then recomputes the last token.
+    assert (m.gpu_tokens, m.cpu_tokens) == (320, 703)
+    m = index.match(p[:1000], index.root(MODEL))[W0]
+    assert (m.gpu_tokens, m.cpu_tokens) == (320, 448)  # only 3 whole chunks in 1000 tokens
 
 
 def test_one_engines_eviction_never_changes_another() -> None:
