@@ -110,11 +110,17 @@ class KVCacheManager:
         limit = min((len(req.all_token_ids) - 1) // self.bs, n_hashes)
         cached = self.pool.cached
         hit = limit
-        for g in self.fa:
-            n = 0
-            while n < hit and (digests[n], g) in cached:
-                n += 1
-            hit = n
+        fa_blocks: dict[int, list[int]] = {}
+        for g in self.fa:  # left-to-right scan, collecting the first cached block per hash
+            found: list[int] = []
+            append = found.append
+            for n in range(hit):
+                blocks = cached.get((digests[n], g))
+                if not blocks:
+                    break
+                append(next(iter(blocks)))
+            hit = len(found)
+            fa_blocks[g] = found
         longest = hit if self.fa else -1
         while True:
             changed = False
@@ -133,7 +139,7 @@ class KVCacheManager:
             if hit == 0:
                 per_group.append([])
             elif spec.kind == FULL:
-                per_group.append([get((digests[i], g)) or 0 for i in range(hit)])
+                per_group.append(fa_blocks[g][:hit])
             else:
                 keep = 1 if spec.kind == MAMBA else self.needed[g]
                 start = max(0, hit - keep)

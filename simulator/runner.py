@@ -116,6 +116,8 @@ class EngineRunner:
                 continue
             end = eng.schedule(now)
             await asyncio.sleep(max(0.0, end - self.now()))
+            if not eng.in_flight():  # the engine was restarted during the step
+                continue
             out = eng.finish_step()
             self.steps += 1
             if out.events and self.events_enabled and eng.events_enabled and self.publisher:

@@ -424,3 +424,20 @@ def test_report_full_over_http(fleet: list[WorkerInfo], ctx: zmq.Context) -> Non
         assert events[0]["session_id"] == "s1"
     finally:
         sub.close()
+
+
+def test_bounded_queue_returns_503() -> None:
+    import asyncio
+
+    async def main(w: WorkerInfo) -> list[int]:
+        async with httpx.AsyncClient(base_url=w.url, timeout=30.0) as c:
+            async def one() -> int:
+                r = await c.post("/v1/completions", json={"prompt": toks(20), "max_tokens": 4})
+                if r.status_code != 200:
+                    assert r.json()["error"]["code"] == r.status_code
+                return r.status_code
+            return await asyncio.gather(*(one() for _ in range(4)))
+
+    with running_fleet(1, max_num_seqs=1, max_waiting=1, decode_ms=300) as (w,):
+        codes = asyncio.run(main(w))
+        assert 200 in codes and 503 in codes
