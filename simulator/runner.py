@@ -43,6 +43,7 @@ class EngineRunner:
         self._streams: dict[str, asyncio.Queue[TokenOut]] = {}
         self._task: asyncio.Task[None] | None = None
         self.steps = 0
+        self.published = 0  # batches handed to the current publisher (== its next seq)
         self._to_abort: set[str] = set()
 
     def now(self) -> float:
@@ -123,6 +124,7 @@ class EngineRunner:
             if out.events and self.events_enabled and eng.events_enabled and self.publisher:
                 self.publisher.publish(
                     encode_batch(time.time(), out.events, self.dp_rank, self.encoding))
+                self.published += 1
             for rid, tok in out.new_tokens.items():
                 q = self._streams.get(rid)
                 if q is None:

@@ -115,6 +115,7 @@ class Worker:
             if old is not None:
                 await asyncio.to_thread(old.close)
                 r.publisher = await asyncio.to_thread(self._publisher, r.dp_rank)
+                r.published = 0
                 r.publisher.drop_fraction = self.faults.drop_event_fraction  # type: ignore
 
     def kv_event_sources(self) -> dict[str, Any]:
@@ -530,6 +531,7 @@ class Worker:
                     "waiting": len(r.engine.waiting), "kv_usage": r.engine.kv_usage(),
                     "steps": r.steps,
                     "next_seq": r.publisher.next_seq if r.publisher else None,
+                    "published": r.published,
                     "cached_blocks": len(r.engine.kv.pool.cached),
                 } for r in w.runners],
                 "faults": w.faults.as_dict()})

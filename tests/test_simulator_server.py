@@ -65,9 +65,24 @@ class Sub:
         while time.monotonic() < deadline:
             complete(self.w, toks(40), 1)
             if self.sock.poll(200):
-                self.drain()
+                self.sync()
                 return
         raise AssertionError("no event received")
+
+    def sync(self) -> int:
+        """Wait until every batch handed to the publisher so far has been received (or
+        is known to be dropped); returns the next seq. Makes 'nothing arrives' checks
+        immune to late deliveries on a loaded machine."""
+        deadline = time.monotonic() + DEADLINE
+        while time.monotonic() < deadline:
+            st = httpx.get(self.w.url + "/sim/state", timeout=DEADLINE).json()["engines"][0]
+            if st["next_seq"] == st["published"]:
+                break
+            self.sock.poll(20)
+        else:
+            raise AssertionError("publisher did not flush")
+        self.drain()
+        return int(st["published"])
 
     def recv(self, timeout: float = DEADLINE) -> tuple[bytes, int, list[Any]]:
         assert self.sock.poll(int(timeout * 1000)), "timed out waiting for a batch"
@@ -253,9 +268,11 @@ def test_eviction_and_reset(fleet: list[WorkerInfo], ctx: zmq.Context) -> None:
                                and e["medium"] == "GPU" for e in rem)
                     assert events.index(rem[0]) < len(events) - 1  # before the BlockStored
         assert seen_removed
+        n = sub.sync()
         r = httpx.post(w.url + "/reset_prefix_cache", timeout=DEADLINE)
         assert r.json() == {"success": True}
         assert not sub.sock.poll(300)  # nothing published until the next step
+        assert sub.sync() == n
         complete(w, toks(40), 1)
         _, _, (_, events, _) = sub.recv()
         assert events[0] == {"type": "AllBlocksCleared"}
@@ -287,12 +304,14 @@ def test_faults(fleet: list[WorkerInfo], ctx: zmq.Context) -> None:
     try:
         sub.warm()
         # dropped batches leave a seq gap on the live stream; replay still has them
+        first = sub.sync()
         httpx.post(faults, json={"drop_event_fraction": 1.0}, timeout=DEADLINE)
         complete(w, toks(40), 1)
-        assert not sub.sock.poll(300)
+        assert sub.sync() == first + 1  # published, sent nowhere
         httpx.post(faults, json={"drop_event_fraction": 0.0}, timeout=DEADLINE)
         complete(w, toks(40), 1)
         _, seq, _ = sub.recv()
+        assert seq == first + 1
         rep = replay(ctx, w.replay_endpoint, seq - 1)
         assert [int.from_bytes(f[1], "big") for f in rep] == [seq - 1, seq]
         # events disabled: nothing is published and no seq is consumed
