@@ -249,7 +249,7 @@ def _build(section: str, cls: type, raw: Any) -> Any:
         return cls()
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{section}: must be a mapping, got {raw!r}")
-    types = _TYPES[section]
+    types = _TYPES.get(section, {})
     known = {f.name for f in fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():

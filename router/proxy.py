@@ -213,6 +213,22 @@ async def _until_disconnect(receive: Receive) -> None:
             return
 
 
+class _ClientGone(Exception):
+    pass
+
+
+async def _race(coro: Awaitable[Any], watcher: asyncio.Future[None]) -> Any:
+    """Await ``coro`` unless the client disconnects first (then cancel it: _ClientGone)."""
+    task = asyncio.ensure_future(coro)
+    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        return task.result()
+    task.cancel()
+    with anyio.CancelScope(shield=True), contextlib.suppress(BaseException):
+        await task
+    raise _ClientGone
+
+
 async def forward(
     *,
     registry: WorkerRegistry,
@@ -226,6 +242,27 @@ async def forward(
     done: Callable[[Outcome], None],
 ) -> Response:
     """Send ``body`` to the first attempt that answers; stream or buffer the answer back."""
+    watcher = asyncio.ensure_future(_until_disconnect(receive))
+    try:
+        return await _forward(registry, path, body, headers, attempts, stream, watcher, t0, done)
+    finally:
+        if not watcher.done():
+            watcher.cancel()
+            with contextlib.suppress(BaseException):
+                await watcher
+
+
+async def _forward(
+    registry: WorkerRegistry,
+    path: str,
+    body: bytes,
+    headers: list[tuple[bytes, bytes]],
+    attempts: list[Attempt],
+    stream: bool,
+    watcher: asyncio.Future[None],
+    t0: float,
+    done: Callable[[Outcome], None],
+) -> Response:
     last_error = "no worker available"
     last_status = 503
     for i, att in enumerate(attempts):
@@ -237,7 +274,11 @@ async def forward(
         ticket = Ticket(w, att.engine[1], att.uncached)
         req = w.client.build_request("POST", path, content=body, headers=hdrs)
         try:
-            resp = await w.client.send(req, stream=True)
+            resp = await _race(w.client.send(req, stream=True), watcher)
+        except _ClientGone:
+            ticket.finish()
+            done(Outcome(499, w.url, None, None))
+            return Response(status_code=499)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             ticket.finish()
             registry.mark_failed(w, f"{type(exc).__name__}: {exc}")
@@ -258,7 +299,7 @@ async def forward(
             continue
         if stream:
             return _stream(resp, w, ticket, t0, done)
-        return await _buffered(resp, w, ticket, t0, receive, done)
+        return await _buffered(resp, w, ticket, t0, watcher, done)
     done(Outcome(last_status, None, None, None))
     etype = "timeout" if last_status == 504 else "bad_gateway"
     return error_response(last_status, last_error, etype)
@@ -294,28 +335,17 @@ async def _buffered(
     w: Worker,
     ticket: Ticket,
     t0: float,
-    receive: Receive,
+    watcher: asyncio.Future[None],
     done: Callable[[Outcome], None],
 ) -> Response:
     async def read() -> bytes:
         parts = [chunk async for chunk in resp.aiter_raw()]
         return b"".join(parts)
 
-    reader = asyncio.ensure_future(read())
-    watcher = asyncio.ensure_future(_until_disconnect(receive))
-    try:
-        await asyncio.wait({reader, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not watcher.done():
-            watcher.cancel()
-        if not reader.done():
-            reader.cancel()  # client went away: closing the upstream aborts the request
-        with contextlib.suppress(BaseException):
-            await watcher
     ttft = time.perf_counter() - t0
     try:
-        data = await reader
-    except asyncio.CancelledError:
+        data = await _race(read(), watcher)
+    except _ClientGone:
         ticket.finish()
         with anyio.CancelScope(shield=True):
             await resp.aclose()

@@ -1,0 +1,403 @@
+"""The router end to end: real HTTP on loopback, simulated vLLM workers, real ZMQ events."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from test_router_support import config_for, serve_app, serve_router, until, words
+
+from indexer.index import PrefixIndex
+from router.tokenize import PromptTokenizer
+from simulator.testing import running_fleet
+
+pytestmark = pytest.mark.timeout(120)
+
+FAST = {"decode_ms": 1, "prefill_tps": 400000, "step_overhead_ms": 0.1}
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[list[Any]]:
+    with running_fleet(3, num_gpu_blocks=512, **FAST) as workers:
+        yield workers
+
+
+async def route(client: httpx.AsyncClient, base: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = await client.post(base + "/debug/route", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def hit_of(explained: dict[str, Any], url: str) -> int:
+    return next(w["gpu_hit_tokens"] for w in explained["workers"] if w["url"] == url)
+
+
+async def wait_indexed(client, base, body, url, min_tokens, timeout=20.0) -> dict[str, Any]:
+    async def ok():
+        e = await route(client, base, body)
+        return e if hit_of(e, url) >= min_tokens else None
+
+    return await until(ok, timeout, f"index to show {min_tokens} tokens on {url}")
+
+
+async def test_repeated_prompt_lands_on_the_worker_that_cached_it(fleet):
+    cfg = config_for(fleet, policy={"speculative_ttl_s": 0.0})
+    body = {"model": "sim-model", "prompt": words(400, "repeat"), "max_tokens": 2}
+    async with serve_router(cfg) as (base, _router), httpx.AsyncClient(timeout=30) as c:
+        await until(lambda: c.get(base + "/ready"), 20)
+        r = await c.post(base + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        first = r.headers["x-kvrouter-worker"]
+        e = await wait_indexed(c, base, body, first, 384)
+        assert e["chosen"] == first
+        for _ in range(4):
+            r = await c.post(base + "/v1/completions", json=body)
+            assert r.headers["x-kvrouter-worker"] == first
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 384
+
+
+async def test_shared_system_prompt_goes_to_its_worker_and_debug_route_explains(fleet):
+    system = {"role": "system", "content": words(300, "system-prompt")}
+    chat1 = {"model": "sim-model", "messages": [system, {"role": "user", "content": "hi one"}]}
+    chat2 = {"model": "sim-model", "messages": [system, {"role": "user", "content": "two?"}]}
+    target = fleet[1].url
+    async with httpx.AsyncClient(timeout=30) as c:
+        cfg = config_for(fleet)
+        async with serve_router(cfg) as (base, router):
+            await until(lambda: all(w.subscribed for w in router.registry.workers.values()), 20)
+            # Warm one worker directly (not through the router: no speculative entry).
+            r = await c.post(target + "/v1/chat/completions", json={**chat1, "max_tokens": 2})
+            assert r.status_code == 200
+            steps_before = (await c.get(target + "/sim/state")).json()["engines"][0]["steps"]
+            e = await wait_indexed(c, base, chat2, target, 288)
+            assert e["chosen"] == target and e["kind"] == "chat"
+            assert e["prompt_tokens"] > 300 and e["tokenization"] in ("remote", "cache")
+            w = next(x for x in e["workers"] if x["url"] == target)
+            assert w["groups"][0]["kind"] == "full_attention"
+            assert w["groups"][0]["hit_tokens"] == w["gpu_hit_tokens"]
+            assert set(w["load"]) >= {"inflight_requests", "queued_prefill_tokens", "kv_usage"}
+            assert w["cost"]["uncached_tokens"] == e["prompt_tokens"] - w["gpu_hit_tokens"]
+            others = [x for x in e["workers"] if x["url"] != target]
+            assert all(x["cost"]["tokens"] > w["cost"]["tokens"] for x in others)
+            # /debug/route sent no generation request anywhere.
+            steps_after = (await c.get(target + "/sim/state")).json()["engines"][0]["steps"]
+            assert steps_after == steps_before
+            r = await c.post(base + "/v1/chat/completions", json={**chat2, "max_tokens": 2})
+            assert r.headers["x-kvrouter-worker"] == target
+            cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= 288
+            m = (await c.get(base + "/metrics")).text
+            for name in (
+                "kvrouter_requests_total",
+                "kvrouter_ttft_seconds_bucket",
+                "kvrouter_route_decision_seconds_bucket",
+                "kvrouter_predicted_hit_tokens_total",
+                "kvrouter_prompt_tokens_total",
+                "kvrouter_worker_inflight_requests",
+                "kvrouter_worker_healthy",
+                "kvrouter_index_resident_blocks",
+                "kvrouter_events_total",
+                "kvrouter_event_gaps_total",
+                "kvrouter_replays_total",
+                "kvrouter_worker_degraded",
+                "kvrouter_decode_errors_total",
+                "kvrouter_prediction_error_tokens_bucket",
+                "kvrouter_redis_up",
+                "kvrouter_tokenize_failures_total",
+                "kvrouter_request_duration_seconds_bucket",
+            ):
+                assert name in m, name
+            d = (await c.get(base + "/debug/index")).json()
+            tw = next(x for x in d["workers"] if x["url"] == target)
+            assert tw["resident_blocks"] > 0 and tw["engines"][0]["subscriber"]["connected"]
+            assert d["process_rss_bytes"] > 0 and d["totals"]["resident_blocks"] > 0
+
+
+async def test_eviction_changes_routing():
+    prompt = words(480, "evict-me")
+    half = " ".join(prompt.split()[:240])
+    with running_fleet(2, num_gpu_blocks=64, **FAST) as ws:
+        a, b = ws[0].url, ws[1].url
+        body = {"model": "sim-model", "prompt": prompt, "max_tokens": 1}
+        async with (
+            httpx.AsyncClient(timeout=30) as c,
+            serve_router(config_for(ws)) as (base, router),
+        ):
+            await until(lambda: all(w.subscribed for w in router.registry.workers.values()), 20)
+            assert (await c.post(a + "/v1/completions", json=body)).status_code == 200
+            r = await c.post(b + "/v1/completions", json={**body, "prompt": half})
+            assert r.status_code == 200
+            e = await wait_indexed(c, base, body, a, 464)
+            assert e["chosen"] == a and hit_of(e, b) >= 224
+            # Fill a's 64-block cache with other prompts: the LRU evicts the 480-token one.
+            for i in range(3):
+                filler = {
+                    "model": "sim-model",
+                    "prompt": words(600, f"fill{i}"),
+                    "max_tokens": 1,
+                }
+                assert (await c.post(a + "/v1/completions", json=filler)).status_code == 200
+
+            async def moved():
+                e = await route(c, base, body)
+                return e if hit_of(e, a) == 0 and e["chosen"] == b else None
+
+            e = await until(moved, 20, "BlockRemoved to reach the index")
+            r = await c.post(base + "/v1/completions", json=body)
+            assert r.headers["x-kvrouter-worker"] == b
+
+
+def _normalize(sse: bytes) -> bytes:
+    sse = re.sub(rb'"id":"[^"]*"', b'"id":"X"', sse)
+    sse = re.sub(rb'"created":\d+', b'"created":0', sse)
+    return re.sub(rb'"content":"[^"]*"', b'"content":"C"', sse)
+
+
+async def test_streaming_passthrough_matches_the_direct_worker_stream(fleet):
+    body = {
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": words(50, "stream")}],
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with (
+        serve_router(config_for(fleet[:1])) as (base, _r),
+        httpx.AsyncClient(timeout=30) as c,
+    ):
+        async with c.stream("POST", fleet[0].url + "/v1/chat/completions", json=body) as r:
+            direct = b"".join([x async for x in r.aiter_raw()])
+        async with c.stream("POST", base + "/v1/chat/completions", json=body) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            assert r.headers["x-kvrouter-worker"] == fleet[0].url
+            routed = b"".join([x async for x in r.aiter_raw()])
+    assert routed.endswith(b"data: [DONE]\n\n") and routed.count(b"data: ") == 8 + 3
+    # ids, timestamps and sampled words differ per request; everything else is byte-identical
+    # (the cached_tokens of the second request differ: compare without usage)
+    strip = lambda s: re.sub(rb'"usage":\{.*?\}\}', b"", _normalize(s))  # noqa: E731
+    assert strip(routed) == strip(direct)
+
+
+def _stub_worker(events: dict[str, asyncio.Event], fail_status: int | None = None) -> FastAPI:
+    """A worker that streams fixed bytes (split mid-line and mid-UTF-8) or fails with 5xx."""
+    app = FastAPI()
+    parts = [b'data: {"a":', b'1}\n\ndata: {"t":"\xc3', b'\xa9"}\n\n', b"data: [DONE]\n\n"]
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({})
+
+    @app.get("/v1/models")
+    async def models():
+        return JSONResponse({"data": [{"id": "sim-model", "parent": None}]})
+
+    @app.get("/kv_event_sources")
+    async def sources():
+        return JSONResponse({})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return JSONResponse({"tokens": list(range(40)), "count": 40})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        if fail_status is not None:
+            return JSONResponse({"error": {"message": "boom"}}, status_code=fail_status)
+
+        async def gen() -> AsyncIterator[bytes]:
+            for i, p in enumerate(parts):
+                if i == 1:
+                    await events["first_seen"].wait()  # client saw chunk 0 before chunk 1 exists
+                yield p
+            events["done"].set()
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return app
+
+
+async def test_streaming_is_byte_exact_and_chunk_by_chunk():
+    ev = {"first_seen": asyncio.Event(), "done": asyncio.Event()}
+    async with serve_app(_stub_worker(ev)) as stub:
+        cfg = config_for([stub])
+        async with serve_router(cfg) as (base, _r), httpx.AsyncClient(timeout=30) as c:
+            body = {"model": "sim-model", "prompt": "x", "stream": True}
+            async with c.stream("POST", base + "/v1/completions", json=body) as r:
+                got = b""
+                async for chunk in r.aiter_raw():
+                    if not ev["first_seen"].is_set():
+                        assert chunk == b'data: {"a":'
+                        ev["first_seen"].set()
+                    got += chunk
+            assert got == b'data: {"a":1}\n\ndata: {"t":"\xc3\xa9"}\n\ndata: [DONE]\n\n'
+
+
+async def test_retry_on_failing_and_dead_worker(fleet):
+    live = fleet[2].url
+    ev = {"first_seen": asyncio.Event(), "done": asyncio.Event()}
+    async with serve_app(_stub_worker(ev, fail_status=503)) as stub:
+        cfg = config_for([stub, live], policy={"name": "round_robin"})
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
+            router.registry.poll_interval_s = 3600  # keep the failing stub "healthy"
+            body = {"model": "sim-model", "prompt": words(20, "retry"), "max_tokens": 1}
+            for _ in range(4):  # round robin puts the stub first every other request
+                r = await c.post(base + "/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert r.headers["x-kvrouter-worker"] == live
+            stub_worker = router.registry.workers[stub]
+    # The stub is gone now (connection refused): still served, and the worker is skipped.
+    async with (
+        serve_router(config_for([stub, live], policy={"name": "round_robin"})) as (
+            base,
+            router,
+        ),
+        httpx.AsyncClient(timeout=30) as c,
+    ):
+        router.registry.workers[stub].healthy = True  # pretend it just died after a good probe
+        for _ in range(3):
+            r = await c.post(base + "/v1/completions", json=body)
+            assert r.status_code == 200 and r.headers["x-kvrouter-worker"] == live
+        assert router.registry.workers[stub].healthy is False
+    assert stub_worker is not None
+
+
+async def test_body_limits_and_bad_input(fleet):
+    cfg = config_for(fleet[:1], server={"max_body_bytes": 2000})
+    async with serve_router(cfg) as (base, _r), httpx.AsyncClient(timeout=30) as c:
+        url = base + "/v1/completions"
+        r = await c.post(url, json={"prompt": "x" * 5000})
+        assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+
+        async def chunked():  # no Content-Length: counted while streaming
+            for _ in range(10):
+                yield b" " * 500
+
+        r = await c.post(url, content=chunked(), headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        for bad in (b"{not json", b"[1,2]", b"", b'{"prompt": "x", "stream": "yes"}'):
+            r = await c.post(url, content=bad, headers={"content-type": "application/json"})
+            assert r.status_code == 400, bad
+            err = r.json()["error"]
+            assert set(err) >= {"message", "type", "code"}
+        r = await c.post(base + "/v1/chat/completions", json={"messages": []})
+        assert r.status_code == 400
+        r = await c.post(base + "/debug/route", content=b"{")
+        assert r.status_code == 400
+        r = await c.get(base + "/nope")
+        assert r.status_code == 404 and "error" in r.json()
+        r = await c.post(url, json={"prompt": "hello there", "max_tokens": 1, "model": "nope"})
+        assert r.status_code == 404  # the worker's own error, passed through unchanged
+        r = await c.get(base + "/v1/models")
+        assert r.json()["data"][0]["id"] == "sim-model"
+
+
+async def test_tokenization_failure_routes_by_load(fleet):
+    cfg = config_for(fleet[:2])
+    async with serve_router(cfg) as (base, _router), httpx.AsyncClient(timeout=30) as c:
+        # Bad chat content: the worker's /tokenize rejects it (400); routing falls back to load,
+        # the worker answers the request with its own 400.
+        body = {"model": "sim-model", "messages": [{"role": "user", "content": {"bad": 1}}]}
+        r = await c.post(base + "/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.headers["x-kvrouter-worker"]
+        m = (await c.get(base + "/metrics")).text
+        assert re.search(r"kvrouter_tokenize_failures_total 1\.0", m)
+
+
+def _hanging_worker(closed: asyncio.Event, started: asyncio.Event) -> FastAPI:
+    """A worker whose generation never ends; it records when its client (the router) leaves.
+
+    (The simulator does not abort a request when its client disconnects, so it cannot show
+    the cancellation; vLLM does abort.)"""
+    app = _stub_worker({"first_seen": asyncio.Event(), "done": asyncio.Event()})
+    app.router.routes = [
+        r for r in app.router.routes if getattr(r, "path", "") != "/v1/completions"
+    ]
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        started.set()
+
+        async def wait_gone() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.02)
+            closed.set()
+
+        if not body.get("stream"):
+            await asyncio.wait_for(wait_gone(), 30)
+            return JSONResponse({})
+
+        async def gen() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    yield b"data: {}\n\n"
+                    await asyncio.sleep(0.02)
+            finally:
+                closed.set()
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_client_disconnect_cancels_upstream(stream):
+    closed, started = asyncio.Event(), asyncio.Event()
+    async with (
+        serve_app(_hanging_worker(closed, started)) as stub,
+        serve_router(config_for([stub])) as (base, router),
+        httpx.AsyncClient(timeout=30) as c,
+    ):
+        body = {"model": "sim-model", "prompt": "x", "stream": stream}
+        task = asyncio.create_task(
+            c.send(c.build_request("POST", base + "/v1/completions", json=body), stream=True)
+        )
+        await asyncio.wait_for(started.wait(), 10)
+        if stream:
+            resp = await task
+            await resp.aiter_raw().__anext__()
+            await resp.aclose()
+        else:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        await asyncio.wait_for(closed.wait(), 10)
+        w = router.registry.workers[stub]
+        await until(lambda: w.inflight == 0, 10, "in-flight accounting to be released")
+
+
+async def test_multi_turn_chat_reuses_keys_exactly(fleet):
+    cfg = config_for(fleet[:1])
+    async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
+        msgs = [{"role": "system", "content": words(100, "mt-sys")}]
+        for turn in range(3):
+            msgs.append({"role": "user", "content": words(30, f"mt-user-{turn}")})
+            r = await c.post(
+                base + "/v1/chat/completions",
+                json={"model": "sim-model", "messages": msgs, "max_tokens": 3},
+            )
+            assert r.status_code == 200
+            msgs.append(r.json()["choices"][0]["message"] | {"tool_calls": None})
+            msgs[-1] = {"role": "assistant", "content": msgs[-1]["content"]}
+        assert router.tokenizer.stats["prefix_reuse"] >= 2
+        # Exactness: reused keys equal keys computed from scratch.
+        tk = router.tokenizer
+        _, root = router.namespace_root({"model": "sim-model"})
+        body = {"model": "sim-model", "messages": msgs}
+        res = await PromptTokenizer(tk.unit).tokenize(body, True, root, router._remote_tokenize)
+        fresh = PrefixIndex(unit=tk.unit).prompt_keys(list(memoryview(res.data).cast("I")), root)
+        cached = await tk.tokenize(
+            {**body, "messages": [*msgs, {"role": "user", "content": "more"}]},
+            True,
+            root,
+            router._remote_tokenize,
+        )
+        assert cached.source.endswith("+prefix")
+        assert list(cached.keys[: len(fresh) - 2]) == fresh[: len(fresh) - 2]
+        assert list(res.keys) == fresh

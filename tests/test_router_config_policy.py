@@ -1,0 +1,223 @@
+"""Config contract (errors name the key, env overrides) and the pure routing policy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from router.config import ConfigError, load_config, parse_config, parse_worker_arg
+from router.policy import (
+    Candidate,
+    KvRouterPolicy,
+    PolicyParams,
+    RoundRobinPolicy,
+    SpeculativeCache,
+    WorkerLoad,
+    make_policy,
+)
+
+# ------------------------------------------------------------------------------------ config
+
+
+def test_defaults_and_full_contract_parse(tmp_path):
+    text = """
+server: {host: 127.0.0.1, port: 8001, admin_port: null, admin_token: null, api_keys: [],
+         forward_authorization: false, max_body_bytes: 1000, cors_origins: [], log_level: info}
+model: {name: null, block_size: null, cpu_chunk_tokens: 256}
+tokenizer: {mode: remote, path: null, cache_entries: 16}
+policy: {name: round_robin, cpu_transfer_discount: 0.25, speculative_ttl_s: 2, near_tie_tokens: 64}
+workers:
+  - url: http://10.0.0.5:8000/
+    events: tcp://10.0.0.5:5557
+    replay: tcp://10.0.0.5:5558
+    dp_size: 2
+    topic: ""
+events: {bind: null, queue_depth: 10, replay_timeout_s: 2.0, replay_concurrency: 4}
+index: {max_blocks: 100}
+discovery:
+  kubernetes: {enabled: false, namespace: default, label_selector: app=vllm, port: 8000,
+               events_port_annotation: a, replay_port_annotation: b, dp_size_annotation: c}
+redis: {url: "redis://r:6379/0", key_prefix: "{kvrouter}", heartbeat_ttl_s: 10,
+        snapshot_interval_s: 30}
+"""
+    p = tmp_path / "k.yaml"
+    p.write_text(text)
+    cfg = load_config(str(p), env={})
+    assert cfg.server.port == 8001 and cfg.policy.name == "round_robin"
+    assert cfg.workers[0].url == "http://10.0.0.5:8000" and cfg.workers[0].dp_size == 2
+    assert cfg.policy.speculative_ttl_s == 2.0 and cfg.redis.url == "redis://r:6379/0"
+
+
+@pytest.mark.parametrize(
+    ("data", "env", "needle"),
+    [
+        ({"server": {"prot": 1}}, {}, "server.prot"),
+        ({"servre": {}}, {}, "servre"),
+        ({"policy": {"name": "fastest"}}, {}, "policy.name"),
+        ({"policy": {"near_tie_tokens": "x"}}, {}, "policy.near_tie_tokens"),
+        ({"workers": [{"url": "http://a:1", "evnts": "tcp://a:2"}]}, {}, "workers[0].evnts"),
+        ({"workers": [{"url": "ftp://a"}]}, {}, "workers[0].url"),
+        ({"workers": [{"events": "tcp://a:2"}]}, {}, "workers[0].url"),
+        ({"redis": {"urll": "redis://x"}}, {}, "redis.urll"),
+        ({"discovery": {"kubernetes": {"enabledd": True}}}, {}, "discovery.kubernetes.enabledd"),
+        ({"tokenizer": {"mode": "local"}}, {}, "tokenizer.path"),
+        ({}, {"KVROUTER_SERVER_PROT": "1"}, "KVROUTER_SERVER_PROT"),
+        ({}, {"KVROUTER_SERVER_PORT": "eighty"}, "server.port"),
+        ({}, {"KVROUTER_REDIS_URL": "http://nope"}, "redis.url"),
+    ],
+)
+def test_config_errors_name_the_key(data, env, needle):
+    with pytest.raises(ConfigError) as exc:
+        parse_config(data, env=env)
+    assert needle in str(exc.value)
+
+
+def test_env_overrides():
+    cfg = parse_config(
+        {"server": {"port": 1}},
+        env={
+            "KVROUTER_SERVER_PORT": "9000",
+            "KVROUTER_SERVER_API_KEYS": "a,b",
+            "KVROUTER_POLICY_NAME": "least_loaded",
+            "KVROUTER_REDIS_URL": "redis://redis:6379/0",
+            "KVROUTER_DISCOVERY_KUBERNETES_ENABLED": "true",
+            "KVROUTER_SERVER_ADMIN_PORT": "null",
+            "KVROUTER_REAL_VLLM": "1",  # other tools' variables are ignored
+        },
+    )
+    assert cfg.server.port == 9000 and cfg.server.api_keys == ["a", "b"]
+    assert cfg.policy.name == "least_loaded" and cfg.discovery.kubernetes.enabled is True
+    assert cfg.redis.url == "redis://redis:6379/0" and cfg.server.admin_port is None
+
+
+def test_worker_quick_form():
+    w = parse_worker_arg("http://h2:8000;events=tcp://h2:5557;replay=tcp://h2:5558;dp_size=2")
+    assert (w.url, w.events, w.replay, w.dp_size) == (
+        "http://h2:8000",
+        "tcp://h2:5557",
+        "tcp://h2:5558",
+        2,
+    )
+    with pytest.raises(ConfigError, match="evnts"):
+        parse_worker_arg("http://h:1;evnts=tcp://h:2")
+
+
+def test_cli_reports_config_error(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("server:\n  port: 8000\n  max_body_byte: 10\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "router.cli", "serve", "--config", str(p)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2
+    assert "server.max_body_byte" in r.stderr
+
+
+# ------------------------------------------------------------------------------------ policy
+
+
+def cand(w: str, gpu: int = 0, cpu: int = 0, spec: int = 0, **load: float) -> Candidate:
+    return Candidate(w, gpu, cpu, WorkerLoad(**load), speculative_tokens=spec)  # type: ignore[arg-type]
+
+
+def test_prefers_cached_prefix_and_counts_cpu_at_discount():
+    p = KvRouterPolicy(PolicyParams(cpu_transfer_discount=0.25, near_tie_tokens=0), seed=1)
+    d = p.choose([cand("a"), cand("b", gpu=512), cand("c", gpu=256, cpu=512)], 1025, 0.0)
+    costs = {c.worker: c.cost_tokens for c in d.costs}
+    assert costs == {"a": 1025, "b": 513, "c": 257 + 512 * 0.25}
+    assert d.worker == "c" and d.ranked == ["c", "b", "a"]
+
+
+def test_queued_prefill_outweighs_a_small_hit():
+    p = KvRouterPolicy(PolicyParams(near_tie_tokens=0), seed=1)
+    d = p.choose([cand("a", gpu=256, queued_prefill_tokens=4000), cand("b")], 1000, 0.0)
+    assert d.worker == "b"
+
+
+def test_worker_metrics_correct_the_estimate():
+    p = KvRouterPolicy(PolicyParams(near_tie_tokens=0, mean_prompt_tokens=1000), seed=1)
+    # b's own queue is empty but the worker reports 3 waiting requests other routers sent.
+    d = p.choose([cand("a", gpu=0), cand("b", gpu=512, waiting=3)], 1000, 0.0)
+    assert d.worker == "a"
+    # Waiting requests this router sent itself are already in queued_prefill_tokens.
+    d = p.choose(
+        [
+            cand("a"),
+            cand("b", gpu=512, waiting=1, prefilling_requests=1, queued_prefill_tokens=100),
+        ],
+        1000,
+        0.0,
+    )
+    assert d.worker == "b"
+
+
+def test_near_ties_spread_by_inflight_then_random():
+    p = KvRouterPolicy(PolicyParams(near_tie_tokens=64), seed=3)
+    d = p.choose([cand("a", gpu=32, inflight_requests=3), cand("b", inflight_requests=1)], 500, 0)
+    assert d.worker == "b"  # 32-token advantage is a near-tie: fewer in-flight wins
+    chosen = {p.choose([cand("a"), cand("b"), cand("c")], 100, 0.0).worker for _ in range(50)}
+    assert chosen == {"a", "b", "c"}
+
+
+def test_speculative_entries_guide_siblings_then_expire():
+    spec = SpeculativeCache(ttl_s=2.0)
+    keys = list(range(100, 140))  # 40 units of 16 tokens
+    spec.record("a", keys, now=10.0)
+    assert spec.hit_tokens("a", keys, 16, now=10.5) == 640
+    assert spec.hit_tokens("a", [*keys[:10], 999, 998], 16, now=10.5) == 160
+    assert spec.hit_tokens("b", keys, 16, now=10.5) == 0
+    p = KvRouterPolicy(PolicyParams(near_tie_tokens=64), seed=0)
+    d = p.choose([cand("a", spec=spec.hit_tokens("a", keys, 16, 10.5)), cand("b")], 641, 10.5)
+    assert d.worker == "a" and d.costs[0].speculative
+    assert spec.hit_tokens("a", keys, 16, now=12.01) == 0
+    spec.expire(12.01)
+    assert len(spec) == 0
+
+
+def test_speculative_refresh_keeps_entries_and_bounds():
+    spec = SpeculativeCache(ttl_s=1.0, max_keys=50)
+    spec.record("a", [1, 2, 3], now=0.0)
+    spec.record("a", [1, 2, 3, 4], now=0.9)
+    assert spec.hit_tokens("a", [1, 2, 3, 4], 16, now=1.5) == 64  # refreshed by the 2nd record
+    for i in range(20):
+        spec.record("b", list(range(1000 + 10 * i, 1010 + 10 * i)), now=2.0)
+    assert len(spec) <= 50
+
+
+def test_herd_spills_over_once_queue_builds():
+    """Siblings follow the first request's speculative entry until the queue there costs more
+    than recomputing the shared prefix elsewhere."""
+    p = KvRouterPolicy(PolicyParams(near_tie_tokens=64), seed=0)
+    spec = SpeculativeCache(ttl_s=2.0)
+    keys = list(range(64))  # 1024-token shared prefix
+    queued = {"a": 0, "b": 0, "c": 0}
+    picks = []
+    for _i in range(12):
+        cands = [
+            cand(w, spec=spec.hit_tokens(w, keys, 16, 0.0), queued_prefill_tokens=queued[w])
+            for w in queued
+        ]
+        d = p.choose(cands, 1100, 0.0)
+        picks.append(d.worker)
+        queued[d.worker] += next(c.uncached_tokens for c in d.costs if c.worker == d.worker)
+        spec.record(d.worker, keys, 0.0)
+    assert len(set(picks)) == 3  # load spreads...
+    assert picks.count(picks[0]) >= 4  # ...but the prefix holder takes several siblings first
+
+
+def test_simple_policies():
+    rr = RoundRobinPolicy()
+    assert [rr.choose([cand("a"), cand("b")], 10, 0).worker for _ in range(4)] == [
+        "a",
+        "b",
+        "a",
+        "b",
+    ]
+    ll = make_policy("least_loaded", seed=0)
+    assert ll.choose([cand("a", inflight_requests=2), cand("b")], 10, 0).worker == "b"
+    rnd = make_policy("random", seed=0)
+    assert {rnd.choose([cand("a"), cand("b")], 10, 0).worker for _ in range(30)} == {"a", "b"}

@@ -1,0 +1,77 @@
+"""Helpers shared by the router tests (no tests here): in-process router on a free port, polling."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from router.app import Router, create_apps
+from router.config import Config, WorkerSpec
+
+
+async def until(
+    pred: Callable[[], Awaitable[Any]] | Callable[[], Any], timeout: float, what: str = ""
+) -> Any:
+    """Poll ``pred`` (sync or async) until truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        last = pred()
+        if asyncio.iscoroutine(last):
+            last = await last
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or pred}")
+        await asyncio.sleep(0.05)
+
+
+@asynccontextmanager
+async def serve_app(app: FastAPI) -> AsyncIterator[str]:
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host="127.0.0.1", port=0, log_level="warning", lifespan="on", access_log=False
+        )
+    )
+    task = asyncio.create_task(server.serve())
+    try:
+        await until(lambda: server.started or task.done(), 20, "server start")
+        if task.done():
+            task.result()
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 15)
+
+
+@asynccontextmanager
+async def serve_router(cfg: Config) -> AsyncIterator[tuple[str, Router]]:
+    app, _admin, router = create_apps(cfg, seed=0)
+    async with serve_app(app) as url:
+        yield url, router
+
+
+def config_for(workers: list[Any], **sections: dict[str, Any]) -> Config:
+    cfg = Config(
+        workers=[
+            WorkerSpec(url=w.url) if hasattr(w, "url") else WorkerSpec(url=str(w)) for w in workers
+        ]
+    )
+    for section, values in sections.items():
+        for k, v in values.items():
+            setattr(getattr(cfg, section), k, v)
+    return cfg
+
+
+def words(n: int, seed: int | str) -> str:
+    """``n`` distinct-ish words: one simulator token per word."""
+    rng = random.Random(seed)
+    return " ".join(f"w{rng.randrange(10**9)}" for _ in range(n))
