@@ -1,0 +1,290 @@
+"""Throughput and lag of the KV-event subscriber feeding a PrefixIndex (issue 3).
+
+16 publisher *processes* speak vLLM 0.33's live protocol (PUB bind, ``[topic, seq8, payload]``,
+payload ``[ts, [event maps], dp_rank]``) on loopback into one :class:`Subscriber` +
+:class:`PrefixIndex` in this process. Each publisher runs a scheduler-like loop at a fixed offered
+load: every step (one batch) carries the next 32-block chunk (16-token blocks) of each of its 4
+in-flight requests, chained to the previous chunk by ``parent_block_hash``; a request is 4 chunks
+(2048 tokens). When a publisher's simulated GPU (``--gpu-blocks``, 32k) is full it evicts the
+oldest request with one-hash ``BlockRemoved`` events, as vLLM's GPU block pool does: once full,
+every stored block is matched by a removed one (steady state). ``ts`` is stamped at publish
+time, so lag = applied - published (same host clock).
+
+At the end every publisher reports what it published and a sample of still-resident prompts;
+each sample must match in the index (``gpu_tokens == 2032``) and the applied event count must
+equal the published one (``lost_events``). The last line printed is one JSON object.
+
+    python bench/subscriber_bench.py [--blocks-per-s 320000] [--seconds 12] [--publishers 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import multiprocessing as mp
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import msgspec
+import zmq
+
+from indexer.index import PrefixIndex
+from indexer.subscriber import Subscriber
+from indexer.wire import BlockStored, DecodedBatch
+
+MODEL = "bench-model"
+BLOCK = 16
+CHUNK_BLOCKS = 32
+CHUNKS_PER_REQUEST = 4
+ACTIVE = 4  # requests in flight per publisher (one chunk each per step)
+GPU_BLOCKS = 32_768  # per publisher (a realistic GPU); beyond it the oldest request is evicted
+REQ_TOKENS = BLOCK * CHUNK_BLOCKS * CHUNKS_PER_REQUEST
+
+
+def _stored(hashes: list[int], parent: int | None, tokens: list[int]) -> dict[str, Any]:
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BLOCK,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
+
+
+def _removed(hashes: list[int]) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "group_idx": 0}
+
+
+def publisher(
+    idx: int,
+    steps_per_s: float,
+    seconds: float,
+    ready: Any,
+    synced: Any,
+    go: Any,
+    results: Any,
+    gpu_blocks: int = GPU_BLOCKS,
+) -> None:
+    # The publishers stand in for vLLM engines on other machines: on this 2-core box they run
+    # at a lower priority so the load generator steals less CPU from the subscriber under test.
+    os.nice(10)
+    rng = random.Random(idx)
+    pool = [rng.randrange(1, 100_000) for _ in range(200_000)]
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.set_hwm(100_000)
+    pub.bind("tcp://127.0.0.1:*")
+    ready.put((idx, pub.getsockopt_string(zmq.LAST_ENDPOINT)))
+    while not synced.is_set():  # slow-joiner probe: malformed 2-frame messages, no seq used
+        pub.send_multipart([b"", b"probe"])
+        time.sleep(0.01)
+    go.wait()
+    enc = msgspec.msgpack.Encoder()
+    seq = 0
+    events = blocks = removed_blocks = 0
+    next_req = 0
+    active: list[dict[str, Any]] = []
+    resident: list[dict[str, Any]] = []  # completed requests, oldest first
+    held = 0
+    t0 = time.perf_counter()
+    period = 1.0 / steps_per_s
+    step = 0
+    while True:
+        due = t0 + step * period
+        now = time.perf_counter()
+        if now - t0 >= seconds:
+            break
+        if due > now:
+            time.sleep(due - now)
+        step += 1
+        while len(active) < ACTIVE:
+            off = rng.randrange(len(pool) - REQ_TOKENS)
+            tokens = [1_000_000 + idx * 10_000_000 + next_req, *pool[off : off + REQ_TOKENS - 1]]
+            active.append({"tokens": tokens, "chunk": 0, "parent": None, "hashes": []})
+            next_req += 1
+        batch: list[dict[str, Any]] = []
+        for req in active:
+            c = req["chunk"]
+            hs = [rng.getrandbits(64) for _ in range(CHUNK_BLOCKS)]
+            lo = c * CHUNK_BLOCKS * BLOCK
+            batch.append(_stored(hs, req["parent"], req["tokens"][lo : lo + CHUNK_BLOCKS * BLOCK]))
+            req["parent"] = hs[-1]
+            req["hashes"].extend(hs)
+            req["chunk"] = c + 1
+            blocks += CHUNK_BLOCKS
+            held += CHUNK_BLOCKS
+        done = [r for r in active if r["chunk"] == CHUNKS_PER_REQUEST]
+        active = [r for r in active if r["chunk"] < CHUNKS_PER_REQUEST]
+        resident.extend(done)
+        while held > gpu_blocks and resident:
+            old = resident.pop(0)
+            hs = old["hashes"]
+            # vLLM's GPU block pool announces every eviction as its own one-hash BlockRemoved
+            # (reference §3); a request's tail blocks go first.
+            batch.extend(_removed([h]) for h in reversed(hs))
+            held -= len(hs)
+            removed_blocks += len(hs)
+        events += len(batch)
+        payload = enc.encode([time.time(), batch, 0])
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), payload], copy=False)
+        seq += 1
+    elapsed = time.perf_counter() - t0
+    sample = [r["tokens"] for r in resident[-5:]]
+    results.put(
+        {
+            "idx": idx,
+            "batches": seq,
+            "events": events,
+            "blocks": blocks,
+            "removed_blocks": removed_blocks,
+            "elapsed": elapsed,
+            "sample": sample,
+        }
+    )
+    time.sleep(0.5)  # let the last messages leave before the socket closes
+    pub.close(linger=1000)
+    ctx.term()
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    n = args.publishers
+    load_before = round(os.getloadavg()[0], 2)  # other work on the box skews every figure
+    steps_per_s = args.blocks_per_s / n / (ACTIVE * CHUNK_BLOCKS)
+    mpx = mp.get_context("fork")
+    ready, results = mpx.Queue(), mpx.Queue()
+    synced, go = mpx.Event(), mpx.Event()
+    procs = [
+        mpx.Process(
+            target=publisher,
+            args=(i, steps_per_s, args.seconds, ready, synced, go, results, args.gpu_blocks),
+            daemon=True,
+        )
+        for i in range(n)
+    ]
+    for p in procs:
+        p.start()
+    endpoints = dict(ready.get(timeout=30) for _ in range(n))
+
+    index = PrefixIndex(max_entries=20_000_000)
+    lags: list[float] = []
+    applied = {"blocks": 0, "removed": 0, "events": 0, "first": 0.0, "last": 0.0}
+    clock = time.time
+
+    def on_batch(engine: Any, seq: int, batch: DecodedBatch) -> None:
+        now = clock()
+        lags.append(now - batch.ts)
+        blocks = removed = 0
+        for ev in batch.events:
+            if type(ev) is BlockStored:
+                blocks += len(ev.block_hashes)
+            else:
+                removed += 1
+        applied["blocks"] += blocks
+        applied["removed"] += removed
+        applied["events"] += len(batch.events)
+        if not applied["first"]:
+            applied["first"] = now
+        applied["last"] = now
+
+    sub = Subscriber(index, on_batch=on_batch, queue_depth=args.queue_depth)
+    for i, ep in endpoints.items():
+        sub.add_worker(f"pub{i}", ep, model=MODEL)
+    await sub.start()
+    deadline = time.monotonic() + 30
+    while not all(s.garbage_frames > 0 for s in sub.status()):
+        if time.monotonic() > deadline:
+            raise SystemExit("publishers never became visible to the subscriber")
+        await asyncio.sleep(0.01)
+    synced.set()
+    await asyncio.sleep(0.05)  # probes in flight
+    gc.collect()
+    gc.freeze()  # the index is long-lived: keep it out of the young generations' scans
+    t_go = time.time()
+    go.set()
+    reports: list[dict[str, Any]] = []
+    while len(reports) < n:
+        while not results.empty():
+            reports.append(results.get())
+        await asyncio.sleep(0.05)
+    published_events = sum(r["events"] for r in reports)
+    deadline = time.monotonic() + 20
+    while applied["events"] < published_events and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    await sub.wait_idle(5)
+    status = sub.status()
+    await sub.stop()
+    for p in procs:
+        p.join(timeout=5)
+
+    root = index.root(MODEL)
+    checked = ok = 0
+    for r in reports:
+        engine = (f"pub{r['idx']}", 0)
+        for tokens in r["sample"]:
+            checked += 1
+            m = index.match(tokens, root, [engine]).get(engine)
+            want = (REQ_TOKENS - 1) // BLOCK * BLOCK
+            ok += bool(m is not None and m.gpu_tokens == want)
+    span = max(applied["last"] - applied["first"], 1e-9)
+    lags_ms = sorted(x * 1000 for x in lags)
+
+    def pct(p: float) -> float:
+        return round(lags_ms[min(int(p * len(lags_ms)), len(lags_ms) - 1)], 2) if lags_ms else -1
+
+    published_blocks = sum(r["blocks"] for r in reports)
+    offered = published_blocks / max(statistics.mean(r["elapsed"] for r in reports), 1e-9)
+    return {
+        "load_avg_1m_before": load_before,
+        "publishers": n,
+        "seconds": args.seconds,
+        "offered_blocks_per_s": round(offered),
+        "blocks_per_s": round(applied["blocks"] / span),
+        "removed_blocks_per_s": round(applied["removed"] / span),
+        "events_per_s": round(applied["events"] / span),
+        "batches_per_s": round(len(lags) / span),
+        "lag_p50_ms": pct(0.50),
+        "lag_p99_ms": pct(0.99),
+        "lag_max_ms": round(lags_ms[-1], 2) if lags_ms else -1,
+        "published_events": published_events,
+        "applied_events": applied["events"],
+        "lost_events": published_events - applied["events"],
+        "gaps": sum(s.gaps for s in status),
+        "queue_overflows": sum(s.queue_overflows for s in status),
+        "degraded": sum(s.degraded for s in status),
+        "chains_checked": checked,
+        "chains_ok": ok,
+        "resident_blocks": index.total_entries,
+        "wall_s": round(time.time() - t_go, 2),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--blocks-per-s", type=float, default=320_000, help="offered load, all pubs")
+    ap.add_argument("--seconds", type=float, default=12.0)
+    ap.add_argument("--publishers", type=int, default=16)
+    ap.add_argument("--queue-depth", type=int, default=10_000)
+    ap.add_argument(
+        "--gpu-blocks", type=int, default=GPU_BLOCKS, help="per publisher; huge = no evictions"
+    )
+    args = ap.parse_args()
+    result = asyncio.run(run(args))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
