@@ -460,3 +460,21 @@ def test_bounded_queue_returns_503() -> None:
     with running_fleet(1, max_num_seqs=1, max_waiting=1, decode_ms=300) as (w,):
         codes = asyncio.run(main(w))
         assert 200 in codes and 503 in codes
+
+
+def test_client_disconnect_mid_stream_frees_blocks() -> None:
+    with running_fleet(1, block_size=16, num_gpu_blocks=128, decode_ms=50) as (w,):
+        body = {"prompt": toks(200), "max_tokens": 500, "stream": True}
+        with httpx.stream("POST", f"{w.url}/v1/completions", json=body,
+                          timeout=DEADLINE) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # leave after the first token
+        deadline = time.monotonic() + DEADLINE
+        while time.monotonic() < deadline:
+            st = httpx.get(w.url + "/sim/state", timeout=DEADLINE).json()["engines"][0]
+            if st["running"] == 0 and st["waiting"] == 0 and st["kv_usage"] == 0.0:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"request not aborted: {st}")
