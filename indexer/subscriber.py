@@ -35,6 +35,9 @@ Sequence logic per source:
   message's; ZMQ delivers one connection in order) means the engine restarted.
   ``restarts += 1``, ``clear_engine``, ``on_reset(engine, "restart")``, and the batch is handled
   like a first message: seq 0 starts an exact fresh state (and ends any degradation).
+* A gap right after the SUB reconnected may be a restarted publisher whose new seqs already
+  passed ours: the replay then starts at our last seq and that batch's ts must match ours;
+  if not, it is a restart (reset, replay from 0).
 * First message with seq > 0 (joined mid-stream, or restarted while unheard): replay from 0 when
   a replay endpoint exists; if that cannot reach seq 0 (or there is no replay) the source is
   degraded with reason ``"joined mid-stream"``: its index is not wrong, only incomplete.
@@ -164,6 +167,8 @@ class _Source:
     replay_task: asyncio.Task[None] | None = None
     replay_streak: int = 0
     last_live_seq: int | None = None
+    reconnected: bool = False
+    """The SUB reconnected since the last live batch: a gap may hide a publisher restart."""
     """Seq of the last decodable live message handled (restart = the live stream goes back)."""
     degraded: bool = False
     degraded_reason: str | None = None
@@ -194,6 +199,7 @@ class _Feed:
     monitor: zmq.asyncio.Socket | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     peers: int = 0
+    handshakes: int = 0
 
 
 class Subscriber:
@@ -521,6 +527,9 @@ class Subscriber:
                 continue
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 feed.peers += 1
+                feed.handshakes += 1
+                if feed.source is not None and feed.handshakes > 1:
+                    feed.source.reconnected = True
             elif event == zmq.EVENT_DISCONNECTED:
                 feed.peers = max(feed.peers - 1, 0)
 
@@ -646,6 +655,7 @@ class Subscriber:
                 if not self._handle(src, seq, batch):
                     return
                 src.last_live_seq = seq
+                src.reconnected = False
             q.popleft()
             n += 1
         if (
@@ -700,6 +710,17 @@ class Subscriber:
             self._apply(src, seq, batch)
             return True
         src.gaps += 1
+        if (
+            src.reconnected
+            and src.replay_endpoint is not None
+            and src.last_event_ts is not None
+            and src.replay_streak < MAX_REPLAY_STREAK
+        ):
+            # A gap across a reconnect: lost messages, or a restarted publisher whose new seqs
+            # already passed ours? Replay from our last seq and compare that batch's ts.
+            src.replay_streak += 1
+            self._start_replay(src, last, "gap", verify_ts=src.last_event_ts)
+            return False
         return self._lose(src, last + 1, "gap", seq, batch)
 
     def _lose(
@@ -771,30 +792,18 @@ class Subscriber:
 
     # ------------------------------------------------------------------ replay
 
-    def _start_replay(self, src: _Source, start: int, reason: str) -> None:
+    def _start_replay(
+        self, src: _Source, start: int, reason: str, verify_ts: float | None = None
+    ) -> None:
         self._ready.pop(src, None)
         src.replay_task = asyncio.get_running_loop().create_task(
-            self._replay(src, start, reason), name=f"kv-replay {src.engine}"
+            self._replay(src, start, reason, verify_ts), name=f"kv-replay {src.engine}"
         )
 
-    async def _replay(self, src: _Source, start: int, reason: str) -> None:
-        assert self._replay_sem is not None and self._ctx is not None
-        assert src.replay_endpoint is not None
+    async def _replay(self, src: _Source, start: int, reason: str, verify_ts: float | None) -> None:
         try:
-            async with self._replay_sem:
-                try:
-                    result = await fetch_replay(
-                        self._ctx, src.replay_endpoint, start, self.replay_timeout_s
-                    )
-                except ReplayError as exc:
-                    log.warning("replay for %s: %s", src.engine, exc)
-                    if not src.removed:
-                        src.replays_failed += 1
-                        self._replay_failed(src, reason, "replay failed")
-                    return
-            if src.removed:
-                return
-            await self._apply_replay(src, start, reason, result.batches, result.reaches)
+            if await self._replay_once(src, start, reason, verify_ts) and not src.removed:
+                await self._replay_once(src, 0, MID_STREAM, None)  # a new publisher: from 0
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -807,6 +816,47 @@ class Subscriber:
             if src.queue and not src.removed and self._running:
                 self._ready[src] = None
                 self._kick()
+
+    async def _replay_once(
+        self, src: _Source, start: int, reason: str, verify_ts: float | None
+    ) -> bool:
+        """Fetch and apply one replay. With ``verify_ts``, ``start`` is our last applied seq
+        and its batch must carry that ts; otherwise the publisher restarted: the engine is reset
+        and True returned (the caller then replays from 0)."""
+        assert self._replay_sem is not None and self._ctx is not None
+        assert src.replay_endpoint is not None
+        async with self._replay_sem:
+            try:
+                result = await fetch_replay(
+                    self._ctx, src.replay_endpoint, start, self.replay_timeout_s
+                )
+            except ReplayError as exc:
+                log.warning("replay for %s: %s", src.engine, exc)
+                if not src.removed:
+                    src.replays_failed += 1
+                    self._replay_failed(src, reason, "replay failed")
+                return False
+        if src.removed:
+            return False
+        batches, reaches = result.batches, result.reaches
+        if verify_ts is not None and reaches:
+            try:
+                same = decode_payload(batches[0][1]).ts == verify_ts
+            except DecodeError:
+                same = False
+            if not same:
+                src.replays_ok += 1
+                src.restarts += 1
+                src.last_seq = None
+                src.resync = False
+                src.overflow_max = None
+                self.index.clear_engine(src.engine)
+                self._notify(src, RESTART)
+                return True
+            batches = batches[1:]
+            start += 1
+        await self._apply_replay(src, start, reason, batches, reaches)
+        return False
 
     def _replay_failed(self, src: _Source, reason: str, detail: str) -> None:
         if reason == MID_STREAM:
@@ -825,6 +875,8 @@ class Subscriber:
     ) -> None:
         if reaches:
             src.replays_ok += 1
+            if start == 0 and src.last_seq is None:
+                self._undegrade(src)  # the whole history of a (new) publisher: exact
         else:
             src.replays_failed += 1
             self._replay_failed(src, reason, "replay cannot reach back")

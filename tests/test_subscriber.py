@@ -545,3 +545,35 @@ async def test_start_stop_idempotent_and_add_before_start() -> None:
         await sub.stop()
         pub.close()
     assert not _st(sub, "w").connected
+
+
+async def test_silence_and_restart_that_overtakes_our_seq(make) -> None:
+    """A dead publisher changes nothing in the index; its replacement, whose new seqs already
+    passed ours when we reconnect, is recognised as a restart (replayed batch ts differs)."""
+    new_pub, _ = make
+    resets: list[str] = []
+    pub, sub = await _one(
+        make, reconnect_backoff_s=(1.0, 1.0), on_reset=lambda e, r: resets.append(r)
+    )
+    chains = Chains(30)
+    for _ in range(3):
+        pub.publish(chains.request(2))
+    await _until(lambda: _st(sub, "w").last_seq == 2)
+    blocks = _st(sub, "w").blocks
+    port, rport = pub.port, int(pub.replay_endpoint.rsplit(":", 1)[1])
+    pub.close()
+    await _until(lambda: not _st(sub, "w").connected, what="disconnect seen")
+    st = _st(sub, "w")
+    assert st.blocks == blocks and not st.degraded and st.resets == 0  # silence is not empty
+    pub2 = new_pub(endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}")
+    chains2 = Chains(31)
+    for _ in range(10):  # published before the subscriber reconnects (1 s backoff): unseen
+        pub2.publish(chains2.request(2))
+    await _sync(sub, pub2, "w")
+    pub2.publish(chains2.request(2))  # seq 10 > our 2 + 1: looks like a gap
+    await _until(lambda: _st(sub, "w").last_seq == 10 and _st(sub, "w").restarts == 1)
+    assert await sub.wait_idle(DEADLINE)
+    st = _st(sub, "w")
+    assert not st.degraded and st.resets == 0 and resets == ["restart"]
+    assert pub2.replay_requests == [2, 0]
+    _assert_same(sub.index, _reference((("w", 0), pub2)), ("w", 0), chains2)
