@@ -118,7 +118,7 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="end with one JSON object")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--duration", type=float, default=20.0, help="seconds of load per policy")
-    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=8)
 
 
 def main(argv: list[str] | None = None) -> int:

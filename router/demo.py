@@ -1,0 +1,261 @@
+"""``kvrouter demo``: a simulated 4-worker fleet, the router, and a multi-turn chat load.
+
+The same load (seeded) runs twice on a fresh fleet each time: once through kvrouter's policy
+and once round-robin. Workers are the simulator (``kvrouter-sim`` subprocess, loopback only)
+with a KV cache too small to hold every shared system prompt on every worker, so round-robin
+thrashes while cache-aware routing keeps each prompt family on a few workers.
+
+Hit rate = sum of the workers' ``usage.prompt_tokens_details.cached_tokens`` / prompt tokens;
+TTFT = time to the first SSE chunk that carries generated text. (The simulator is imported
+here only: ``router/`` does not depend on it otherwise.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from typing import Any
+
+import httpx
+
+from router.config import Config, WorkerSpec
+
+FLEET_FLAGS: dict[str, Any] = {
+    "num_gpu_blocks": 256,  # 4096 tokens per worker: not enough for all system prompts
+    "prefill_tps": 5000,  # 1k uncached tokens = 200 ms of prefill
+    "decode_ms": 4,
+    "step_overhead_ms": 0.5,
+    "max_num_batched_tokens": 4096,
+}
+N_SYSTEM_PROMPTS = 8
+SYSTEM_TOKENS = 900
+MAX_TOKENS = 12
+TURNS = 4
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(f"w{rng.randrange(10**8)}" for _ in range(n))
+
+
+class Load:
+    """Conversations over shared system prompts; each turn extends the previous prompt."""
+
+    def __init__(self, seed: int = 7) -> None:
+        rng = random.Random(seed)
+        self.systems = [_words(rng, SYSTEM_TOKENS) for _ in range(N_SYSTEM_PROMPTS)]
+        self.seed = seed
+
+    def conversation(self, i: int) -> tuple[str, random.Random]:
+        rng = random.Random(self.seed * 100_003 + i)
+        return self.systems[rng.randrange(N_SYSTEM_PROMPTS)], rng
+
+
+async def _one(
+    client: httpx.AsyncClient, url: str, messages: list[dict[str, str]]
+) -> dict[str, Any]:
+    body = {
+        "model": "sim-model",
+        "messages": messages,
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    ttft = None
+    text = []
+    usage: dict[str, Any] = {}
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return {"error": r.status_code}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            d = json.loads(line[6:])
+            for ch in d.get("choices") or []:
+                content = (ch.get("delta") or {}).get("content")
+                if content:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text.append(content)
+            if d.get("usage"):
+                usage = d["usage"]
+    return {
+        "ttft": ttft if ttft is not None else time.perf_counter() - t0,
+        "prompt": usage.get("prompt_tokens", 0),
+        "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+        "text": "".join(text),
+    }
+
+
+async def run_load(
+    url: str, load: Load, duration: float, concurrency: int, label: str, quiet: bool
+) -> dict[str, float]:
+    results: list[dict[str, Any]] = []
+    errors = 0
+    t_start = time.perf_counter()
+    deadline = t_start + duration
+    next_conv = 0
+
+    async def user(client: httpx.AsyncClient) -> None:
+        nonlocal next_conv, errors
+        while time.perf_counter() < deadline:
+            i = next_conv
+            next_conv += 1
+            system, rng = load.conversation(i)
+            msgs = [{"role": "system", "content": system}]
+            for _ in range(TURNS):
+                if time.perf_counter() >= deadline:
+                    return
+                msgs.append({"role": "user", "content": _words(rng, rng.randrange(20, 60))})
+                res = await _one(client, url, msgs)
+                if "error" in res:
+                    errors += 1
+                    break
+                results.append(res)
+                msgs.append({"role": "assistant", "content": res["text"]})
+
+    async def progress() -> None:
+        while True:
+            await asyncio.sleep(2.0)
+            el = time.perf_counter() - t_start
+            print(
+                f"  [{label}] {el:5.1f}s / {duration:.0f}s  {len(results)} requests",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        prog = asyncio.create_task(progress()) if not quiet else None
+        await asyncio.gather(*(user(client) for _ in range(concurrency)))
+        if prog:
+            prog.cancel()
+    elapsed = time.perf_counter() - t_start
+    ttfts = sorted(r["ttft"] for r in results)
+    prompt = sum(r["prompt"] for r in results)
+    cached = sum(r["cached"] for r in results)
+
+    def pct(p: float) -> float:
+        if not ttfts:
+            return float("nan")
+        return ttfts[min(len(ttfts) - 1, int(p * len(ttfts)))]
+
+    return {
+        "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+        "ttft_p50_s": round(pct(0.50), 4),
+        "ttft_p99_s": round(pct(0.99), 4),
+        "requests_per_s": round(len(results) / elapsed, 2),
+        "requests": len(results),
+        "errors": errors,
+    }
+
+
+async def _with_router(
+    policy: str, port: int, workers: list[Any], body: Any, *, serve_forever: bool = False
+) -> Any:
+    import uvicorn
+
+    from router.app import create_apps
+    from router.cli import serve  # noqa: F401  (same server setup as `kvrouter serve`)
+
+    cfg = Config(workers=[WorkerSpec(url=w.url) for w in workers])
+    cfg.server.host = "127.0.0.1"
+    cfg.server.port = port
+    cfg.server.log_level = "warning"
+    cfg.policy.name = policy
+    app, _admin, router = create_apps(cfg, seed=0)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    )
+    task = asyncio.create_task(server.serve())
+    try:
+        t = time.monotonic()
+        while not server.started:
+            if task.done():
+                task.result()
+                raise RuntimeError("router did not start")
+            if time.monotonic() - t > 20:
+                raise RuntimeError("router did not start within 20 s")
+            await asyncio.sleep(0.05)
+        real_port = server.servers[0].sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{real_port}"
+        async with httpx.AsyncClient(timeout=5) as c:
+            t = time.monotonic()
+            while (await c.get(url + "/ready")).status_code != 200:
+                if time.monotonic() - t > 20:
+                    raise RuntimeError("router not ready within 20 s")
+                await asyncio.sleep(0.1)
+        return await body(url, router)
+    finally:
+        if not serve_forever:
+            server.should_exit = True
+            await asyncio.wait_for(task, 15)
+
+
+def run_demo(ns: argparse.Namespace) -> int:
+    from simulator.testing import running_fleet  # demo only: the simulated fleet
+
+    load = Load()
+    if ns.serve:
+        return _serve(ns, running_fleet)
+    summary: dict[str, dict[str, float]] = {}
+    for policy in ("kvrouter", "round_robin"):
+        print(f"starting {ns.workers} simulated workers for {policy} ...", file=sys.stderr)
+        with running_fleet(ns.workers, **FLEET_FLAGS) as workers:
+
+            async def body(url: str, _router: Any, policy: str = policy) -> dict[str, float]:
+                return await run_load(url, load, ns.duration, ns.concurrency, policy, ns.json)
+
+            summary[policy] = asyncio.run(_with_router(policy, 0, workers, body))
+    _print_table(summary)
+    if ns.json:
+        out = {
+            k: {m: v[m] for m in ("hit_rate", "ttft_p50_s", "ttft_p99_s", "requests_per_s")}
+            for k, v in summary.items()
+        }
+        print(json.dumps(out))
+    return 0
+
+
+def _print_table(summary: dict[str, dict[str, float]]) -> None:
+    print()
+    print(
+        f"{'policy':<12} {'hit rate':>9} {'TTFT p50':>10} {'TTFT p99':>10} {'req/s':>8} {'reqs':>6}"
+    )
+    for k, v in summary.items():
+        print(
+            f"{k:<12} {v['hit_rate'] * 100:8.1f}% {v['ttft_p50_s'] * 1000:8.1f}ms "
+            f"{v['ttft_p99_s'] * 1000:8.1f}ms {v['requests_per_s']:8.1f} {v['requests']:6d}"
+        )
+    if "kvrouter" in summary and "round_robin" in summary:
+        a, b = summary["kvrouter"], summary["round_robin"]
+        if a["ttft_p50_s"] > 0:
+            print(
+                f"\nkvrouter vs round-robin: TTFT p50 {b['ttft_p50_s'] / a['ttft_p50_s']:.1f}x "
+                f"lower, hit rate {a['hit_rate'] * 100:.0f}% vs {b['hit_rate'] * 100:.0f}%"
+            )
+
+
+def _serve(ns: argparse.Namespace, running_fleet: Any) -> int:
+    with running_fleet(ns.workers, **FLEET_FLAGS) as workers:
+
+        async def body(url: str, router: Any) -> None:
+            print(f"kvrouter demo: router at {url} (OpenAI API: {url}/v1)")
+            for w in workers:
+                print(f"  simulated worker {w.url}  events {w.events_endpoint}")
+            async with httpx.AsyncClient(timeout=5) as c:
+                print(json.dumps((await c.get(url + "/debug/index")).json(), indent=1)[:4000])
+            print(f"try: curl -s {url}/debug/index | python -m json.tool ; Ctrl-C to stop")
+            sys.stdout.flush()
+            await asyncio.Event().wait()
+
+        try:
+            asyncio.run(_with_router("kvrouter", ns.port, workers, body, serve_forever=True))
+        except KeyboardInterrupt:
+            pass
+    return 0
