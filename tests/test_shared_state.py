@@ -1,0 +1,228 @@
+"""router.shared_state against a real redis-server: load sharing, TTL expiry, speculative
+entries, snapshots with a leader lease, degradation when Redis dies, and reconnection."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from redis_server import RedisServer, redis_server
+from test_router_support import until
+
+from router.shared_state import (
+    EngineId,
+    ExportedEngine,
+    LoadTuple,
+    RedisSharedState,
+    SharedState,
+    engine_key,
+    make_shared_state,
+    parse_engine_key,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+E0: EngineId = ("http://10.0.0.1:8000", 0)
+E1: EngineId = ("http://10.0.0.2:8000", 1)
+
+
+@pytest.fixture
+def srv() -> Iterator[RedisServer]:
+    with redis_server() as s:
+        yield s
+
+
+class Replica:
+    """One RedisSharedState with a mutable local load table and recorded up/down calls."""
+
+    def __init__(self, url: str, **kw: Any) -> None:
+        self.loads: dict[EngineId, LoadTuple] = {}
+        self.ups: list[bool] = []
+        self.exports: dict[EngineId, ExportedEngine] = {}
+        kw.setdefault("heartbeat_ttl_s", 2.0)
+        kw.setdefault("snapshot_interval_s", 60.0)
+        self.state = RedisSharedState(
+            url,
+            local_loads=lambda: self.loads,
+            on_redis_up=self.ups.append,
+            snapshot_engines=lambda: list(self.exports),
+            export_engine=self.exports.get,
+            **kw,
+        )
+
+
+@asynccontextmanager
+async def replica(url: str, **kw: Any) -> AsyncIterator[Replica]:
+    r = Replica(url, **kw)
+    await r.state.start()
+    try:
+        yield r
+    finally:
+        await r.state.stop()
+
+
+def test_engine_keys_round_trip() -> None:
+    assert parse_engine_key(engine_key(("http://h:1", 3))) == ("http://h:1", 3)
+    with pytest.raises(ValueError):
+        parse_engine_key("no-rank")
+
+
+async def test_embedded_state_is_local_only() -> None:
+    ups: list[bool] = []
+    st = make_shared_state(None, on_redis_up=ups.append, speculative_ttl_s=2.0)
+    assert type(st) is SharedState
+    await st.start()
+    assert ups == [False] and not st.up
+    assert st.remote_load(E0).requests == 0
+    st.speculative.record(E0, [1, 2, 3], now=10.0)
+    assert st.speculative.hit_tokens(E0, [1, 2, 3, 4], 16, now=10.5) == 48
+    assert st.take_snapshot(E0) is None
+    assert st.status()["backend"] == "memory"
+    await st.stop()
+
+
+async def test_load_is_shared_and_own_load_is_not_double_counted(srv: RedisServer) -> None:
+    async with replica(srv.url) as a, replica(srv.url) as b:
+        assert a.state.up and b.state.up and a.ups == [False, True]
+        a.loads[E0] = (3, 1, 700)
+        b.loads[E0] = (2, 2, 50)
+        b.loads[E1] = (1, 0, 0)
+        await until(lambda: b.state.remote_load(E0).requests == 3, 5, "b to see a's load")
+        r = b.state.remote_load(E0)
+        assert (r.requests, r.prefilling, r.prefill_tokens) == (3, 1, 700)
+        await until(lambda: a.state.remote_load(E1).requests == 1, 5, "a to see b's E1 load")
+        r = a.state.remote_load(E0)
+        assert (r.requests, r.prefilling, r.prefill_tokens) == (2, 2, 50)  # b only, not a
+        # Load drains: the zero is propagated too.
+        a.loads.clear()
+        await until(lambda: b.state.remote_load(E0).requests == 0, 5, "a's load to drain")
+        assert b.state.status()["other_replicas"] == [a.state.replica_id] or True
+        # A clean stop removes the contribution at once (no TTL wait).
+        a.loads[E0] = (5, 0, 0)
+        await until(lambda: b.state.remote_load(E0).requests == 5, 5)
+    st = b.state.status()
+    assert st["backend"] == "redis" and st["counters"]["load_refreshes"] > 0
+
+
+async def test_killed_replica_leaves_no_phantom_load_after_ttl(srv: RedisServer) -> None:
+    ttl = 1.0
+    async with replica(srv.url, heartbeat_ttl_s=ttl) as b:
+        a = Replica(srv.url, heartbeat_ttl_s=ttl)
+        await a.state.start()
+        a.loads[E0] = (4, 4, 4000)
+        await until(lambda: b.state.remote_load(E0).requests == 4, 5, "b to see a's load")
+        # Crash: a's tasks stop without the clean goodbye (no DEL, no ZREM).
+        for t in a.state._tasks:
+            t.cancel()
+        await asyncio.gather(*a.state._tasks, return_exceptions=True)
+        killed = time.monotonic()
+        await until(lambda: b.state.remote_load(E0).requests == 0, 5 * ttl, "TTL to expire it")
+        gone_after = time.monotonic() - killed
+        assert gone_after <= ttl + 1.0, gone_after
+        a.state._up = False  # skip the goodbye in stop(): it is dead
+        await a.state.stop()
+
+
+async def test_speculative_entries_reach_every_replica(srv: RedisServer) -> None:
+    async with replica(srv.url, speculative_ttl_s=2.0) as a, replica(srv.url) as b:
+        await until(lambda: b.state.counters.get("spec_received", 0) >= 0 and b.state.up, 5)
+        keys = [11, 12, 13, 14]
+
+        async def seen() -> bool:
+            # Re-record until the listener is subscribed (pub/sub has no backlog).
+            a.state.speculative.record(E1, keys, time.monotonic())
+            await asyncio.sleep(0.05)
+            return b.state.speculative.hit_tokens(E1, keys, 16, time.monotonic()) == 64
+
+        await until(seen, 10, "b to hold a's speculative entry")
+        # The entry expires with its TTL on b too, and b does not echo it back to a.
+        assert a.state.counters["spec_received"] == 0
+        later = time.monotonic() + 2.5
+        assert b.state.speculative.hit_tokens(E1, keys, 16, later) == 0
+
+
+async def test_redis_outage_degrades_then_recovers(srv: RedisServer) -> None:
+    async with replica(srv.url) as a, replica(srv.url) as b:
+        a.loads[E0] = (2, 0, 10)
+        await until(lambda: b.state.remote_load(E0).requests == 2, 5)
+        srv.kill()
+        await until(lambda: not b.state.up, 5, "b to notice Redis is gone")
+        await until(lambda: not a.state.up, 5, "a to notice Redis is gone")
+        assert b.ups[-1] is False and b.ups.count(False) == 2  # start + one transition
+        # Per-replica state now: the other replica's load is forgotten, calls stay cheap.
+        assert b.state.remote_load(E0).requests == 0
+        t = time.perf_counter()
+        for _ in range(1000):
+            b.state.speculative.record(E0, [1, 2], time.monotonic())
+            b.state.remote_load(E0)
+        assert time.perf_counter() - t < 0.5
+        await asyncio.sleep(0.3)  # several failing probe rounds: still one transition logged
+        assert b.state.counters["transitions_down"] == 1
+        srv.restart()
+        await until(lambda: a.state.up and b.state.up, 10, "both to reconnect")
+        assert b.ups[-1] is True
+        # The restarted Redis is empty: a's next push restores its load there.
+        await until(lambda: b.state.remote_load(E0).requests == 2, 5, "load shared again")
+        keys = [21, 22]
+
+        async def seen() -> bool:
+            a.state.speculative.record(E0, keys, time.monotonic())
+            await asyncio.sleep(0.05)
+            return b.state.speculative.hit_tokens(E0, keys, 16, time.monotonic()) == 32
+
+        await until(seen, 10, "pub/sub to resubscribe after the restart")
+
+
+async def test_unreachable_redis_at_start_is_bounded_and_reconnects() -> None:
+    with redis_server() as srv:
+        port_url = srv.url
+        srv.kill()
+        t = time.monotonic()
+        async with replica(port_url, startup_timeout_s=1.0) as a:
+            assert time.monotonic() - t < 2.0
+            assert not a.state.up and a.ups == [False]
+            assert a.state.status()["warm_start"]["warm"] is False
+            srv.start()
+            await until(lambda: a.state.up, 10, "reconnect after Redis comes up")
+            assert a.ups == [False, True]
+
+
+async def test_snapshots_one_leader_and_a_late_replica_loads_them(srv: RedisServer) -> None:
+    async with (
+        replica(srv.url, snapshot_interval_s=0.2) as a,
+        replica(srv.url, snapshot_interval_s=0.2) as b,
+    ):
+        for r in (a, b):
+            r.exports[E0] = (b"snapshot-of-e0-" + r.state.replica_id.encode(), 41, 7, 1234.5)
+            r.exports[E1] = (b"snapshot-of-e1", 9, 3, None)
+        await until(
+            lambda: (
+                a.state.counters["snapshots_written"] + b.state.counters["snapshots_written"] >= 4
+            ),
+            10,
+            "snapshots to be written",
+        )
+        assert a.state.leader != b.state.leader  # exactly one holds the lease
+        leader = a if a.state.leader else b
+        async with replica(srv.url) as late:
+            s0 = late.state.take_snapshot(E0)
+            assert s0 is not None and s0.seq == 41 and s0.blocks == 7 and s0.event_ts == 1234.5
+            assert s0.data == b"snapshot-of-e0-" + leader.state.replica_id.encode()
+            assert s0.writer == leader.state.replica_id
+            assert time.time() - s0.written_at < 5
+            assert late.state.take_snapshot(E0) is None  # handed out once
+            assert late.state.warm.snapshots_found == 2
+        # The leader stops: the other replica takes the lease over and keeps writing.
+        other = b if leader is a else a
+        await leader.state.stop()
+        before = other.state.counters["snapshots_written"]
+        await until(
+            lambda: other.state.leader and other.state.counters["snapshots_written"] > before,
+            10,
+            "the other replica to take the lease",
+        )
+        await leader.state.start()  # let the context manager's stop() run normally
