@@ -71,6 +71,10 @@ class EngineConfig:
             self.group_specs = parse_groups(self.groups)
         if self.block_size <= 0 or self.num_gpu_blocks < 2:
             raise ValueError("block_size must be > 0 and num_gpu_blocks >= 2")
+        sizes = {g.block_size or self.block_size for g in self.group_specs}
+        if self.cpu_chunks > 0 and len(sizes) > 1:
+            # as vLLM's OffloadingConnector: chunking needs one block size for all groups
+            raise ValueError("a CPU tier needs every KV-cache group to share one block size")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
 
@@ -104,10 +108,17 @@ class SimEngine:
             c.group_specs, c.num_gpu_blocks, c.block_size, c.retention_interval,
             c.event_block_size_lie,
         )
+        # largest token count whose blocks (all groups) fit the pool
+        lo, hi = 0, c.num_gpu_blocks * max(self.kv.gbs)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.kv.blocks_for_tokens(mid) <= c.num_gpu_blocks - 1 else (
+                lo, mid - 1)
+        self._cap_tokens = lo
         self.cpu: CpuTier | None = None
         if c.cpu_chunks > 0:
             fa = [g for g, s in enumerate(c.group_specs) if s.kind == "full_attention"]
-            self.cpu = CpuTier(c.cpu_chunks, c.cpu_chunk_tokens, c.block_size,
+            self.cpu = CpuTier(c.cpu_chunks, c.cpu_chunk_tokens, self.kv.hbs,
                                c.cpu_events == "self_describing", fa[0] if fa else 0)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -137,11 +148,11 @@ class SimEngine:
         if len(prompt) >= c.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt)} tokens, max_model_len is {c.max_model_len}")
-        if -(-len(prompt) // c.block_size) * len(c.group_specs) > c.num_gpu_blocks - 1:
+        if self.kv.blocks_for_tokens(len(prompt)) > c.num_gpu_blocks - 1:
             raise ValueError("prompt does not fit in the KV cache")
         # Clamp so that prompt + output always fit the pool: a lone request can then never
         # preempt itself forever (vLLM bounds this through max_model_len vs. capacity).
-        cap_tokens = (c.num_gpu_blocks - 1) // len(c.group_specs) * c.block_size
+        cap_tokens = self._cap_tokens
         max_tokens = max(1, min(int(max_tokens), c.max_model_len - len(prompt),
                                 cap_tokens - len(prompt)))
         lora_id = None
@@ -150,7 +161,7 @@ class SimEngine:
         req = Request(
             request_id, prompt, max_tokens, arrival_s, len(c.group_specs), c.block_size,
             lora_name, lora_id, cache_salt, session_id,
-            RequestHasher(c.block_size, lora_name, cache_salt),
+            RequestHasher(self.kv.hbs, lora_name, cache_salt),
         )
         req.report_full = report_full
         self.requests[request_id] = req
@@ -238,12 +249,10 @@ class SimEngine:
     def _first_schedule(self, req: Request, now: float) -> bool:
         """Prefix-cache lookup for a waiting request; returns False if it must wait."""
         kv, c = self.kv, self.config
-        hit_blocks, per_group, longest = kv.find_hit(req)
-        hit = hit_blocks * c.block_size
-        last = (req.num_prompt - 1) // c.block_size
-        req.reachable = {last} | ({longest} if longest > hit_blocks else set())
-        if req.report_full and hit_blocks:
-            kv.emit_cached_block_events(req, hit_blocks)
+        hit, per_group, longest = kv.find_hit(req)
+        kv.set_reachable(req, hit, longest)
+        if req.report_full and hit:
+            kv.emit_cached_block_events(req, hit)
         ext = 0
         if self.cpu is not None:
             ext = self.cpu.lookup(req, hit)

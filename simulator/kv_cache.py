@@ -15,10 +15,16 @@ Mirrors vLLM 0.33:
   ``[num_cached, num_full)``, masked/null blocks skipped from ``block_hashes`` while
   ``token_ids`` covers the whole range, parent = hash of block ``num_cached - 1``.
 - ``KVCacheManager.free``: groups in order, each group's blocks in reverse order.
+
+Groups may have their own block sizes (``resolve_kv_cache_block_sizes``, kv_cache_utils.py
+L816): request hashes are computed at ``hash_block_size = gcd(group block sizes)``; a group
+block's hash is the tail hash at its last hash boundary (``BlockHashListWithBlockSize``);
+hits are aligned to ``lcm(group block sizes)`` (the scheduler block size).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from simulator.block_pool import BlockPool
@@ -34,24 +40,32 @@ MAMBA = "mamba"
 class GroupSpec:
     kind: str
     sliding_window: int | None = None
+    block_size: int | None = None  # None: the engine's block size
 
 
 def parse_groups(spec: str) -> list[GroupSpec]:
-    """``"full"``, ``"full,swa:64"``, ``"swa:64,full"``, ``"full,mamba"``."""
+    """``"full"``, ``"full,swa:64"``, ``"swa:64,full"``, ``"full,mamba"``; an optional
+    ``@N`` gives a group its own block size: ``"full@16,mamba@64"``, ``"swa:64@32"``."""
     out: list[GroupSpec] = []
     for part in spec.split(","):
         p = part.strip().lower()
         if not p:
             continue
+        p, at, bs_s = p.partition("@")
+        bs: int | None = None
+        if at:
+            if not bs_s.isdigit() or int(bs_s) < 1:
+                raise ValueError(f"bad group block size in {part!r}")
+            bs = int(bs_s)
         if p in ("full", "full_attention", "fa"):
-            out.append(GroupSpec(FULL))
+            out.append(GroupSpec(FULL, None, bs))
         elif p.startswith(("swa", "sliding_window")):
             _, _, w = p.partition(":")
             if not w.isdigit() or int(w) < 2:
                 raise ValueError(f"sliding window group needs a window, e.g. swa:64 (got {part!r})")
-            out.append(GroupSpec(SWA, int(w)))
+            out.append(GroupSpec(SWA, int(w), bs))
         elif p == "mamba":
-            out.append(GroupSpec(MAMBA))
+            out.append(GroupSpec(MAMBA, None, bs))
         else:
             raise ValueError(f"unknown KV-cache group kind {part!r}")
     if not out:
@@ -74,52 +88,72 @@ class KVCacheManager:
     ) -> None:
         self.groups = groups
         self.pool = BlockPool(num_blocks)
-        self.bs = block_size
+        self.gbs = [s.block_size or block_size for s in groups]
+        self.hbs = math.gcd(*self.gbs)  # hash_block_size (prefix-match unit)
+        self.align = math.lcm(*self.gbs)  # scheduler block size: hits land on multiples
+        self.scale = [b // self.hbs for b in self.gbs]
         self.retention = retention_interval
-        self.event_bs = event_block_size or block_size
+        self.event_bs = event_block_size
         self.fa = [g for g, s in enumerate(groups) if s.kind == FULL]
         self.other = [g for g, s in enumerate(groups) if s.kind != FULL]
         # cdiv(W-1, bs) blocks needed at the hit boundary (SWA); 1 state block for mamba.
         self.needed = [
-            _cdiv(s.sliding_window - 1, block_size) if s.kind == SWA else 1 for s in groups
+            _cdiv(s.sliding_window - 1, self.gbs[g]) if s.kind == SWA else 1
+            for g, s in enumerate(groups)
         ]
 
+    def blocks_for_tokens(self, n_tokens: int) -> int:
+        return sum(_cdiv(n_tokens, b) for b in self.gbs)
+
     # ---- hits ---------------------------------------------------------------------------
+    def _gkey(self, digests: list[bytes], g: int, i: int) -> tuple[bytes, int]:
+        return (digests[(i + 1) * self.scale[g] - 1], g)
+
     def _group_hit(self, g: int, digests: list[bytes], limit: int) -> int:
+        """Hit of one non-full group in tokens, <= limit, aligned to ``self.align``."""
         cached = self.pool.cached
+        bs, s, a = self.gbs[g], self.scale[g], self.align
+        max_blocks = limit // bs
         if self.groups[g].kind == MAMBA:
-            for i in range(limit - 1, -1, -1):
-                if (digests[i], g) in cached:
-                    return i + 1
+            for i in range(max_blocks - 1, -1, -1):
+                if ((i + 1) * bs) % a == 0 and (digests[(i + 1) * s - 1], g) in cached:
+                    return (i + 1) * bs
             return 0
         need = self.needed[g]
         run = 0
-        for i in range(limit - 1, -1, -1):
-            if (digests[i], g) in cached:
+        right = 0  # exclusive right edge (in blocks) of the current run
+        for i in range(max_blocks - 1, -1, -1):
+            if (digests[(i + 1) * s - 1], g) in cached:
+                if run == 0:
+                    right = i + 1
                 run += 1
+                while run and (right * bs) % a:  # the run's right edge must be aligned
+                    right -= 1
+                    run -= 1
                 if run >= need:
-                    return i + need
+                    return right * bs
             else:
                 run = 0
-        return run  # a shorter run that starts at block 0 still counts
+        return (run * bs) // a * a if run and right == run else 0
 
     def find_hit(self, req: Request) -> tuple[int, list[list[int]], int]:
-        """(hit blocks, per-group blocks with 0 = null, longest single-group hit blocks)."""
+        """(hit tokens, per-group blocks with 0 = null, longest single-group hit tokens)."""
         n_hashes = req.hasher.extend(req.all_token_ids)
         digests = req.hasher.digests
-        limit = min((len(req.all_token_ids) - 1) // self.bs, n_hashes)
+        a = self.align
+        hit = min(len(req.all_token_ids) - 1, n_hashes * self.hbs) // a * a
         cached = self.pool.cached
-        hit = limit
         fa_blocks: dict[int, list[int]] = {}
         for g in self.fa:  # left-to-right scan, collecting the first cached block per hash
+            bs, s = self.gbs[g], self.scale[g]
             found: list[int] = []
             append = found.append
-            for n in range(hit):
-                blocks = cached.get((digests[n], g))
+            for i in range(hit // bs):
+                blocks = cached.get((digests[(i + 1) * s - 1], g))
                 if not blocks:
                     break
                 append(next(iter(blocks)))
-            hit = len(found)
+            hit = len(found) * bs // a * a
             fa_blocks[g] = found
         longest = hit if self.fa else -1
         while True:
@@ -136,16 +170,23 @@ class KVCacheManager:
         get = self.pool.get_cached_block
         per_group: list[list[int]] = []
         for g, spec in enumerate(self.groups):
-            if hit == 0:
+            nb = hit // self.gbs[g]
+            if nb == 0:
                 per_group.append([])
             elif spec.kind == FULL:
-                per_group.append(fa_blocks[g][:hit])
+                per_group.append(fa_blocks[g][:nb])
             else:
                 keep = 1 if spec.kind == MAMBA else self.needed[g]
-                start = max(0, hit - keep)
-                tail = [get((digests[i], g)) or 0 for i in range(start, hit)]
+                start = max(0, nb - keep)
+                tail = [get(self._gkey(digests, g, i)) or 0 for i in range(start, nb)]
                 per_group.append([0] * start + tail)
         return hit, per_group, longest
+
+    def set_reachable(self, req: Request, hit: int, longest: int) -> None:
+        """Token boundaries at which sparse SWA/mamba groups keep blocks: the replay
+        boundary ``num_prompt_tokens - 1`` (aligned) and the shared-prefix junction."""
+        a = self.align
+        req.reachable = {(req.num_prompt - 1) // a * a} | ({longest} if longest > hit else set())
 
     # ---- allocation -------------------------------------------------------------------------
     def remove_skipped_blocks(self, req: Request, total_computed: int) -> None:
@@ -158,7 +199,7 @@ class KVCacheManager:
             if skipped <= 0:
                 continue
             blocks = req.blocks[g]
-            n = min(skipped // self.bs, len(blocks))
+            n = min(skipped // self.gbs[g], len(blocks))
             removed: list[int] = []
             for i in range(n - 1, -1, -1):
                 if blocks[i] == 0:
@@ -179,13 +220,12 @@ class KVCacheManager:
         total_computed = req.num_computed + num_new_computed_tokens
         self.remove_skipped_blocks(req, total_computed)
         need_slots = total_computed + num_new_tokens + num_external_tokens
-        n_need_blocks = _cdiv(need_slots, self.bs)
         to_alloc: list[int] = []
         n_touch_free = 0
         ref = self.pool.ref
         for g in range(len(self.groups)):
             have = len(req.blocks[g]) + (len(new_computed[g]) if new_computed else 0)
-            to_alloc.append(max(0, n_need_blocks - have))
+            to_alloc.append(max(0, _cdiv(need_slots, self.gbs[g]) - have))
             if new_computed:
                 n_touch_free += sum(1 for b in new_computed[g] if b and ref[b] == 0)
         if sum(to_alloc) + n_touch_free > self.pool.num_free():
@@ -202,50 +242,53 @@ class KVCacheManager:
         self.cache_blocks(req, min(total_computed + num_new_tokens, len(req.all_token_ids)))
         return True
 
-    def _mask_fn(self, req: Request, g: int):  # type: ignore[no-untyped-def]
+    def _allowed(self, req: Request, g: int) -> set[int] | None:
+        """``reachable_block_mask``: group blocks that may be cached (None = all)."""
         spec = self.groups[g]
         if spec.kind == FULL or self.retention is None:
             return None
+        bs = self.gbs[g]
         bounds = set(req.reachable or ())
-        if self.retention and self.retention > 0:
-            step = max(1, self.retention // self.bs)
-            top = len(req.all_token_ids) // self.bs
-            bounds.update(range(step, top + 1, step))
+        if self.retention and self.retention > 0:  # one tail per N tokens
+            step = max(self.align, self.retention // self.align * self.align)
+            bounds.update(range(step, len(req.all_token_ids) + 1, step))
         keep = 1 if spec.kind == MAMBA else self.needed[g]
         allowed: set[int] = set()
         for b in bounds:
-            allowed.update(range(max(0, b - keep), b))
+            nb = b // bs
+            allowed.update(range(max(0, nb - keep), nb))
         return allowed
 
     def cache_blocks(self, req: Request, num_tokens: int) -> None:
-        num_full = num_tokens // self.bs
         hasher = req.hasher
         n_hashes = hasher.extend(req.all_token_ids)
-        num_full = min(num_full, n_hashes)
         digests = hasher.digests
-        ev_hashes_all = hasher.event_hashes
+        ev_all = hasher.event_hashes
         pool = self.pool
         for g, spec in enumerate(self.groups):
+            bs, s = self.gbs[g], self.scale[g]
+            num_full = min(num_tokens // bs, n_hashes // s)
             nc = req.num_cached[g]
             if num_full <= nc:
                 continue
             blocks = req.blocks[g]
-            allowed = self._mask_fn(req, g)
+            allowed = self._allowed(req, g)
             ev_hashes: list[int] = []
             extra: list[tuple | None] = []
             for i in range(nc, num_full):
                 b = blocks[i]
                 if b == 0 or (allowed is not None and i not in allowed):
                     continue
-                pool.cache_block(b, (digests[i], g))
-                ev_hashes.append(ev_hashes_all[i])
-                extra.append(hasher.event_extra_keys(i))
+                j = (i + 1) * s - 1
+                pool.cache_block(b, (digests[j], g))
+                ev_hashes.append(ev_all[j])
+                extra.append(hasher.event_extra_keys(i * s))
             pool.events.append(
                 BlockStored(
                     block_hashes=ev_hashes,
-                    parent_block_hash=ev_hashes_all[nc - 1] if nc > 0 else None,
-                    token_ids=req.all_token_ids[nc * self.bs : num_full * self.bs],
-                    block_size=self.event_bs,
+                    parent_block_hash=ev_all[nc * s - 1] if nc > 0 else None,
+                    token_ids=req.all_token_ids[nc * bs : num_full * bs],
+                    block_size=self.event_bs or bs,
                     lora_id=req.lora_id,
                     medium=MEDIUM_GPU,
                     lora_name=req.lora_name,
@@ -258,19 +301,21 @@ class KVCacheManager:
             )
             req.num_cached[g] = num_full
 
-    def emit_cached_block_events(self, req: Request, hit_blocks: int) -> None:
+    def emit_cached_block_events(self, req: Request, hit_tokens: int) -> None:
         """``block_pool.emit_cached_block_events`` (L405): a request sent with
         ``kv_cache_report_mode="full"`` re-announces its prefix hit, parent None, tokens
         ``[0, hit)``, every hash of the hit in every group (not a new copy: no matching
         BlockRemoved will follow)."""
         h = req.hasher
-        n = hit_blocks
         for g, spec in enumerate(self.groups):
+            bs, s = self.gbs[g], self.scale[g]
+            n = hit_tokens // bs
             self.pool.events.append(BlockStored(
-                block_hashes=h.event_hashes[:n], parent_block_hash=None,
-                token_ids=req.all_token_ids[: n * self.bs], block_size=self.event_bs,
-                lora_id=req.lora_id, medium=MEDIUM_GPU, lora_name=req.lora_name,
-                extra_keys=[h.event_extra_keys(i) for i in range(n)], group_idx=g,
+                block_hashes=[h.event_hashes[(i + 1) * s - 1] for i in range(n)],
+                parent_block_hash=None, token_ids=req.all_token_ids[: n * bs],
+                block_size=self.event_bs or bs, lora_id=req.lora_id, medium=MEDIUM_GPU,
+                lora_name=req.lora_name,
+                extra_keys=[h.event_extra_keys(i * s) for i in range(n)], group_idx=g,
                 kv_cache_spec_kind=spec.kind, kv_cache_spec_sliding_window=spec.sliding_window,
                 session_id=req.session_id))
 

@@ -146,7 +146,7 @@ def test_swa_hit_survives_head_eviction_and_mamba_needs_boundary_state() -> None
     # a fresh request with the same prompt hits the whole prefix (160 tokens)
     req = eng.add_request("c", toks, 1, now)
     hit, _, _ = eng.kv.find_hit(req)
-    assert hit == 10
+    assert hit == 160
     eng.abort("c")
     m = SimEngine(EngineConfig(block_size=16, num_gpu_blocks=200, groups="full,mamba"))
     m.add_request("a", toks, 1, 0.0)
@@ -154,7 +154,7 @@ def test_swa_hit_survives_head_eviction_and_mamba_needs_boundary_state() -> None
     r2 = m.add_request("b", toks[:120] + [7] * 50, 1, 10.0)
     hit, _, longest = m.kv.find_hit(r2)
     # FA would hit 7 blocks but mamba only kept the state at the replay boundary (block 10)
-    assert longest == 7 and hit == 0
+    assert longest == 112 and hit == 0
 
 
 def test_sparse_swa_lists_only_reachable_blocks() -> None:
@@ -167,6 +167,24 @@ def test_sparse_swa_lists_only_reachable_blocks() -> None:
     assert len(swa["token_ids"]) == 192 and len(swa["block_hashes"]) == 2
     assert swa["block_hashes"] == fa["block_hashes"][4:6]
     assert "kv_cache_spec_sliding_window" not in fa
+
+
+def test_mixed_group_block_sizes() -> None:
+    """full@16 + mamba@64: hashes at gcd=16, group blocks take the tail hash at their
+    boundary, hits align to lcm=64 (vLLM resolve_kv_cache_block_sizes)."""
+    eng = SimEngine(EngineConfig(block_size=16, num_gpu_blocks=300, groups="full@16,mamba@64",
+                                 retention_interval=None))
+    toks = list(range(1000, 1000 + 300))
+    eng.add_request("a", toks, 1, 0.0)
+    now, batches = _drain(eng)
+    fa, mb = batches[0]
+    assert fa["block_size"] == 16 and mb["block_size"] == 64
+    assert len(fa["block_hashes"]) == 18 and len(mb["block_hashes"]) == 4
+    assert mb["block_hashes"] == [fa["block_hashes"][i] for i in (3, 7, 11, 15)]
+    assert len(mb["token_ids"]) == 256 and mb["kv_cache_spec_kind"] == "mamba"
+    req = eng.add_request("b", toks[:200] + [5] * 40, 1, now)
+    hit, per_group, _ = eng.kv.find_hit(req)
+    assert hit == 192 and len(per_group[0]) == 12 and per_group[1][:2] == [0, 0]
 
 
 # ---- CPU tier ----------------------------------------------------------------------------------
@@ -269,7 +287,8 @@ def test_fleet_replay_speed() -> None:
 
 @settings(max_examples=30, deadline=None)
 @given(
-    groups=st.sampled_from(["full", "full,swa:16", "swa:24,full", "full,mamba"]),
+    groups=st.sampled_from(["full", "full,swa:16", "swa:24,full", "full,mamba",
+                            "full,mamba@16", "swa:24@16,full"]),
     cpu=st.sampled_from([0, 4]),
     reqs=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 150), st.integers(1, 12),
                             st.floats(0, 0.05)), min_size=1, max_size=30),
@@ -278,6 +297,8 @@ def test_fleet_concurrent_invariants(groups: str, cpu: int,
                                      reqs: list[tuple[int, int, int, float]]) -> None:
     """Concurrent traffic on a tiny pool (preemption, chunked prefill, early SWA frees,
     CPU tier): every request completes, stores/removes balance, the pool drains."""
+    if "@" in groups:
+        cpu = 0  # a CPU tier needs one block size for all groups
     cfg = EngineConfig(block_size=8, num_gpu_blocks=48, groups=groups,
                        max_num_batched_tokens=48, max_num_seqs=6, cpu_chunks=cpu,
                        cpu_chunk_tokens=16, prefill_tokens_per_s=5000.0)
