@@ -144,6 +144,8 @@ class _Source:
     replay_endpoint: str | None
     queue: deque[tuple[int, bytes, DecodedBatch | None]] = field(default_factory=deque)
     feed: _Feed | None = None
+    topic: str | None = None
+    """Bound topology only: the worker's exact topic."""
     removed: bool = False
     seen: bool = False
     last_seq: int | None = None
@@ -360,6 +362,7 @@ class Subscriber:
                 rank,
                 f"{self.bind}#{topic}",
                 offset_endpoint(replay_endpoint, rank) if replay_endpoint else None,
+                topic=topic,
             )
             for rank in range(dp_size)
         }
@@ -401,8 +404,10 @@ class Subscriber:
         out = []
         for src in self._sources.values():
             feed = src.feed if src.feed is not None else self._bound_feed
-            if self._is_bound(src):
+            endpoint = src.endpoint
+            if src.topic is not None:
                 connected = bool(feed is not None and feed.peers > 0 and src.seen)
+                endpoint = f"{self.bound_endpoint or self.bind}#{src.topic}"
             else:
                 connected = bool(feed is not None and feed.peers > 0)
             lag = (
@@ -414,7 +419,7 @@ class Subscriber:
                 SourceStatus(
                     worker_id=src.worker_id,
                     dp_rank=src.dp_rank,
-                    endpoint=src.endpoint,
+                    endpoint=endpoint,
                     replay_endpoint=src.replay_endpoint,
                     connected=connected,
                     last_seq=src.last_seq,
@@ -473,7 +478,7 @@ class Subscriber:
     # ------------------------------------------------------------------ sockets
 
     def _is_bound(self, src: _Source) -> bool:
-        return any(src in bw.sources.values() for bw in self._bound.values())
+        return src.topic is not None
 
     def _open_feed(self, endpoint: str, src: _Source | None) -> _Feed:
         assert self._ctx is not None
@@ -545,7 +550,10 @@ class Subscriber:
                 while n < RECV_BATCH:
                     frames = raw.recv_multipart(noblock)
                     n += 1
-                    route(feed, frames)
+                    try:
+                        route(feed, frames)
+                    except Exception:  # nothing a socket delivers may stop the reader
+                        log.exception("routing a message from %s", feed.endpoint)
             except again:
                 pass
             except zmq.ZMQError as exc:
@@ -559,7 +567,10 @@ class Subscriber:
                 await asyncio.sleep(0)
                 continue
             frames = await sock.recv_multipart()
-            route(feed, frames)
+            try:
+                route(feed, frames)
+            except Exception:
+                log.exception("routing a message from %s", feed.endpoint)
             self._kick()
 
     def _route_connect(self, feed: _Feed, frames: list[bytes]) -> None:

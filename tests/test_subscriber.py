@@ -12,6 +12,7 @@ them. Everything else waits with ``wait_idle`` or ``_until`` (deadline polling).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import socket
 import time
 from collections.abc import Callable
@@ -577,3 +578,25 @@ async def test_silence_and_restart_that_overtakes_our_seq(make) -> None:
     assert not st.degraded and st.resets == 0 and resets == ["restart"]
     assert pub2.replay_requests == [2, 0]
     _assert_same(sub.index, _reference((("w", 0), pub2)), ("w", 0), chains2)
+
+
+async def test_replay_concurrency_is_bounded(make) -> None:
+    new_pub, new_sub = make
+    sub = await new_sub(replay_concurrency=1)
+    pubs = [new_pub(replay_delay_s=0.01) for _ in range(3)]
+    for i, p in enumerate(pubs):
+        sub.add_worker(f"w{i}", p.endpoint, p.replay_endpoint, model=MODEL)
+        await _sync(sub, p, f"w{i}")
+    chains = [Chains(40 + i) for i in range(3)]
+    for p, c in zip(pubs, chains, strict=True):
+        p.publish(c.request(1))
+        for _ in range(10):
+            p.publish(c.request(1), drop=True)
+        p.publish(c.request(1))
+    await _until(lambda: all(s.last_seq == 11 for s in sub.status()), what="all repaired")
+    spans = sorted(span for p in pubs for span in p.replay_spans)
+    assert len(spans) == 3
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        assert start >= end - 0.005, "two replays were served at the same time"
+    for i, (p, c) in enumerate(zip(pubs, chains, strict=True)):
+        _assert_same(sub.index, _reference(((f"w{i}", 0), p)), (f"w{i}", 0), c)

@@ -100,6 +100,7 @@ class VllmPublisher:
         self.replay_delay_s = replay_delay_s
         self.mute_replay = False
         self.replay_requests: list[int] = []
+        self.replay_spans: list[tuple[float, float]] = []  # (monotonic start, end) served
         self.seq = 0
         self.sent: list[tuple[int, bytes]] = []  # every batch in seq order (also dropped ones)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -177,6 +178,7 @@ class VllmPublisher:
             self.replay_requests.append(start)
             if self.mute_replay:
                 continue
+            t0 = time.monotonic()
             with self._lock:
                 batches = [(s, p) for s, p in self._buffer if s >= start]
             for seq, payload in batches:
@@ -190,6 +192,7 @@ class VllmPublisher:
                 self._router.send_multipart([identity, b"", *body])
             end = [END_SEQ, b""] if self.legacy_replay else [b"", END_SEQ, b""]
             self._router.send_multipart([identity, b"", *end])
+            self.replay_spans.append((t0, time.monotonic()))
 
     def close(self) -> None:
         self._stop.set()
