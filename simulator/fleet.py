@@ -37,19 +37,23 @@ class WorkerLoad:
 
 
 class FastFleet:
-    def __init__(self, n_workers: int, config: EngineConfig, encoding: str = "map") -> None:
-        if n_workers < 1:
-            raise ValueError("n_workers must be >= 1")
+    def __init__(self, n_workers: int, config: EngineConfig, encoding: str = "map",
+                 dp_size: int = 1) -> None:
+        if n_workers < 1 or dp_size < 1:
+            raise ValueError("n_workers and dp_size must be >= 1")
         self.config = config
         self.encoding = encoding
-        self.engines = [SimEngine(config) for _ in range(n_workers)]
+        self.dp_size = dp_size
+        # engine index e = worker * dp_size + rank; each rank has its own seq numbers
+        self.engines = [SimEngine(config) for _ in range(n_workers * dp_size)]
         self.now = 0.0
-        self._seq = [0] * n_workers
+        self._seq = [0] * len(self.engines)
         self._events: list[tuple[int, int, int, bytes]] = []
         self._completed: list[CompletedRequest] = []
         # (time, worker) of each engine's next step start or step end
         self._pending_arrivals: list[tuple[float, int, int, tuple]] = []
         self._arrival_counter = 0
+        self.rejected: list[str] = []  # future arrivals refused at admission (too long, full)
 
     # ---- driving -------------------------------------------------------------------------
     def submit(
@@ -62,11 +66,15 @@ class FastFleet:
         cache_salt: str | None = None,
         lora_name: str | None = None,
     ) -> None:
-        """Queue a request; it reaches the engine at ``arrival_s`` (>= the current clock)."""
+        """Queue a request; it reaches the worker at ``arrival_s`` (>= the current clock).
+        Raises ValueError for a prompt that cannot fit the KV cache or a full queue."""
+        if not 0 <= worker_idx < len(self.engines) // self.dp_size:
+            raise ValueError(f"no worker {worker_idx}")
         if arrival_s <= self.now:
-            self.engines[worker_idx].add_request(
+            e = self._pick_rank(worker_idx)
+            self.engines[e].add_request(
                 request_id, token_ids, max_tokens, self.now, lora_name, cache_salt)
-            self.engines[worker_idx].requests[request_id].arrival_s = arrival_s
+            self.engines[e].requests[request_id].arrival_s = arrival_s
             return
         self._arrival_counter += 1
         heapq.heappush(self._pending_arrivals, (
@@ -88,7 +96,10 @@ class FastFleet:
             self.now = max(self.now, t)
             while self._pending_arrivals and self._pending_arrivals[0][0] <= self.now:
                 arr, _, w, (rid, toks, mt, salt, lora) = heapq.heappop(self._pending_arrivals)
-                self.engines[w].add_request(rid, toks, mt, arr, lora, salt)
+                try:
+                    self.engines[self._pick_rank(w)].add_request(rid, toks, mt, arr, lora, salt)
+                except ValueError:
+                    self.rejected.append(rid)
             for w, e in enumerate(self.engines):
                 if e.in_flight() and e.next_step_time(self.now) <= self.now:
                     self._finish(w, e)
@@ -96,12 +107,21 @@ class FastFleet:
                     e.schedule(self.now)
         self.now = max(self.now, t_s)
 
-    def _finish(self, w: int, e: SimEngine) -> None:
+    def _pick_rank(self, worker_idx: int) -> int:
+        """vLLM's DP balancing inside one worker: least (waiting*4 + running)."""
+        base = worker_idx * self.dp_size
+        if self.dp_size == 1:
+            return base
+        return min(range(base, base + self.dp_size),
+                   key=lambda e: len(self.engines[e].waiting) * 4 + len(self.engines[e].running))
+
+    def _finish(self, idx: int, e: SimEngine) -> None:
         out = e.finish_step()
+        w, rank = divmod(idx, self.dp_size)
         if out.events and e.events_enabled:
-            payload = encode_batch(out.end_s, out.events, 0, self.encoding)
-            self._events.append((w, 0, self._seq[w], payload))
-            self._seq[w] += 1
+            payload = encode_batch(out.end_s, out.events, rank, self.encoding)
+            self._events.append((w, rank, self._seq[idx], payload))
+            self._seq[idx] += 1
         for r in out.finished:
             self._completed.append(CompletedRequest(
                 r.request_id, w, r.arrival_s, r.first_token_s or out.end_s,
@@ -120,9 +140,12 @@ class FastFleet:
         return out
 
     def load(self, worker_idx: int) -> WorkerLoad:
-        e = self.engines[worker_idx]
-        return WorkerLoad(len(e.running), len(e.waiting), e.queued_prefill_tokens(),
-                          e.kv_usage())
+        """Summed over the worker's DP ranks (kv_usage: mean)."""
+        es = self.engines[worker_idx * self.dp_size : (worker_idx + 1) * self.dp_size]
+        return WorkerLoad(sum(len(e.running) for e in es), sum(len(e.waiting) for e in es),
+                          sum(e.queued_prefill_tokens() for e in es),
+                          sum(e.kv_usage() for e in es) / len(es))
 
     def reset_prefix_cache(self, worker_idx: int) -> bool:
-        return self.engines[worker_idx].reset_prefix_cache()
+        es = self.engines[worker_idx * self.dp_size : (worker_idx + 1) * self.dp_size]
+        return all([e.reset_prefix_cache() for e in es])

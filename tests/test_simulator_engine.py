@@ -335,3 +335,17 @@ def test_fleet_concurrent_invariants(groups: str, cpu: int,
     if eng.cpu is not None:
         cpu_live = sum(v for k, v in live.items() if k[0] == "CPU")
         assert cpu_live == sum(1 for ch in eng.cpu.lru.values() if ch.ready)
+
+
+def test_fleet_dp_ranks() -> None:
+    fleet = FastFleet(2, EngineConfig(block_size=16, num_gpu_blocks=256), dp_size=2)
+    for i in range(4):
+        fleet.submit(1, f"r{i}", [100 + i] * 64, 2, 0.0)
+    fleet.run_until(10.0)
+    ev = fleet.drain_events()
+    assert {(w, r) for w, r, _, _ in ev} == {(1, 0), (1, 1)}
+    for _, r, _, payload in ev:
+        assert msgspec.msgpack.decode(payload)[2] == r
+    assert sorted(s for w, r, s, _ in ev if r == 1) == list(range(sum(1 for e in ev
+                                                                      if e[1] == 1)))
+    assert len(fleet.completed()) == 4 and fleet.load(1).running == 0
