@@ -1,0 +1,459 @@
+"""Worker discovery: the static list plus vLLM pods found in Kubernetes by label.
+
+    d = Discovery(cfg.discovery.kubernetes, static=cfg.workers, on_add=..., on_remove=...)
+    await d.start()      # static workers are reported at once, pods as they become Ready
+    ...
+    await d.stop()
+
+``on_add(WorkerSpec)`` is called when a worker joins (a static entry at start, a pod that is
+Running and Ready with an IP) and ``on_remove(url)`` when it leaves (pod deleted, terminating,
+no longer Ready, or its IP/ports changed: remove then add). Both may be plain functions or
+coroutine functions; they are called from the event loop, in order, one at a time.
+
+**Protocol.** The real Kubernetes list+watch: ``LIST`` the pods of ``namespace`` matching
+``label_selector`` (paged with ``limit``/``continue``), reconcile, then ``WATCH`` from the
+list's ``resourceVersion`` with ``allowWatchBookmarks=true``. Each event's object carries the
+new resourceVersion; ``BOOKMARK`` only advances it. A watch that ends normally (the server's
+``timeoutSeconds``) is resumed from the last resourceVersion; ``ERROR`` with code 410 (Gone:
+the version was compacted) or an HTTP 410 means relist; other errors and broken connections
+back off exponentially (0.2 s doubling to 10 s, with jitter) and resume.
+
+**Why httpx and not the official client's ``watch.Watch``.** ``kubernetes_asyncio`` is not
+available, and the sync client's watch blocks a thread in a read that cannot be interrupted
+(stopping waits for the next event or the server timeout), hides the 410 handling, and would
+put every callback on a foreign thread. So the official ``kubernetes`` package does what it is
+best at (resolving credentials: in-cluster service-account token with rotation, CA bundle,
+kubeconfig with tokens, client certificates or exec plugins), and the list+watch itself is a
+small asyncio loop over ``httpx`` that is cancelled instantly and whose protocol handling is
+visible and tested (against a fake API server in ``tests/test_discovery.py``).
+
+**Pod to worker.** ``url = http://<podIP>:<port>``; ``events = tcp://<podIP>:<events-port>``,
+``replay = tcp://<podIP>:<replay-port>`` and ``dp_size`` from the annotations named in
+``discovery.kubernetes`` (defaults 5557, 5558, 1; an unparsable annotation falls back to the
+default with a warning). A pod with ``deletionTimestamp`` is treated as gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import os
+import random
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import msgspec
+
+from router.config import KubernetesDiscoveryConfig, WorkerSpec
+
+__all__ = [
+    "DEFAULT_EVENTS_PORT",
+    "DEFAULT_REPLAY_PORT",
+    "ApiAccess",
+    "Discovery",
+    "pod_worker",
+]
+
+log = logging.getLogger("kvrouter.discovery")
+
+DEFAULT_EVENTS_PORT = 5557
+DEFAULT_REPLAY_PORT = 5558
+
+OnAdd = Callable[[WorkerSpec], Awaitable[None] | None]
+OnRemove = Callable[[str], Awaitable[None] | None]
+
+_json = msgspec.json.Decoder()
+
+
+@dataclass
+class ApiAccess:
+    """Where the API server is and how to authenticate (built from the official client's
+    configuration loaders, or given explicitly)."""
+
+    host: str
+    token: Callable[[], str | None] = lambda: None
+    """Returns the ``Authorization`` header value (``Bearer ...``), re-read on every request
+    so rotated service-account tokens are picked up."""
+    verify: ssl.SSLContext | bool | str = True
+    cert: tuple[str, str] | None = None
+
+    @classmethod
+    def from_url(cls, url: str, token: str | None = None, verify: bool | str = True) -> ApiAccess:
+        header = f"Bearer {token}" if token else None
+        return cls(host=url.rstrip("/"), token=lambda: header, verify=verify)
+
+    @classmethod
+    def _from_configuration(cls, c: Any) -> ApiAccess:
+        def token() -> str | None:
+            v = c.get_api_key_with_prefix("BearerToken")  # runs the refresh hook, if any
+            if v and not v.lower().startswith("bearer "):
+                v = f"Bearer {v}"
+            return v or None
+
+        verify: ssl.SSLContext | bool | str = bool(c.verify_ssl)
+        if c.verify_ssl and c.ssl_ca_cert:
+            verify = ssl.create_default_context(cafile=c.ssl_ca_cert)
+            if c.cert_file and c.key_file:
+                verify.load_cert_chain(c.cert_file, c.key_file)
+        cert = (c.cert_file, c.key_file) if c.cert_file and c.key_file else None
+        if isinstance(verify, ssl.SSLContext):
+            cert = None  # already in the context
+        return cls(host=str(c.host).rstrip("/"), token=token, verify=verify, cert=cert)
+
+    @classmethod
+    def from_incluster(cls) -> ApiAccess:
+        from kubernetes import client, config
+
+        c = client.Configuration()
+        config.load_incluster_config(client_configuration=c)
+        return cls._from_configuration(c)
+
+    @classmethod
+    def from_kubeconfig(cls, path: str | None = None, context: str | None = None) -> ApiAccess:
+        from kubernetes import client, config
+
+        c = client.Configuration()
+        config.load_kube_config(config_file=path, context=context, client_configuration=c)
+        return cls._from_configuration(c)
+
+    @classmethod
+    def auto(cls) -> ApiAccess:
+        """In-cluster when running in a pod (``KUBERNETES_SERVICE_HOST``), else kubeconfig
+        (``KUBECONFIG`` or ``~/.kube/config``)."""
+        if os.environ.get("KUBERNETES_SERVICE_HOST"):
+            return cls.from_incluster()
+        return cls.from_kubeconfig()
+
+
+class _Gone(Exception):
+    """The resourceVersion is too old (410): relist."""
+
+
+def _int_annotation(annotations: dict[str, Any], name: str, default: int, pod: str) -> int:
+    raw = annotations.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(str(raw).strip())
+        if value < 1:
+            raise ValueError
+        return value
+    except ValueError:
+        log.warning("pod %s: annotation %s=%r is not a positive integer", pod, name, raw)
+        return default
+
+
+def _is_ready(pod: dict[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    if status.get("phase") != "Running" or not status.get("podIP"):
+        return False
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "Ready":
+            return cond.get("status") == "True"
+    return False
+
+
+def pod_worker(pod: dict[str, Any], cfg: KubernetesDiscoveryConfig) -> WorkerSpec | None:
+    """The worker a pod stands for, or None while it is not Running+Ready with an IP."""
+    if not _is_ready(pod):
+        return None
+    meta = pod.get("metadata") or {}
+    name = f"{meta.get('namespace', '')}/{meta.get('name', '?')}"
+    ann = meta.get("annotations") or {}
+    ip = str(pod["status"]["podIP"])
+    host = f"[{ip}]" if ":" in ip else ip
+    events = _int_annotation(ann, cfg.events_port_annotation, DEFAULT_EVENTS_PORT, name)
+    replay = _int_annotation(ann, cfg.replay_port_annotation, DEFAULT_REPLAY_PORT, name)
+    dp = _int_annotation(ann, cfg.dp_size_annotation, 1, name)
+    return WorkerSpec(
+        url=f"http://{host}:{cfg.port}",
+        events=f"tcp://{host}:{events}",
+        replay=f"tcp://{host}:{replay}",
+        dp_size=dp,
+    )
+
+
+@dataclass
+class _Status:
+    lists: int = 0
+    watches: int = 0
+    relists_410: int = 0
+    errors: int = 0
+    events: int = 0
+    bookmarks: int = 0
+    resource_version: str | None = None
+    last_error: str | None = None
+    last_list_at: float | None = None
+    connected: bool = False
+    seen: dict[str, str] = field(default_factory=dict)
+
+
+class Discovery:
+    """Static workers plus (optionally) Kubernetes pods; see the module docstring."""
+
+    def __init__(
+        self,
+        cfg: KubernetesDiscoveryConfig,
+        *,
+        on_add: OnAdd,
+        on_remove: OnRemove,
+        static: Iterable[WorkerSpec] = (),
+        api: ApiAccess | Callable[[], ApiAccess] | None = None,
+        watch_timeout_s: int = 300,
+        request_timeout_s: float = 10.0,
+        page_size: int = 500,
+        backoff_s: tuple[float, float] = (0.2, 10.0),
+    ) -> None:
+        self.cfg = cfg
+        self.on_add = on_add
+        self.on_remove = on_remove
+        self.static = {s.url.rstrip("/"): s for s in static}
+        self._api_arg = api
+        self.api: ApiAccess | None = None
+        self.watch_timeout_s = watch_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.page_size = page_size
+        self.backoff_s = backoff_s
+        self._pods: dict[str, WorkerSpec] = {}
+        """Pod (namespace/name) -> its worker, for pods currently Ready."""
+        self._workers: dict[str, WorkerSpec] = {}
+        """Every reported worker by URL (static + pods)."""
+        self._task: asyncio.Task[None] | None = None
+        self._client: httpx.AsyncClient | None = None
+        self.status = _Status()
+        self._synced = asyncio.Event()
+
+    # ------------------------------------------------------------------ public
+
+    def workers(self) -> dict[str, WorkerSpec]:
+        return dict(self._workers)
+
+    async def start(self) -> None:
+        for spec in self.static.values():
+            await self._add(spec)
+        if not self.cfg.enabled:
+            self._synced.set()
+            return
+        api = self._api_arg
+        if api is None:
+            api = ApiAccess.auto()
+        elif callable(api) and not isinstance(api, ApiAccess):
+            api = api()
+        self.api = api
+        self._client = httpx.AsyncClient(
+            base_url=api.host,
+            verify=api.verify,
+            cert=api.cert,
+            timeout=httpx.Timeout(self.request_timeout_s),
+            trust_env=False,
+        )
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvrouter-k8s")
+
+    async def wait_synced(self, timeout: float) -> bool:
+        """Wait for the first successful LIST (True) or the timeout (False)."""
+        try:
+            await asyncio.wait_for(self._synced.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def debug(self) -> dict[str, Any]:
+        s = self.status
+        return {
+            "kubernetes": self.cfg.enabled,
+            "namespace": self.cfg.namespace,
+            "label_selector": self.cfg.label_selector,
+            "api": self.api.host if self.api else None,
+            "resource_version": s.resource_version,
+            "watch_connected": s.connected,
+            "lists": s.lists,
+            "watches": s.watches,
+            "relists_410": s.relists_410,
+            "errors": s.errors,
+            "events": s.events,
+            "bookmarks": s.bookmarks,
+            "last_error": s.last_error,
+            "pods_ready": sorted(self._pods),
+            "static": sorted(self.static),
+        }
+
+    # ------------------------------------------------------------------ reporting
+
+    async def _call(self, fn: Callable[[Any], Any], arg: Any) -> None:
+        try:
+            res = fn(arg)
+            if inspect.isawaitable(res):
+                await res
+        except Exception:
+            log.exception("discovery callback for %s", arg)
+
+    async def _add(self, spec: WorkerSpec) -> None:
+        self._workers[spec.url] = spec
+        log.info("worker joined: %s (events %s, dp %d)", spec.url, spec.events, spec.dp_size)
+        await self._call(self.on_add, spec)
+
+    async def _remove(self, url: str) -> None:
+        if self._workers.pop(url, None) is None:
+            return
+        log.info("worker left: %s", url)
+        await self._call(self.on_remove, url)
+
+    async def _set_pod(self, key: str, spec: WorkerSpec | None) -> None:
+        old = self._pods.get(key)
+        if old == spec:
+            return
+        if old is not None:
+            del self._pods[key]
+            if old.url not in self.static and all(s.url != old.url for s in self._pods.values()):
+                await self._remove(old.url)
+        if spec is not None:
+            self._pods[key] = spec
+            if spec.url in self.static or spec.url in self._workers:
+                return  # a static entry (or another pod object with the same IP) has it
+            await self._add(spec)
+
+    # ------------------------------------------------------------------ list + watch
+
+    @property
+    def _path(self) -> str:
+        return f"/api/v1/namespaces/{self.cfg.namespace}/pods"
+
+    def _headers(self) -> dict[str, str]:
+        h = {"Accept": "application/json"}
+        tok = self.api.token() if self.api else None
+        if tok:
+            h["Authorization"] = tok
+        return h
+
+    async def _run(self) -> None:
+        lo, hi = self.backoff_s
+        delay = lo
+        rv: str | None = None
+        while True:
+            try:
+                if rv is None:
+                    rv = await self._list()
+                    self._synced.set()
+                    delay = lo
+                rv = await self._watch(rv)
+                delay = lo  # a watch that ended normally: resume at once
+                continue
+            except asyncio.CancelledError:
+                raise
+            except _Gone:
+                self.status.relists_410 += 1
+                log.info("pod watch: resourceVersion %s is gone (410); relisting", rv)
+                rv = None
+                continue
+            except Exception as exc:
+                self.status.errors += 1
+                self.status.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("pod list/watch failed (%s); retrying in %.1fs", exc, delay)
+            finally:
+                self.status.connected = False
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, hi)
+
+    async def _list(self) -> str:
+        assert self._client is not None
+        seen: dict[str, WorkerSpec | None] = {}
+        cont: str | None = None
+        rv = ""
+        while True:
+            params: dict[str, Any] = {"labelSelector": self.cfg.label_selector}
+            if self.page_size:
+                params["limit"] = self.page_size
+            if cont:
+                params["continue"] = cont
+            r = await self._client.get(self._path, params=params, headers=self._headers())
+            if r.status_code == 410:
+                raise _Gone()  # the continue token expired: start over
+            r.raise_for_status()
+            body = _json.decode(r.content)
+            for pod in body.get("items") or []:
+                seen[_pod_key(pod)] = pod_worker(pod, self.cfg)
+            meta = body.get("metadata") or {}
+            rv = str(meta.get("resourceVersion") or "")
+            cont = meta.get("continue") or None
+            if not cont:
+                break
+        for key in [k for k in self._pods if k not in seen]:
+            await self._set_pod(key, None)
+        for key, spec in seen.items():
+            await self._set_pod(key, spec)
+        self.status.lists += 1
+        self.status.last_list_at = time.time()
+        self.status.resource_version = rv
+        return rv
+
+    async def _watch(self, rv: str) -> str:
+        assert self._client is not None
+        params = {
+            "labelSelector": self.cfg.label_selector,
+            "watch": "1",
+            "resourceVersion": rv,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(self.watch_timeout_s),
+        }
+        timeout = httpx.Timeout(self.request_timeout_s, read=self.watch_timeout_s + 30.0)
+        self.status.watches += 1
+        async with self._client.stream(
+            "GET", self._path, params=params, headers=self._headers(), timeout=timeout
+        ) as r:
+            if r.status_code == 410:
+                raise _Gone()
+            if r.status_code != 200:
+                await r.aread()
+                raise httpx.HTTPStatusError(
+                    f"watch returned {r.status_code}: {r.text[:200]}", request=r.request, response=r
+                )
+            self.status.connected = True
+            async for line in r.aiter_lines():
+                if not line.strip():
+                    continue
+                rv = await self._event(_json.decode(line), rv)
+        return rv
+
+    async def _event(self, ev: dict[str, Any], rv: str) -> str:
+        etype = ev.get("type")
+        obj = ev.get("object") or {}
+        if etype == "ERROR":
+            code = obj.get("code")
+            if code == 410:
+                raise _Gone()
+            raise RuntimeError(f"watch ERROR event: {obj.get('message') or obj}")
+        new_rv = str((obj.get("metadata") or {}).get("resourceVersion") or rv)
+        self.status.resource_version = new_rv
+        if etype == "BOOKMARK":
+            self.status.bookmarks += 1
+            return new_rv
+        self.status.events += 1
+        key = _pod_key(obj)
+        if etype in ("ADDED", "MODIFIED"):
+            await self._set_pod(key, pod_worker(obj, self.cfg))
+        elif etype == "DELETED":
+            await self._set_pod(key, None)
+        return new_rv
+
+
+def _pod_key(pod: dict[str, Any]) -> str:
+    meta = pod.get("metadata") or {}
+    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
