@@ -12,7 +12,7 @@ Topologies (reference §2.2):
 
 Data path, all on the event-loop thread (the index is single-threaded):
 
-    socket --reader task (NOBLOCK, <= RECV_BATCH per turn)--> per-source bounded deque
+    socket --reader callback on ZMQ_FD (NOBLOCK, <= RECV_BATCH per turn)--> per-source bounded deque
            --applier task (<= APPLY_BATCH msgs / APPLY_BUDGET_S per turn)--> decode -> index.apply
 
 Both tasks yield to the loop after bounded work, so a flood never starves the loop. A full deque
@@ -202,6 +202,7 @@ class _Feed:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     peers: int = 0
     handshakes: int = 0
+    closed: bool = False
 
 
 class Subscriber:
@@ -505,11 +506,16 @@ class Subscriber:
         else:
             sock.connect(endpoint)
             src.feed = feed
-        feed.tasks.append(loop.create_task(self._read_loop(feed), name=f"kv-sub {endpoint}"))
+        loop.add_reader(feed.raw.FD, self._on_readable, feed)
+        loop.call_soon(self._on_readable, feed)  # anything queued before the reader was added
         feed.tasks.append(loop.create_task(self._monitor_loop(feed), name=f"kv-mon {endpoint}"))
         return feed
 
     def _close_feed(self, feed: _Feed) -> None:
+        feed.closed = True
+        if feed.raw is not None and not feed.raw.closed:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(feed.raw.FD)
         if feed.sock is not None and not feed.sock.closed:
             with contextlib.suppress(zmq.ZMQError):
                 feed.sock.disable_monitor()
@@ -538,40 +544,37 @@ class Subscriber:
             elif event == zmq.EVENT_DISCONNECTED:
                 feed.peers = max(feed.peers - 1, 0)
 
-    async def _read_loop(self, feed: _Feed) -> None:
-        raw, sock = feed.raw, feed.sock
-        assert raw is not None and sock is not None
+    def _on_readable(self, feed: _Feed) -> None:
+        """Drain up to RECV_BATCH messages without blocking; reschedule if more remain.
+
+        Called by the loop when the socket's (edge-triggered) ZMQ_FD fires, and by itself via
+        ``call_soon`` when it stopped at the budget: no futures or tasks per message.
+        """
+        raw = feed.raw
+        if raw is None or raw.closed or feed.closed:
+            return
         route = self._route_connect if feed.source is not None else self._route_bound
-        again = zmq.Again
-        noblock = zmq.NOBLOCK
-        while True:
-            n = 0
-            try:
-                while n < RECV_BATCH:
-                    frames = raw.recv_multipart(noblock)
-                    n += 1
-                    try:
-                        route(feed, frames)
-                    except Exception:  # nothing a socket delivers may stop the reader
-                        log.exception("routing a message from %s", feed.endpoint)
-            except again:
-                pass
-            except zmq.ZMQError as exc:
-                if raw.closed:
-                    return
-                log.warning("recv on %s: %s", feed.endpoint, exc)
-                await asyncio.sleep(0.05)
-            if n:
-                self._kick()
-            if n >= RECV_BATCH:
-                await asyncio.sleep(0)
-                continue
-            frames = await sock.recv_multipart()
-            try:
-                route(feed, frames)
-            except Exception:
-                log.exception("routing a message from %s", feed.endpoint)
+        n = 0
+        more = True
+        try:
+            while n < RECV_BATCH:
+                frames = raw.recv_multipart(zmq.NOBLOCK)
+                n += 1
+                try:
+                    route(feed, frames)
+                except Exception:  # nothing a socket delivers may stop the reader
+                    log.exception("routing a message from %s", feed.endpoint)
+        except zmq.Again:
+            # Reading EVENTS re-arms the edge-triggered FD; a message may have slipped in.
+            more = bool(raw.get(zmq.EVENTS) & zmq.POLLIN)
+        except zmq.ZMQError as exc:
+            if raw.closed or feed.closed:
+                return
+            log.warning("recv on %s: %s", feed.endpoint, exc)
+        if n:
             self._kick()
+        if more:
+            asyncio.get_running_loop().call_soon(self._on_readable, feed)
 
     def _route_connect(self, feed: _Feed, frames: list[bytes]) -> None:
         src = feed.source
