@@ -31,9 +31,10 @@ from router.policy import (
     Candidate,
     Decision,
     PolicyParams,
-    SpeculativeCache,
     make_policy,
 )
+from router.shared_state import ExportedEngine, LoadTuple, SharedState, make_shared_state
+from router.shared_state import seed_subscriber as _seed_subscriber
 from router.tokenize import LocalTokenizer, PromptTokenizer, Tokenized, TokenizeError
 from router.workers import Worker, WorkerRegistry
 
@@ -99,7 +100,21 @@ class Router:
             ),
             seed=seed,
         )
-        self.speculative = SpeculativeCache(p.speculative_ttl_s)
+        rc = cfg.redis
+        # In-flight load of other replicas, speculative entries seen by all, index snapshots:
+        # in Redis with redis.url, else embedded (this replica's own view).
+        self.shared: SharedState = make_shared_state(
+            rc.url,
+            key_prefix=rc.key_prefix,
+            heartbeat_ttl_s=rc.heartbeat_ttl_s,
+            snapshot_interval_s=rc.snapshot_interval_s,
+            speculative_ttl_s=p.speculative_ttl_s,
+            local_loads=self._local_loads,
+            snapshot_engines=self._snapshot_engines,
+            export_engine=self._export_engine,
+            on_redis_up=lambda up: self.metrics.redis_up.set(1 if up else 0),
+        )
+        self.speculative = self.shared.speculative
         self.subscriber: Any = None
         if Subscriber is not None:
             e = cfg.events
@@ -115,6 +130,7 @@ class Router:
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
+        await self.shared.start()  # loads index snapshots before any worker is subscribed
         if self.subscriber is not None:
             await self.subscriber.start()
         else:
@@ -125,6 +141,7 @@ class Router:
 
     async def stop(self) -> None:
         await self.registry.stop()
+        await self.shared.stop()
         if self.subscriber is not None:
             await self.subscriber.stop()
 
@@ -156,6 +173,49 @@ class Router:
                 model=model,
                 host=w.host,
             )
+        else:
+            return
+        self._warm_start(w)
+
+    def _warm_start(self, w: Worker) -> None:
+        """Right after subscribing (before any event is applied: no await since), import the
+        Redis snapshot of each engine and start its event source at the snapshot's seq."""
+        for e in w.engines():
+            snap = self.shared.take_snapshot(e)
+            if snap is None:
+                continue
+            try:
+                self.index.import_engine(e, snap.data)
+            except ValueError as exc:
+                log.warning("index snapshot of %s unusable: %s", e, exc)
+                continue
+            if _seed_subscriber(self.subscriber, e, snap.seq, snap.event_ts):
+                self.shared.warm.add(snap, self.index.resident_blocks(e))
+                log.info("warm start of %s from seq %d (%d blocks)", e, snap.seq, snap.blocks)
+            else:
+                self.index.clear_engine(e)  # cannot resume at its seq: stay cold, stay exact
+
+    # ---------------------------------------------------------------- shared state hooks
+
+    def _local_loads(self) -> dict[tuple[str, int], LoadTuple]:
+        return {
+            (w.url, rank): (ld.inflight, ld.prefilling, ld.queued_prefill_tokens)
+            for w in self.registry.workers.values()
+            for rank, ld in w.loads.items()
+        }
+
+    def _snapshot_engines(self) -> list[tuple[str, int]]:
+        return self.index.engines() if self.subscriber is not None else []
+
+    def _export_engine(self, e: tuple[str, int]) -> ExportedEngine | None:
+        """An engine's exact index state and the seq it reflects (None unless exact)."""
+        if self.subscriber is None:
+            return None
+        row = next((s for s in self._sub_status().get(e[0], []) if s.dp_rank == e[1]), None)
+        if row is None or row.last_seq is None or row.degraded or row.replaying:
+            return None
+        data = self.index.export_engine(e)
+        return data, row.last_seq, self.index.resident_blocks(e), row.last_event_ts
 
     # ---------------------------------------------------------------- tokenize + route
 
@@ -207,12 +267,17 @@ class Router:
                 spec = 0
                 if tok is not None:
                     spec = self.speculative.hit_tokens(e, tok.keys, unit, now) // bs * bs
+                load = w.worker_load(e[1])
+                other = self.shared.remote_load(e)  # other replicas' in-flight work (Redis)
+                load.inflight_requests += other.requests
+                load.prefilling_requests += other.prefilling
+                load.queued_prefill_tokens += other.prefill_tokens
                 cands.append(
                     Candidate(
                         worker=e,
                         gpu_hit_tokens=m.gpu_tokens if m else 0,
                         cpu_hit_tokens=m.cpu_tokens if m else 0,
-                        load=w.worker_load(e[1]),
+                        load=load,
                         speculative_tokens=spec,
                     )
                 )
@@ -333,6 +398,7 @@ class Router:
                 "loras": sorted(self.registry.models.loras),
             },
             "policy": self.cfg.policy.name,
+            "shared_state": self.shared.status(),
             "process_rss_bytes": _rss_bytes(),
             "uptime_s": round(time.time() - self.started, 3),
         }
