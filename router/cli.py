@@ -44,10 +44,6 @@ def build_config(ns: argparse.Namespace) -> Config:
             "discovery.kubernetes.enabled: Kubernetes discovery is not implemented yet; "
             "using the static workers list"
         )
-    if cfg.redis.url is not None:
-        logging.getLogger("kvrouter").warning(
-            "redis.url: shared Redis state is not implemented yet; running embedded (in memory)"
-        )
     return cfg
 
 
