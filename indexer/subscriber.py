@@ -711,6 +711,8 @@ class Subscriber:
                     return False
                 self._degrade(src, MID_STREAM)
             if batch is None:
+                if not src.resync and src.replay_endpoint is not None:
+                    return self._lose(src, seq, "undecodable batch", seq, None)  # first seq 0
                 self._reset(src, "undecodable batch")
                 src.last_seq = seq
                 src.resync = False

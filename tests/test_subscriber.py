@@ -600,3 +600,36 @@ async def test_replay_concurrency_is_bounded(make) -> None:
         assert start >= end - 0.005, "two replays were served at the same time"
     for i, (p, c) in enumerate(zip(pubs, chains, strict=True)):
         _assert_same(sub.index, _reference(((f"w{i}", 0), p)), (f"w{i}", 0), c)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_random_losses_always_repaired(make, seed: int) -> None:
+    """Random drops, corrupted live copies, evictions and bursts: with replay, the index always
+    ends equal to the loss-free one and every batch is applied exactly once."""
+    import random
+
+    rng = random.Random(seed)
+    pub, sub = await _one(make, queue_depth=rng.choice([8, 64, 10_000]))
+    chains = Chains(seed)
+    for i in range(150):
+        if i > 5 and rng.random() < 0.3:
+            events = [chains.evict(rng.randrange(i // 2), 1)]
+        else:
+            events = chains.request(rng.randint(1, 4), chunks=rng.randint(1, 2))
+        r = rng.random()
+        if r < 0.1:
+            pub.publish(events, drop=True)
+        elif r < 0.13:
+            pub.publish(events, live_payload=b"\xc1")
+        else:
+            pub.publish(events)
+        if rng.random() < 0.1:
+            await asyncio.sleep(0.005)
+    pub.publish(chains.request(1))
+    n = pub.seq
+    await _until(lambda: _st(sub, "w").last_seq == n - 1, what="caught up")
+    assert await sub.wait_idle(DEADLINE)
+    st = _st(sub, "w")
+    assert not st.degraded and st.resets == 0 and st.restarts == 0
+    assert st.batches == n
+    _assert_same(sub.index, _reference((("w", 0), pub)), ("w", 0), chains)
