@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -186,9 +187,15 @@ class WorkerRegistry:
             connect=connect_timeout_s, read=first_byte_timeout_s, write=30.0, pool=connect_timeout_s
         )
         self.workers: dict[str, Worker] = {}
+        # TCP_NODELAY: httpx writes headers and body separately; with Nagle on, the body waits
+        # for the worker's delayed ACK (measured: ~7 ms per request on loopback).
+        nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
         for spec in specs:
             client = httpx.AsyncClient(
-                base_url=spec.url, limits=limits, timeout=timeout, http2=False, trust_env=False
+                base_url=spec.url,
+                timeout=timeout,
+                trust_env=False,
+                transport=httpx.AsyncHTTPTransport(limits=limits, socket_options=nodelay),
             )
             w = Worker(spec=spec, client=client, dp_size=spec.dp_size, topic=spec.topic)
             w.events_endpoint = spec.events

@@ -1,0 +1,216 @@
+"""Proxy overhead of kvrouter on loopback: latency added per request, and requests/s.
+
+Separate processes: the simulated worker (``kvrouter-sim``, near-zero timing so it is not the
+bottleneck), the router (``kvrouter serve``), and this load generator (a minimal keep-alive
+HTTP/1.1 client on asyncio streams, so the client costs little CPU).
+
+* Latency, one connection, 8,192-token prompts, non-streaming ``max_tokens=1``, router vs the
+  same worker directly, interleaved:
+  - ``added_*_ms``: a new prompt every request, so the router tokenizes through the worker's
+    ``POST /tokenize`` each time (the figure the target is about). The simulator's tokenizer is
+    pure Python (~20 ms per 8k-token prompt), which this figure includes;
+    ``tokenize_direct_p50_ms`` is that cost measured alone, and
+    ``router_overhead_p50_ms = added_p50_ms - tokenize_direct_p50_ms`` is the router's own part.
+  - ``added_cached_*_ms``: the same prompt repeated (tokenization cache hit).
+* Throughput: 32 connections for a bounded duration, 64-token prompts (unique per request, so
+  every request also costs a /tokenize call), ``requests_per_s`` through the router.
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from simulator.testing import find_port_block, running_fleet
+
+PROMPT_TOKENS = 8192
+LAT_N = int(os.environ.get("BENCH_LAT_N", "60"))
+TPUT_S = float(os.environ.get("BENCH_TPUT_S", "8"))
+CONNS = 32
+
+
+class Conn:
+    """Keep-alive HTTP/1.1 client connection (POST JSON, read Content-Length bodies)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.r: asyncio.StreamReader | None = None
+        self.w: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.w is None:
+            self.r, self.w = await asyncio.open_connection(self.host, self.port)
+        assert self.r is not None
+        self.w.write(
+            b"POST " + path.encode() + b" HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        head = await self.r.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        length = 0
+        chunked = False
+        for line in head.split(b"\r\n")[1:]:
+            k, _, v = line.partition(b":")
+            k = k.strip().lower()
+            if k == b"content-length":
+                length = int(v)
+            elif k == b"transfer-encoding" and b"chunked" in v.lower():
+                chunked = True
+        if not chunked:
+            return status, await self.r.readexactly(length)
+        out = b""
+        while True:
+            size = int((await self.r.readuntil(b"\r\n")).strip(), 16)
+            data = await self.r.readexactly(size + 2)
+            if size == 0:
+                return status, out
+            out += data[:-2]
+
+    def close(self) -> None:
+        if self.w is not None:
+            self.w.close()
+
+
+def prompt(rng: random.Random, n: int) -> str:
+    return " ".join(f"w{rng.randrange(10**9)}" for _ in range(n - 1))
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * len(xs)))]
+
+
+async def latency(router: str, worker: str) -> dict[str, float]:
+    rh, rp = router.split("//")[1].split(":")
+    wh, wp = worker.split("//")[1].split(":")
+    rc, wc = Conn(rh, int(rp)), Conn(wh, int(wp))
+    rng = random.Random(1)
+
+    def body(p: str) -> bytes:
+        return json.dumps({"model": "sim-model", "prompt": p, "max_tokens": 1}).encode()
+
+    async def timed(c: Conn, path: str, b: bytes) -> float:
+        t = time.perf_counter()
+        st, _ = await c.post(path, b)
+        assert st == 200, st
+        return (time.perf_counter() - t) * 1000
+
+    # warm-up
+    for _ in range(3):
+        b = body(prompt(rng, PROMPT_TOKENS))
+        await timed(rc, "/v1/completions", b)
+        await timed(wc, "/v1/completions", b)
+    direct, routed, tok = [], [], []
+    for _ in range(LAT_N):
+        b = body(prompt(rng, PROMPT_TOKENS))
+        # the worker sees each prompt once first (so both measured requests hit its cache
+        # equally), then router and direct in alternating order
+        tok.append(
+            await timed(wc, "/tokenize", json.dumps({"prompt": json.loads(b)["prompt"]}).encode())
+        )
+        await timed(wc, "/v1/completions", b)
+        routed.append(await timed(rc, "/v1/completions", b))
+        direct.append(await timed(wc, "/v1/completions", b))
+    same = body(prompt(rng, PROMPT_TOKENS))
+    await timed(rc, "/v1/completions", same)
+    cdirect, crouted = [], []
+    for i in range(LAT_N):
+        if i % 2:
+            crouted.append(await timed(rc, "/v1/completions", same))
+            cdirect.append(await timed(wc, "/v1/completions", same))
+        else:
+            cdirect.append(await timed(wc, "/v1/completions", same))
+            crouted.append(await timed(rc, "/v1/completions", same))
+    rc.close()
+    wc.close()
+    return {
+        "added_p50_ms": round(pct(routed, 0.5) - pct(direct, 0.5), 3),
+        "added_p99_ms": round(pct(routed, 0.99) - pct(direct, 0.99), 3),
+        "direct_p50_ms": round(pct(direct, 0.5), 3),
+        "router_p50_ms": round(pct(routed, 0.5), 3),
+        "tokenize_direct_p50_ms": round(statistics.median(tok), 3),
+        "router_overhead_p50_ms": round(
+            pct(routed, 0.5) - pct(direct, 0.5) - statistics.median(tok), 3
+        ),
+        "added_cached_p50_ms": round(pct(crouted, 0.5) - pct(cdirect, 0.5), 3),
+        "added_cached_p99_ms": round(pct(crouted, 0.99) - pct(cdirect, 0.99), 3),
+    }
+
+
+async def throughput(router: str) -> dict[str, float]:
+    h, p = router.split("//")[1].split(":")
+    done = 0
+    errors = 0
+    stop = time.perf_counter() + TPUT_S
+
+    async def loop(i: int) -> None:
+        nonlocal done, errors
+        c = Conn(h, int(p))
+        rng = random.Random(1000 + i)
+        try:
+            while time.perf_counter() < stop:
+                b = json.dumps(
+                    {"model": "sim-model", "prompt": prompt(rng, 64), "max_tokens": 1}
+                ).encode()
+                st, _ = await c.post("/v1/completions", b)
+                if st == 200:
+                    done += 1
+                else:
+                    errors += 1
+        finally:
+            c.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(loop(i) for i in range(CONNS)))
+    el = time.perf_counter() - t0
+    return {"requests_per_s": round(done / el, 1), "throughput_errors": errors}
+
+
+def main() -> None:
+    flags = {"prefill_tps": 1e12, "decode_ms": 0, "step_overhead_ms": 0, "num_gpu_blocks": 8192}
+    with running_fleet(1, **flags) as ws:
+        port = find_port_block(1)
+        router = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1", "--port",
+             str(port), "--worker", ws[0].url, "--log-level", "warning"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if httpx.get(router + "/ready", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("router did not become ready")
+                time.sleep(0.1)
+            out = asyncio.run(latency(router, ws[0].url))
+            out.update(asyncio.run(throughput(router)))
+            direct = asyncio.run(throughput(ws[0].url))  # the worker alone, same load
+            out["direct_requests_per_s"] = direct["requests_per_s"]
+            out.update(
+                {"prompt_tokens": PROMPT_TOKENS, "connections": CONNS, "cpus": os.cpu_count()}
+            )
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
