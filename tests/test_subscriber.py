@@ -430,7 +430,8 @@ async def test_bind_topology_dispatches_by_topic_and_rank(make) -> None:
     ref = _reference((("a", 0), pa), (("b", 0), pb0), (("b", 1), pb1))
     for engine, chains in ((("a", 0), ca), (("b", 0), cb0), (("b", 1), cb1)):
         _assert_same(sub.index, ref, engine, chains)
-    await _until(lambda: sub.unrouted_frames > 0 or not stranger.publish(Chains(0).request(1)))
+    # An unregistered topic under the prefix is counted, not applied (published until seen).
+    await _until(lambda: stranger.publish([]) >= 0 and sub.unrouted_frames > 0, what="unrouted")
     assert all(s.gaps == 0 and not s.degraded for s in sub.status())
 
 
@@ -633,3 +634,28 @@ async def test_random_losses_always_repaired(make, seed: int) -> None:
     assert not st.degraded and st.resets == 0 and st.restarts == 0
     assert st.batches == n
     _assert_same(sub.index, _reference((("w", 0), pub)), ("w", 0), chains)
+
+
+async def test_bind_topology_with_replay_and_removal(make) -> None:
+    new_pub, new_sub = make
+    sub = await new_sub(bind="tcp://127.0.0.1:*")
+    sub.add_bound_worker("a", "kv-a", model=MODEL, replay_endpoint=None)
+    ep = sub.bound_endpoint
+    assert ep is not None
+    pa = new_pub(endpoint=ep, topic="kv-a")
+    sub.remove_worker("a")
+    sub.add_bound_worker("a", "kv-a", model=MODEL, replay_endpoint=pa.replay_endpoint)
+    await _sync(sub, pa, "a")
+    chains = Chains(50)
+    for i in range(10):
+        pa.publish(chains.request(2), drop=i in {2, 3})
+    await _until(lambda: _st(sub, "a").last_seq == 9)
+    assert await sub.wait_idle(DEADLINE)
+    st = _st(sub, "a")
+    assert st.replays_ok == 1 and st.batches == 10 and not st.degraded
+    assert st.endpoint == f"{ep}#kv-a" and st.connected
+    _assert_same(sub.index, _reference((("a", 0), pa)), ("a", 0), chains)
+    sub.remove_worker("a")
+    assert sub.status() == [] and not sub.index.has_engine(("a", 0))
+    pa.publish(chains.request(2))
+    await _until(lambda: sub.unrouted_frames > 0, what="unrouted after removal")
