@@ -1,0 +1,689 @@
+"""Routing-quality benchmark: replay a workload through simulated vLLM workers per policy.
+
+    python bench/routing_bench.py --quick                 # < 2 min: trace prefix, 6 policies
+    python bench/routing_bench.py                         # full Mooncake conversation trace
+    python bench/routing_bench.py --workload chat|agentic # synthetic workloads
+    python bench/routing_bench.py --trace PATH            # any Mooncake-format file
+    python bench/routing_bench.py --loads 0.5,0.8,1.0     # sweep offered load (chart by load)
+    python bench/routing_bench.py --sweep-knobs           # kvrouter with each knob varied
+
+The last line printed is one JSON object (``workload``, ``workers``, ``config``, ``policies``);
+a PNG chart of TTFT and hit rate by policy is written to ``bench/out/routing_<workload>.png``.
+
+Every policy sees identical inputs (same requests, token ids, arrival times, fleet). Workers are
+``simulator.FastFleet`` engines on a simulated clock (vLLM 0.33 scheduler, prefix cache, exact
+KV events). The router side is kvrouter's real code: ``indexer.wire.decode_payload`` and
+``indexer.index.PrefixIndex`` fed with every event batch the workers publish,
+``router.policy`` for the decision and the speculative cache, and ``router.proxy.Ticket`` /
+``router.workers.Worker`` for the router's own load accounting (in-flight requests and queued
+uncached prefill tokens per worker, released at first token), corrected by the workers'
+``/metrics`` gauges (waiting, running, KV usage) polled every ``--poll-s`` simulated seconds as
+``router.workers`` does. Policies:
+
+* ``random``, ``round_robin``, ``least_loaded``: ``router.policy`` baselines;
+* ``approx_prefix``: routing history only (``bench/approx.py``: SGLang cache_aware / llm-d
+  approximate style: remembered prefixes per worker with TTL and LRU capacity, longest match
+  above a threshold else least loaded, imbalance guard);
+* ``kvrouter``: KV events + index + ``KvRouterPolicy`` + ``SpeculativeCache``;
+* ``pooled_ideal``: not a policy: one engine with the whole fleet's KV blocks, CPU chunks,
+  prefill rate, token budget and sequence slots. An upper bound on the hit rate.
+
+Offered load: arrival times are divided by a speed-up chosen so the offered request rate is
+``--load`` (default 0.8) times the fleet's *round-robin capacity*, measured first by a
+saturation run: the same requests replayed with round robin at ~2x an analytic no-cache
+estimate of capacity (so the queue never drains); capacity = first tokens per second between
+the 10th and 90th percentile first-token times.
+
+Metrics per policy: ``hit_rate`` = (GPU cached + CPU loaded prompt tokens, as the simulator
+reports them) / prompt tokens; TTFT mean and percentiles (first token time - arrival);
+``throughput_rps`` = requests / (last finish - first arrival); ``imbalance`` = busiest worker's
+busy time (sum of its step durations) / mean busy time; ``decision_ms_p50`` = wall time of
+one routing decision (content keys + index match + speculative lookup + policy for kvrouter;
+keys + policy for approx_prefix; policy only for the baselines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from array import array
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.approx import ApproxPrefixPolicy
+from bench.workloads import Req, TokenSource, load_workload
+from indexer.index import PrefixIndex
+from indexer.wire import DecodeError, decode_payload
+from router.config import WorkerSpec
+from router.policy import Candidate, PolicyParams, SpeculativeCache, make_policy
+from router.proxy import Ticket
+from router.workers import Worker
+from simulator.engine import EngineConfig
+from simulator.fleet import FastFleet
+
+MODEL = "sim-model"
+POLICIES = ("random", "round_robin", "least_loaded", "approx_prefix", "kvrouter", "pooled_ideal")
+DEFAULT_TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
+OUT_DIR = Path(__file__).resolve().parent / "out"
+
+
+@dataclass
+class FleetSpec:
+    workers: int = 8
+    block_size: int = 16
+    gpu_blocks: int = 25_000  # per worker: 400k tokens, ~ an 8B model's KV on one 80 GB GPU
+    groups: str = "full"
+    cpu_chunks: int = 0
+    cpu_chunk_tokens: int = 256
+    prefill_tokens_per_s: float = 20_000.0
+    decode_s_per_token: float = 0.02
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int = 131_072
+
+    def engine(self, pooled: bool = False, events: bool = True) -> EngineConfig:
+        k = self.workers if pooled else 1
+        return EngineConfig(
+            model=MODEL,
+            block_size=self.block_size,
+            num_gpu_blocks=self.gpu_blocks * k,
+            groups=self.groups,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens * k,
+            max_num_seqs=self.max_num_seqs * k,
+            max_waiting=1_000_000,
+            prefill_tokens_per_s=self.prefill_tokens_per_s * k,
+            decode_s_per_token=self.decode_s_per_token,
+            cpu_chunks=self.cpu_chunks * k,
+            cpu_chunk_tokens=self.cpu_chunk_tokens,
+            enable_events=events,
+        )
+
+    def capacity_tokens_per_s(self) -> float:
+        """Analytic fleet prefill throughput with full chunks and decodes riding along."""
+        b = self.max_num_batched_tokens
+        step = b / self.prefill_tokens_per_s + self.decode_s_per_token + 0.0005
+        return self.workers * b / step
+
+
+@dataclass
+class RouterSpec:
+    poll_s: float = 1.0
+    speculative_ttl_s: float = 2.0
+    params: PolicyParams = field(default_factory=PolicyParams)
+    approx_ttl_s: float = 300.0
+    approx_threshold: float = 0.5
+    approx_balance_abs: int = 64
+    approx_balance_rel: float = 1.5
+    approx_capacity_frac: float = 1.0  # remembered tokens per worker / its GPU KV tokens
+
+
+@dataclass
+class RunResult:
+    name: str
+    hit_rate: float
+    ttft: list[float]
+    throughput_rps: float
+    imbalance: float
+    decision_ms: list[float]
+    completed: int
+    preemptions: int = 0
+
+    def summary(self) -> dict[str, float]:
+        t = sorted(self.ttft)
+        d = sorted(self.decision_ms)
+        return {
+            "hit_rate": round(self.hit_rate, 4),
+            "ttft_mean_s": round(statistics.fmean(t), 4) if t else math.nan,
+            "ttft_p50_s": round(pct(t, 50), 4),
+            "ttft_p90_s": round(pct(t, 90), 4),
+            "ttft_p99_s": round(pct(t, 99), 4),
+            "throughput_rps": round(self.throughput_rps, 4),
+            "imbalance": round(self.imbalance, 4),
+            "decision_ms_p50": round(pct(d, 50), 4),
+            "completed": self.completed,
+            "preemptions": self.preemptions,
+        }
+
+
+def pct(sorted_vals: list[float], q: float) -> float:
+    if not sorted_vals:
+        return math.nan
+    i = min(len(sorted_vals) - 1, max(0, math.ceil(q / 100 * len(sorted_vals)) - 1))
+    return sorted_vals[i]
+
+
+class KeyCache:
+    """Content keys of each request's prompt, computed once (identical for every policy)."""
+
+    def __init__(self, unit: int) -> None:
+        self.index = PrefixIndex(unit=unit)
+        self.root = self.index.root(MODEL)
+        self._keys: dict[str, array] = {}
+        self._cost: dict[str, float] = {}
+
+    def get(self, req: Req, tokens: list[int]) -> tuple[array, float]:
+        """(keys, seconds it took to compute them: charged to every decision that uses them)."""
+        k = self._keys.get(req.rid)
+        if k is None:
+            t0 = time.perf_counter()
+            k = array("Q", self.index.prompt_keys(tokens, self.root))
+            self._cost[req.rid] = time.perf_counter() - t0
+            self._keys[req.rid] = k
+        return k, self._cost[req.rid]
+
+
+def run_policy(
+    name: str,
+    reqs: list[Req],
+    speed: float,
+    fs: FleetSpec,
+    rs: RouterSpec,
+    src: TokenSource,
+    keys: KeyCache,
+    seed: int = 0,
+    track_first_tokens: bool = True,
+) -> RunResult:
+    pooled = name == "pooled_ideal"
+    use_events = name == "kvrouter"
+    n = 1 if pooled else fs.workers
+    fleet = FastFleet(n, fs.engine(pooled=pooled, events=use_events))
+    busy = [0.0] * n
+    preempted = [0]
+    for w, e in enumerate(fleet.engines):
+        e.schedule = _timed_schedule(e.schedule, busy, w)  # busy time = sum of step durations
+        e._preempt = _counted(e._preempt, preempted)
+    unit = keys.index.unit
+    index = PrefixIndex(unit=unit, cpu_chunk_tokens=fs.cpu_chunk_tokens)
+    workers = [Worker(spec=WorkerSpec(url=f"sim://w{i}"), client=None) for i in range(n)]
+    engines = [(w.url, 0) for w in workers]
+    for e in engines:
+        index.add_engine(e, MODEL)
+    by_engine = {e: i for i, e in enumerate(engines)}
+    spec = SpeculativeCache(rs.speculative_ttl_s)
+    if name == "approx_prefix":
+        cap = int(fs.gpu_blocks * fs.block_size * rs.approx_capacity_frac) // unit
+        policy = ApproxPrefixPolicy(
+            unit,
+            cap,
+            rs.approx_ttl_s,
+            rs.approx_threshold,
+            rs.approx_balance_abs,
+            rs.approx_balance_rel,
+            seed,
+        )
+    elif pooled:
+        policy = make_policy("round_robin")
+    else:
+        policy = make_policy(name, rs.params, seed=seed)
+    tickets: dict[str, Ticket] = {}
+    prefilling: list[dict[str, tuple[object, Ticket]]] = [{} for _ in range(n)]
+    decisions: list[float] = []
+    next_poll = rs.poll_s
+    n_done = 0
+    hit_tokens = prompt_tokens = 0
+    ttfts: list[float] = []
+    last_finish = 0.0
+
+    def ingest() -> None:
+        nonlocal n_done, hit_tokens, prompt_tokens, last_finish
+        for w, rank, _seq, payload in fleet.drain_events():
+            try:
+                batch = decode_payload(payload)
+            except DecodeError:
+                continue
+            index.apply((workers[w].url, rank), batch.events)
+        for c in fleet.completed():
+            n_done += 1
+            hit_tokens += c.cached_tokens + c.cpu_loaded_tokens
+            prompt_tokens += c.prompt_tokens
+            ttfts.append(c.first_token_s - c.arrival_s)
+            last_finish = max(last_finish, c.finish_s)
+            t = tickets.pop(c.request_id, None)
+            if t is not None:
+                prefilling[c.worker_idx].pop(c.request_id, None)
+                t.finish()
+
+    def release_first_tokens() -> None:
+        # The proxy releases a request's queued prefill tokens at its first streamed token.
+        for w in range(n):
+            pend = prefilling[w]
+            if not pend:
+                continue
+            done = [rid for rid, (r, _) in pend.items() if r.first_token_s is not None]
+            for rid in done:
+                pend.pop(rid)[1].first_token()
+
+    def poll() -> None:
+        # router.workers.WorkerRegistry._check: the gauges of vLLM's /metrics.
+        for w in range(n):
+            ld = fleet.load(w)
+            el = workers[w].load(0)
+            el.waiting, el.running, el.kv_usage = ld.waiting, ld.running, ld.kv_usage
+
+    def advance(t: float) -> None:
+        nonlocal next_poll
+        while next_poll <= t:
+            fleet.run_until(next_poll)
+            ingest()
+            poll()
+            next_poll += rs.poll_s
+        fleet.run_until(t)
+        ingest()
+        if track_first_tokens:
+            release_first_tokens()
+
+    for req in reqs:
+        t = req.arrival_s / speed
+        advance(t)
+        toks = src.tokens(req)
+        n_tok = len(toks)
+        if name == "kvrouter":
+            kk, kcost = keys.get(req, toks)
+            t0 = time.perf_counter()
+            matches = index.match_keys(kk, n_tok, engines)
+            bs = fs.block_size
+            cands = []
+            for i, e in enumerate(engines):
+                m = matches.get(e)
+                cands.append(
+                    Candidate(
+                        worker=e,
+                        gpu_hit_tokens=m.gpu_tokens if m else 0,
+                        cpu_hit_tokens=m.cpu_tokens if m else 0,
+                        load=workers[i].worker_load(0),
+                        speculative_tokens=spec.hit_tokens(e, kk, unit, t) // bs * bs,
+                    )
+                )
+            d = policy.choose(cands, n_tok, t)
+            spec.record(d.worker, kk, t)
+            decisions.append((time.perf_counter() - t0 + kcost) * 1000)
+            cost = next(c for c in d.costs if c.worker == d.worker)
+            uncached = cost.uncached_tokens
+        else:
+            kcost = 0.0
+            if name == "approx_prefix":
+                kk, kcost = keys.get(req, toks)
+                policy.keys = kk
+            cands = [
+                Candidate(worker=e, load=workers[i].worker_load(0)) for i, e in enumerate(engines)
+            ]
+            t0 = time.perf_counter()
+            d = policy.choose(cands, n_tok, t)
+            decisions.append((time.perf_counter() - t0 + kcost) * 1000)
+            uncached = n_tok  # no index consulted: the proxy charges the whole prompt
+        w = by_engine[d.worker]
+        ticket = Ticket(workers[w], 0, uncached)
+        tickets[req.rid] = ticket
+        fleet.submit(w, req.rid, toks, req.max_tokens, t)
+        if track_first_tokens:
+            prefilling[w][req.rid] = (fleet.engines[w].requests[req.rid], ticket)
+    # drain: keep the poll loop going so the state stays consistent until everything finished
+    t = reqs[-1].arrival_s / speed if reqs else 0.0
+    while n_done < len(reqs):
+        nxt = fleet.next_event_time()
+        if nxt == math.inf:
+            break
+        t = max(t + 10.0, nxt)
+        advance(t)
+    first = reqs[0].arrival_s / speed if reqs else 0.0
+    span = max(last_finish - first, 1e-9)
+    mean_busy = statistics.fmean(busy) if busy else 0.0
+    return RunResult(
+        name=name,
+        hit_rate=hit_tokens / prompt_tokens if prompt_tokens else 0.0,
+        ttft=ttfts,
+        throughput_rps=n_done / span,
+        imbalance=max(busy) / mean_busy if mean_busy > 0 else 1.0,
+        decision_ms=decisions,
+        completed=n_done,
+        preemptions=preempted[0],
+    )
+
+
+def _counted(orig, counter: list[int]):
+    def preempt(req: object) -> None:
+        counter[0] += 1
+        orig(req)
+
+    return preempt
+
+
+def _timed_schedule(orig, busy: list[float], w: int):
+    def schedule(now: float) -> float:
+        end = orig(now)
+        busy[w] += end - now
+        return end
+
+    return schedule
+
+
+def measure_capacity(
+    reqs: list[Req], fs: FleetSpec, rs: RouterSpec, src: TokenSource, keys: KeyCache
+) -> dict[str, float]:
+    """Round-robin capacity (requests/s) of the fleet on this workload, by a saturation run."""
+    base_rate = len(reqs) / max(reqs[-1].arrival_s - reqs[0].arrival_s, 1e-9)
+    mean_prompt = statistics.fmean(r.n_tokens for r in reqs)
+    est_rps = fs.capacity_tokens_per_s() / mean_prompt
+    speed = 2.0 * est_rps / base_rate
+    fleet_rr = _first_token_times(reqs, speed, fs, src)
+    fleet_rr.sort()
+    lo, hi = pct(fleet_rr, 10), pct(fleet_rr, 90)
+    inside = sum(1 for x in fleet_rr if lo <= x <= hi)
+    cap = inside / max(hi - lo, 1e-9)
+    return {
+        "method": "saturation run: round robin at 2x the no-cache analytic estimate, "
+        "first tokens/s between the 10th and 90th percentile first-token times",
+        "analytic_no_cache_rps": round(est_rps, 4),
+        "saturation_offered_rps": round(2.0 * est_rps, 4),
+        "round_robin_capacity_rps": round(cap, 4),
+        "trace_rate_rps": round(base_rate, 4),
+    }
+
+
+def _first_token_times(
+    reqs: list[Req], speed: float, fs: FleetSpec, src: TokenSource
+) -> list[float]:
+    fleet = FastFleet(fs.workers, fs.engine(events=False))
+    out: list[float] = []
+    for i, req in enumerate(reqs):
+        t = req.arrival_s / speed
+        fleet.run_until(t)
+        out.extend(c.first_token_s for c in fleet.completed())
+        fleet.submit(i % fs.workers, req.rid, src.tokens(req), req.max_tokens, t)
+    while len(out) < len(reqs):
+        nxt = fleet.next_event_time()
+        if nxt == math.inf:
+            break
+        fleet.run_until(nxt + 10.0)
+        out.extend(c.first_token_s for c in fleet.completed())
+    return out
+
+
+def run_all(
+    reqs: list[Req],
+    speed: float,
+    fs: FleetSpec,
+    rs: RouterSpec,
+    src: TokenSource,
+    keys: KeyCache,
+    policies: list[str],
+    seed: int,
+    log: bool = True,
+) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for name in policies:
+        t0 = time.perf_counter()
+        res = run_policy(name, reqs, speed, fs, rs, src, keys, seed)
+        out[name] = res.summary()
+        if log:
+            s = out[name]
+            print(
+                f"  {name:14s} hit {s['hit_rate']:.3f}  ttft mean {s['ttft_mean_s']:8.3f}s "
+                f"p50 {s['ttft_p50_s']:7.3f} p90 {s['ttft_p90_s']:7.3f} "
+                f"p99 {s['ttft_p99_s']:8.3f}  rps {s['throughput_rps']:.3f}  "
+                f"imb {s['imbalance']:.2f} pre {s['preemptions']} "
+                  f"dec {s['decision_ms_p50']:.3f}ms  "
+                f"({time.perf_counter() - t0:.1f}s)",
+                file=sys.stderr,
+                flush=True,
+            )
+    return out
+
+
+def targets(pol: dict[str, dict[str, float]]) -> dict[str, object]:
+    k = pol.get("kvrouter")
+    if not k:
+        return {}
+    out: dict[str, object] = {}
+
+    def check(name: str, value: float, limit: float, ok: bool) -> None:
+        out[name] = {"value": round(value, 4), "limit": round(limit, 4), "met": bool(ok)}
+
+    if "pooled_ideal" in pol:
+        lim = 0.9 * pol["pooled_ideal"]["hit_rate"]
+        check("hit_rate >= 0.9 * pooled_ideal", k["hit_rate"], lim, k["hit_rate"] >= lim)
+    if "round_robin" in pol:
+        lim = pol["round_robin"]["ttft_mean_s"] / 5
+        check("ttft_mean <= round_robin / 5", k["ttft_mean_s"], lim, k["ttft_mean_s"] <= lim)
+    if "approx_prefix" in pol:
+        lim = pol["approx_prefix"]["ttft_mean_s"] / 2
+        check("ttft_mean <= approx_prefix / 2", k["ttft_mean_s"], lim, k["ttft_mean_s"] <= lim)
+    if "least_loaded" in pol:
+        lim = pol["least_loaded"]["ttft_p99_s"]
+        check("ttft_p99 <= least_loaded", k["ttft_p99_s"], lim, k["ttft_p99_s"] <= lim)
+    return out
+
+
+KNOB_GRID: dict[str, list[float]] = {
+    "speculative_ttl_s": [0.0, 0.5, 2.0, 10.0],
+    "near_tie_tokens": [0, 64, 512, 4096],
+    "cpu_transfer_discount": [0.0, 0.25, 0.5, 1.0],
+    "running_request_tokens": [0.0, 16.0, 128.0],
+    "kv_pressure_tokens": [0.0, 2048.0, 16384.0],
+}
+
+
+def sweep_knobs(
+    reqs: list[Req],
+    speed: float,
+    fs: FleetSpec,
+    rs: RouterSpec,
+    src: TokenSource,
+    keys: KeyCache,
+    seed: int,
+) -> dict[str, dict[str, dict[str, float]]]:
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for knob, values in KNOB_GRID.items():
+        if knob == "cpu_transfer_discount" and fs.cpu_chunks == 0:
+            continue  # no CPU tier: the knob cannot matter
+        out[knob] = {}
+        for v in values:
+            if knob == "speculative_ttl_s":
+                rs2 = replace(rs, speculative_ttl_s=v)
+            else:
+                rs2 = replace(
+                    rs, params=replace(rs.params, **{knob: type(getattr(rs.params, knob))(v)})
+                )
+            res = run_policy("kvrouter", reqs, speed, fs, rs2, src, keys, seed).summary()
+            out[knob][str(v)] = {
+                k: res[k]
+                for k in ("hit_rate", "ttft_mean_s", "ttft_p90_s", "ttft_p99_s", "imbalance")
+            }
+            print(f"  knob {knob}={v}: {out[knob][str(v)]}", file=sys.stderr, flush=True)
+    return out
+
+
+def chart(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loads = result.get("by_load") or {str(result["config"]["load"]): result["policies"]}
+    names = list(result["policies"])
+    fig, axes = plt.subplots(1, 3 if len(loads) > 1 else 2, figsize=(15, 4.8))
+    pol = result["policies"]
+    x = range(len(names))
+    ax = axes[0]
+    w = 0.27
+    for j, (key, label) in enumerate(
+        [("ttft_mean_s", "mean"), ("ttft_p90_s", "p90"), ("ttft_p99_s", "p99")]
+    ):
+        ax.bar(
+            [i + (j - 1) * w for i in x], [max(pol[n][key], 1e-3) for n in names], w, label=label
+        )
+    ax.set_yscale("log")
+    ax.set_xticks(list(x), names, rotation=25, ha="right")
+    ax.set_ylabel("TTFT (s, log)")
+    ax.set_title(f"TTFT at load {result['config']['load']}")
+    ax.legend()
+    ax = axes[1]
+    ax.bar(list(x), [pol[n]["hit_rate"] for n in names], color="tab:green")
+    ax.set_xticks(list(x), names, rotation=25, ha="right")
+    ax.set_ylabel("prefix-cache hit rate")
+    ax.set_title("hit rate (cached / prompt tokens)")
+    for i, n in enumerate(names):
+        ax.text(i, pol[n]["hit_rate"], f"{pol[n]['hit_rate']:.2f}", ha="center", va="bottom")
+    if len(loads) > 1:
+        ax = axes[2]
+        ls = sorted(loads, key=float)
+        for n in names:
+            ax.plot(
+                [float(v) for v in ls],
+                [max(loads[v][n]["ttft_mean_s"], 1e-3) for v in ls],
+                marker="o",
+                label=n,
+            )
+        ax.set_yscale("log")
+        ax.set_xlabel("offered load (x round-robin capacity)")
+        ax.set_ylabel("mean TTFT (s, log)")
+        ax.set_title("mean TTFT by load")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"kvrouter routing benchmark: {result['workload']}, {result['workers']} workers")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", choices=("mooncake", "chat", "agentic"), default="mooncake")
+    ap.add_argument("--trace", default=None, help="Mooncake-format JSONL (implies mooncake)")
+    ap.add_argument("--quick", action="store_true", help="trace prefix; < 2 min")
+    ap.add_argument("--limit", type=int, default=None, help="first N requests only")
+    ap.add_argument("--scale", type=float, default=1.0, help="synthetic workload size factor")
+    ap.add_argument("--load", type=float, default=0.8, help="x round-robin capacity")
+    ap.add_argument("--loads", default=None, help="comma list: sweep offered load")
+    ap.add_argument(
+        "--speed", type=float, default=None, help="fixed arrival speed-up (skips the capacity run)"
+    )
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--gpu-blocks", type=int, default=None, help="KV blocks per worker")
+    ap.add_argument("--groups", default="full", help='e.g. "full,swa:1024" (hybrid)')
+    ap.add_argument("--cpu-chunks", type=int, default=0, help="CPU tier chunks per worker")
+    ap.add_argument("--cpu-chunk-tokens", type=int, default=256)
+    ap.add_argument("--prefill-tps", type=float, default=20_000.0)
+    ap.add_argument("--decode-s", type=float, default=0.02)
+    ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--poll-s", type=float, default=1.0)
+    ap.add_argument("--spec-ttl", type=float, default=2.0)
+    ap.add_argument("--near-tie", type=int, default=None)
+    ap.add_argument("--cpu-discount", type=float, default=None)
+    ap.add_argument("--sweep-knobs", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="chart path (PNG)")
+    args = ap.parse_args(argv)
+    if args.trace:
+        args.workload = "mooncake"
+    trace = args.trace or DEFAULT_TRACE
+    limit = args.limit
+    if args.quick and limit is None:
+        limit = 1500 if args.workload == "mooncake" else None
+    scale = args.scale * (0.4 if args.quick and args.workload != "mooncake" else 1.0)
+    reqs = load_workload(args.workload, trace, limit, args.seed, scale)
+    if not reqs:
+        raise SystemExit("empty workload")
+    gpu_blocks = args.gpu_blocks or 25_000
+    fs = FleetSpec(
+        workers=args.workers,
+        block_size=args.block_size,
+        gpu_blocks=gpu_blocks,
+        groups=args.groups,
+        cpu_chunks=args.cpu_chunks,
+        cpu_chunk_tokens=args.cpu_chunk_tokens,
+        prefill_tokens_per_s=args.prefill_tps,
+        decode_s_per_token=args.decode_s,
+        max_num_batched_tokens=args.budget,
+    )
+    params = PolicyParams()
+    if args.near_tie is not None:
+        params.near_tie_tokens = args.near_tie
+    if args.cpu_discount is not None:
+        params.cpu_transfer_discount = args.cpu_discount
+    rs = RouterSpec(poll_s=args.poll_s, speculative_ttl_s=args.spec_ttl, params=params)
+    src = TokenSource()
+    unit = math.gcd(16, fs.block_size)
+    keys = KeyCache(unit)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for p in policies:
+        if p not in POLICIES:
+            raise SystemExit(f"unknown policy {p!r}")
+    t_start = time.perf_counter()
+    base_rate = len(reqs) / max(reqs[-1].arrival_s - reqs[0].arrival_s, 1e-9)
+    if args.speed is not None:
+        cap = {
+            "method": "fixed --speed",
+            "trace_rate_rps": round(base_rate, 4),
+            "round_robin_capacity_rps": None,
+        }
+        speeds = {str(args.load): args.speed}
+    else:
+        print(f"measuring round-robin capacity on {len(reqs)} requests...", file=sys.stderr)
+        cap = measure_capacity(reqs, fs, rs, src, keys)
+        print(f"  {cap}", file=sys.stderr)
+        loads = [float(x) for x in args.loads.split(",")] if args.loads else [args.load]
+        speeds = {str(ld): ld * cap["round_robin_capacity_rps"] / base_rate for ld in loads}
+    by_load: dict[str, dict[str, dict[str, float]]] = {}
+    for ld, speed in speeds.items():
+        print(
+            f"load {ld}: speed-up {speed:.3f}x, offered {base_rate * speed:.3f} req/s",
+            file=sys.stderr,
+        )
+        by_load[ld] = run_all(reqs, speed, fs, rs, src, keys, policies, args.seed)
+    main_load = str(args.load) if str(args.load) in by_load else next(iter(by_load))
+    result: dict = {
+        "workload": args.workload if not args.trace else f"mooncake:{Path(trace).name}",
+        "workers": fs.workers,
+        "config": {
+            "requests": len(reqs),
+            "prompt_tokens_mean": round(statistics.fmean(r.n_tokens for r in reqs), 1),
+            "load": float(main_load),
+            "speed_up": round(speeds[main_load], 4),
+            "offered_rps": round(base_rate * speeds[main_load], 4),
+            "capacity": cap,
+            "fleet": asdict(fs) | {"kv_tokens_per_worker": fs.gpu_blocks * fs.block_size},
+            "router": {
+                "poll_s": rs.poll_s,
+                "speculative_ttl_s": rs.speculative_ttl_s,
+                "params": asdict(rs.params),
+                "approx": {
+                    "ttl_s": rs.approx_ttl_s,
+                    "threshold": rs.approx_threshold,
+                    "balance_abs": rs.approx_balance_abs,
+                    "balance_rel": rs.approx_balance_rel,
+                    "capacity_frac": rs.approx_capacity_frac,
+                },
+            },
+            "quick": args.quick,
+            "seed": args.seed,
+        },
+        "policies": by_load[main_load],
+    }
+    if len(by_load) > 1:
+        result["by_load"] = by_load
+    result["targets"] = targets(result["policies"])
+    if args.sweep_knobs:
+        result["knob_sweep"] = sweep_knobs(reqs, speeds[main_load], fs, rs, src, keys, args.seed)
+    result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    name = result["workload"].replace(":", "_").replace(".jsonl", "")
+    out = Path(args.out) if args.out else OUT_DIR / f"routing_{name}.png"
+    if os.environ.get("ROUTING_BENCH_NO_CHART") != "1":
+        chart(result, out)
+        result["chart"] = str(out)
+    print(json.dumps(result, separators=(",", ":")))
+    return result
+
+
+if __name__ == "__main__":
+    main()
