@@ -14,7 +14,7 @@ At the end every publisher reports what it published and a sample of still-resid
 each sample must match in the index (``gpu_tokens == 2032``) and the applied event count must
 equal the published one (``lost_events``). The last line printed is one JSON object.
 
-    python bench/subscriber_bench.py [--blocks-per-s 320000] [--seconds 12] [--publishers 16]
+    python bench/subscriber_bench.py [--blocks-per-s 100000] [--seconds 12] [--publishers 16]
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--blocks-per-s", type=float, default=320_000, help="offered load, all pubs")
+    ap.add_argument("--blocks-per-s", type=float, default=100_000, help="offered load, all pubs")
     ap.add_argument("--seconds", type=float, default=12.0)
     ap.add_argument("--publishers", type=int, default=16)
     ap.add_argument("--queue-depth", type=int, default=10_000)
