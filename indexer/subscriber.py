@@ -15,9 +15,9 @@ Data path, all on the event-loop thread (the index is single-threaded):
     socket --reader callback on ZMQ_FD (NOBLOCK, <= RECV_BATCH per turn)--> per-source bounded deque
            --applier task (<= APPLY_BATCH msgs / APPLY_BUDGET_S per turn)--> decode -> index.apply
 
-Both tasks yield to the loop after bounded work, so a flood never starves the loop. A full deque
-drops the newest message (``queue_overflows``) and that seq becomes an ordinary gap: memory stays
-bounded by ``queue_depth`` messages per source plus ZMQ's RCVHWM (set to the same number).
+Reader and applier both return to the loop after bounded work, so a flood never starves it.
+A full deque drops the newest message (``queue_overflows``) and that seq becomes an ordinary gap:
+memory stays bounded by ``queue_depth`` messages per source plus ZMQ's RCVHWM (the same number).
 
 Sequence logic per source:
 
@@ -28,9 +28,13 @@ Sequence logic per source:
   live messages the replay already covered (seq <= last applied while the live stream still
   moves forward) are skipped, so nothing is lost or applied twice.
 * Repair impossible (no replay endpoint, replay timed out, first replayed seq > asked, a hole in
-  the replay, the replayed batch still undecodable, or a second loss right after a replay that did
-  not fix it): ``index.clear_engine``, ``resets += 1``, the source is **degraded**, ``on_reset`` is
-  called, and the next batch is accepted as the new base.
+  the replay, the replayed batch still undecodable -- a publisher resending the same bad bytes
+  is not retried -- or ``MAX_REPLAY_STREAK`` replays in a row without an in-order live batch):
+  ``index.clear_engine``, ``resets += 1``, the source is **degraded**, ``on_reset(engine,
+  reason)`` is called, and the next batch is accepted as the new base. Reasons read
+  ``"<cause>: <detail>"``, cause in gap / undecodable batch / queue overflow, detail in
+  no replay endpoint / replay failed / replay cannot reach back / replay has a hole / replay did
+  not repair it; plus ``"undecodable batch"``, ``"index cap"``, ``"restart"`` (not degraded).
 * The *live* stream going backwards (a decodable message whose seq is <= the previous live
   message's; ZMQ delivers one connection in order) means the engine restarted.
   ``restarts += 1``, ``clear_engine``, ``on_reset(engine, "restart")``, and the batch is handled
