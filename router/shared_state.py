@@ -532,6 +532,11 @@ class RedisSharedState(SharedState):
             while not self._up:
                 await asyncio.sleep(delay)
                 try:
+                    # Pooled connections from before the outage are dead: drop them all so the
+                    # first calls after recovery do not fail (and flap the state) on them.
+                    for c in (self._client, self._bulk):
+                        with contextlib.suppress(Exception):
+                            await asyncio.wait_for(c.connection_pool.disconnect(), 1.0)
                     await asyncio.wait_for(self._client.ping(), self.op_timeout_s * 2)
                 except asyncio.CancelledError:
                     raise
