@@ -35,7 +35,7 @@ class BlockPool:
         "ref",
     )
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, n_groups: int = 1) -> None:
         if num_blocks < 2:
             raise ValueError("num_blocks must be >= 2 (block 0 is the null block)")
         self.num_blocks = num_blocks
@@ -43,7 +43,8 @@ class BlockPool:
         self.block_key: list[Key | None] = [None] * num_blocks
         self.free_unhashed: deque[int] = deque(range(1, num_blocks))
         self.free_hashed: OrderedDict[int, None] = OrderedDict()
-        self.cached: dict[Key, dict[int, None]] = {}
+        # per group: digest -> block ids holding it (insertion order; duplicates allowed)
+        self.cached: list[dict[bytes, dict[int, None]]] = [{} for _ in range(n_groups)]
         self.events: list[Event] = []
 
     # ---- queries -------------------------------------------------------------------------
@@ -55,8 +56,14 @@ class BlockPool:
         total = self.num_blocks - 1
         return 1.0 - self.num_free() / total if total else 0.0
 
+    def num_cached_keys(self) -> int:
+        return sum(len(c) for c in self.cached)
+
+    def num_cached_blocks(self) -> int:
+        return sum(len(v) for c in self.cached for v in c.values())
+
     def get_cached_block(self, key: Key) -> int | None:
-        blocks = self.cached.get(key)
+        blocks = self.cached[key[1]].get(key[0])
         if not blocks:
             return None
         return next(iter(blocks))
@@ -90,20 +97,22 @@ class BlockPool:
         if key is None:
             return
         self.block_key[b] = None
-        blocks = self.cached.get(key)
+        cg = self.cached[key[1]]
+        blocks = cg.get(key[0])
         if blocks is not None and b in blocks:
             del blocks[b]
             if not blocks:
-                del self.cached[key]
+                del cg[key[0]]
             self.events.append(
                 BlockRemoved([int.from_bytes(key[0][-8:], "big")], MEDIUM_GPU, key[1])
             )
 
     def cache_block(self, b: int, key: Key) -> None:
         self.block_key[b] = key
-        blocks = self.cached.get(key)
+        cg = self.cached[key[1]]
+        blocks = cg.get(key[0])
         if blocks is None:
-            self.cached[key] = {b: None}
+            cg[key[0]] = {b: None}
         else:
             blocks[b] = None
 
@@ -127,7 +136,8 @@ class BlockPool:
             self.block_key[b] = None
             self.free_unhashed.append(b)
         self.free_hashed.clear()
-        self.cached.clear()
+        for cg in self.cached:
+            cg.clear()
         self.events.append(AllBlocksCleared())
         return True
 

@@ -222,13 +222,14 @@ class SimEngine:
     def silent_reset(self) -> None:
         """Fault: forget every cached block without announcing it (no AllBlocksCleared)."""
         pool = self.kv.pool
-        for key_blocks in pool.cached.values():
-            for b in key_blocks:
-                pool.block_key[b] = None
+        for cg in pool.cached:
+            for key_blocks in cg.values():
+                for b in key_blocks:
+                    pool.block_key[b] = None
+            cg.clear()
         for b in list(pool.free_hashed):
             pool.free_unhashed.append(b)
         pool.free_hashed.clear()
-        pool.cached.clear()
         for req in list(self.running) + list(self.waiting):
             req.num_cached = [len(x) for x in req.blocks]  # nothing left to announce
         if self.cpu is not None:

@@ -87,7 +87,7 @@ class KVCacheManager:
         event_block_size: int | None = None,
     ) -> None:
         self.groups = groups
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, len(groups))
         self.gbs = [s.block_size or block_size for s in groups]
         self.hbs = math.gcd(*self.gbs)  # hash_block_size (prefix-match unit)
         self.align = math.lcm(*self.gbs)  # scheduler block size: hits land on multiples
@@ -111,19 +111,19 @@ class KVCacheManager:
 
     def _group_hit(self, g: int, digests: list[bytes], limit: int) -> int:
         """Hit of one non-full group in tokens, <= limit, aligned to ``self.align``."""
-        cached = self.pool.cached
+        cached = self.pool.cached[g]
         bs, s, a = self.gbs[g], self.scale[g], self.align
         max_blocks = limit // bs
         if self.groups[g].kind == MAMBA:
             for i in range(max_blocks - 1, -1, -1):
-                if ((i + 1) * bs) % a == 0 and (digests[(i + 1) * s - 1], g) in cached:
+                if ((i + 1) * bs) % a == 0 and digests[(i + 1) * s - 1] in cached:
                     return (i + 1) * bs
             return 0
         need = self.needed[g]
         run = 0
         right = 0  # exclusive right edge (in blocks) of the current run
         for i in range(max_blocks - 1, -1, -1):
-            if (digests[(i + 1) * s - 1], g) in cached:
+            if digests[(i + 1) * s - 1] in cached:
                 if run == 0:
                     right = i + 1
                 run += 1
@@ -142,14 +142,14 @@ class KVCacheManager:
         digests = req.hasher.digests
         a = self.align
         hit = min(len(req.all_token_ids) - 1, n_hashes * self.hbs) // a * a
-        cached = self.pool.cached
         fa_blocks: dict[int, list[int]] = {}
         for g in self.fa:  # left-to-right scan, collecting the first cached block per hash
             bs, s = self.gbs[g], self.scale[g]
+            get_g = self.pool.cached[g].get
             found: list[int] = []
             append = found.append
-            for i in range(hit // bs):
-                blocks = cached.get((digests[(i + 1) * s - 1], g))
+            for d in digests[s - 1 : (hit // bs) * s : s]:
+                blocks = get_g(d)
                 if not blocks:
                     break
                 append(next(iter(blocks)))

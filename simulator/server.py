@@ -532,7 +532,7 @@ class Worker:
                     "steps": r.steps,
                     "next_seq": r.publisher.next_seq if r.publisher else None,
                     "published": r.published,
-                    "cached_blocks": len(r.engine.kv.pool.cached),
+                    "cached_blocks": r.engine.kv.pool.num_cached_blocks(),
                 } for r in w.runners],
                 "faults": w.faults.as_dict()})
 

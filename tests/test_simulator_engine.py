@@ -129,7 +129,7 @@ def test_engine_accounting_invariants(reqs: list[tuple[int, int, int]]) -> None:
                     live[k] -= 1
     pool = eng.kv.pool
     assert pool.num_free() == pool.num_blocks - 1
-    assert sum(live.values()) == sum(len(v) for v in pool.cached.values())
+    assert sum(live.values()) == pool.num_cached_blocks()
 
 
 # ---- hybrid hit rules ----------------------------------------------------------------------
@@ -331,7 +331,7 @@ def test_fleet_concurrent_invariants(groups: str, cpu: int,
     pool = eng.kv.pool
     assert pool.num_free() == pool.num_blocks - 1 and not eng.running and not eng.waiting
     gpu_live = sum(v for k, v in live.items() if k[0] == "GPU")
-    assert gpu_live == sum(len(v) for v in pool.cached.values())
+    assert gpu_live == pool.num_cached_blocks()
     if eng.cpu is not None:
         cpu_live = sum(v for k, v in live.items() if k[0] == "CPU")
         assert cpu_live == sum(1 for ch in eng.cpu.lru.values() if ch.ready)
