@@ -349,3 +349,21 @@ def test_fleet_dp_ranks() -> None:
     assert sorted(s for w, r, s, _ in ev if r == 1) == list(range(sum(1 for e in ev
                                                                       if e[1] == 1)))
     assert len(fleet.completed()) == 4 and fleet.load(1).running == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 80), st.sampled_from([None, "s"])),
+                min_size=1, max_size=8))
+def test_hasher_memos_never_change_hashes(specs: list[tuple[int, int, str | None]]) -> None:
+    """Shared-prefix adoption and the block memo give exactly the plain chain."""
+    bases = [[7] * 40 + list(range(100)), [7] * 40 + list(range(50, 150)), list(range(300))]
+    for which, cut, salt in specs:
+        toks = bases[which][: 20 + cut] + [9000 + cut] * (cut % 17)
+        h = RequestHasher(8, cache_salt=salt)
+        h.extend(toks)
+        parent = None
+        for i in range(len(toks) // 8):
+            extra = (("cache_salt", salt),) if salt is not None and i == 0 else None
+            parent = hash_block_tokens(parent, toks[i * 8 : (i + 1) * 8], extra)
+            assert h.digests[i] == parent
+        assert len(h.digests) == len(toks) // 8
