@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from indexer.index import PrefixIndex
 from router import proxy
 from router.config import Config, WorkerSpec
+from router.discovery import Discovery
 from router.metrics import RouterMetrics
 from router.policy import (
     Candidate,
@@ -88,6 +89,12 @@ class Router:
             max_connections=cfg.server.max_connections_per_worker,
             on_events_ready=self._subscribe,
         )
+        # Workers that join and leave at run time (Kubernetes pods); the static list is above.
+        self.discovery: Discovery | None = None
+        if cfg.discovery.kubernetes.enabled:
+            self.discovery = Discovery(
+                cfg.discovery.kubernetes, on_add=self._worker_joined, on_remove=self._worker_left
+            )
         local = None
         if cfg.tokenizer.mode == "local" and cfg.tokenizer.path:
             local = LocalTokenizer(cfg.tokenizer.path)
@@ -136,10 +143,14 @@ class Router:
         else:
             log.warning("indexer.subscriber unavailable: routing by load only")
         await self.registry.start()
+        if self.discovery is not None:
+            await self.discovery.start()
         if self.tokenizer.local is not None:
             await self._verify_local()
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.registry.stop()
         await self.shared.stop()
         if self.subscriber is not None:
@@ -194,6 +205,13 @@ class Router:
                 log.info("warm start of %s from seq %d (%d blocks)", e, snap.seq, snap.blocks)
             else:
                 self.index.clear_engine(e)  # cannot resume at its seq: stay cold, stay exact
+
+    async def _worker_joined(self, spec: WorkerSpec) -> None:
+        await self.registry.add_worker(spec)  # its discovery loop then subscribes to events
+
+    def _worker_left(self, url: str) -> None:
+        if self.registry.remove_worker(url) is not None and self.subscriber is not None:
+            self.subscriber.remove_worker(url)  # closes its sockets, drops it from the index
 
     # ---------------------------------------------------------------- shared state hooks
 
@@ -399,6 +417,7 @@ class Router:
             },
             "policy": self.cfg.policy.name,
             "shared_state": self.shared.status(),
+            "discovery": self.discovery.debug() if self.discovery is not None else None,
             "process_rss_bytes": _rss_bytes(),
             "uptime_s": round(time.time() - self.started, 3),
         }

@@ -39,16 +39,12 @@ def build_config(ns: argparse.Namespace) -> Config:
     _validate(cfg)
     if not cfg.workers and not cfg.discovery.kubernetes.enabled:
         raise ConfigError("workers: no workers configured (give --worker URL or workers: in YAML)")
-    if cfg.discovery.kubernetes.enabled:
-        logging.getLogger("kvrouter").warning(
-            "discovery.kubernetes.enabled: Kubernetes discovery is not implemented yet; "
-            "using the static workers list"
-        )
     return cfg
 
 
 async def serve(cfg: Config, *, started: asyncio.Event | None = None) -> None:
     from router.app import create_apps
+    from router.limits import uvicorn_options
 
     app, admin, _router = create_apps(cfg)
     level = cfg.server.log_level.lower()
@@ -62,6 +58,7 @@ async def serve(cfg: Config, *, started: asyncio.Event | None = None) -> None:
                 access_log=False,
                 lifespan="on",
                 timeout_graceful_shutdown=3,
+                **uvicorn_options(cfg.server.max_header_bytes),
             )
         )
     ]
@@ -75,6 +72,7 @@ async def serve(cfg: Config, *, started: asyncio.Event | None = None) -> None:
                     log_level=level,
                     access_log=False,
                     lifespan="off",
+                    **uvicorn_options(cfg.server.max_header_bytes),
                 )
             )
         )

@@ -128,7 +128,8 @@ class ApiAccess:
         (``KUBECONFIG`` or ``~/.kube/config``)."""
         if os.environ.get("KUBERNETES_SERVICE_HOST"):
             return cls.from_incluster()
-        return cls.from_kubeconfig()
+        # Read KUBECONFIG now: the client's default is captured when it is first imported.
+        return cls.from_kubeconfig(os.environ.get("KUBECONFIG") or None)
 
 
 class _Gone(Exception):

@@ -190,32 +190,80 @@ class WorkerRegistry:
         # TCP_NODELAY: httpx writes headers and body separately; with Nagle on, the body waits
         # for the worker's delayed ACK (measured: ~7 ms per request on loopback).
         nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+        self._limits, self._timeout, self._nodelay = limits, timeout, nodelay
         for spec in specs:
-            client = httpx.AsyncClient(
-                base_url=spec.url,
-                timeout=timeout,
-                trust_env=False,
-                transport=httpx.AsyncHTTPTransport(limits=limits, socket_options=nodelay),
-            )
-            w = Worker(spec=spec, client=client, dp_size=spec.dp_size, topic=spec.topic)
-            w.events_endpoint = spec.events
-            w.replay_endpoint = spec.replay
-            self.workers[spec.url] = w
+            self.workers[spec.url] = self._new_worker(spec)
         self._probe = httpx.AsyncClient(
             timeout=httpx.Timeout(probe_timeout_s),
-            limits=httpx.Limits(max_connections=4 * max(len(specs), 1)),
+            limits=httpx.Limits(max_connections=max(4 * len(specs), 64)),
             trust_env=False,
         )
         self._tasks: list[asyncio.Task[None]] = []
+        self._worker_tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self._started = False
         self._rr = 0
+
+    def _new_worker(self, spec: WorkerSpec) -> Worker:
+        client = httpx.AsyncClient(
+            base_url=spec.url,
+            timeout=self._timeout,
+            trust_env=False,
+            transport=httpx.AsyncHTTPTransport(limits=self._limits, socket_options=self._nodelay),
+        )
+        w = Worker(spec=spec, client=client, dp_size=spec.dp_size, topic=spec.topic)
+        w.events_endpoint = spec.events
+        w.replay_endpoint = spec.replay
+        return w
+
+    def _start_loops(self, w: Worker) -> None:
+        tasks = [
+            asyncio.create_task(self._poll_loop(w)),
+            asyncio.create_task(self._discover_loop(w)),
+        ]
+        self._worker_tasks[w.url] = tasks
+        self._tasks.extend(tasks)
+
+    # ---------------------------------------------------------------- dynamic membership
+
+    async def add_worker(self, spec: WorkerSpec) -> Worker | None:
+        """A worker joined (discovery): probe it, start its loops. None if already known."""
+        if spec.url in self.workers:
+            return None
+        w = self.workers[spec.url] = self._new_worker(spec)
+        if self._started:
+            await self._check(w)
+            if self.workers.get(spec.url) is w:  # not removed while probing
+                self._start_loops(w)
+        return w
+
+    def remove_worker(self, url: str) -> Worker | None:
+        """A worker left (discovery): stop routing to it and stop its loops. Requests still in
+        flight there finish; its HTTP client is closed once they have (bounded wait)."""
+        w = self.workers.pop(url, None)
+        if w is None:
+            return None
+        for t in self._worker_tasks.pop(url, []):
+            t.cancel()
+            with contextlib.suppress(ValueError):
+                self._tasks.remove(t)
+        self._tasks.append(asyncio.create_task(self._close_when_idle(w)))
+        return w
+
+    async def _close_when_idle(self, w: Worker) -> None:
+        deadline = time.monotonic() + 600.0
+        try:
+            while w.inflight > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+        finally:
+            await w.client.aclose()
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         await asyncio.gather(*(self._check(w) for w in self.workers.values()))
-        for w in self.workers.values():
-            self._tasks.append(asyncio.create_task(self._poll_loop(w)))
-            self._tasks.append(asyncio.create_task(self._discover_loop(w)))
+        for w in list(self.workers.values()):
+            self._start_loops(w)
+        self._started = True
 
     async def stop(self) -> None:
         for t in self._tasks:

@@ -431,3 +431,70 @@ async def test_disabled_reports_static_only() -> None:
     assert await d.wait_synced(1)
     assert set(seen.current) == {"http://s1:8000", "http://s2:8000"}
     await d.stop()
+
+
+async def test_router_follows_pods_without_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The router picks a Ready pod up, routes to it, drops it when it stops being Ready and
+    takes it back, all from the pod watch (fake API server, simulated vLLM worker)."""
+    import httpx
+    from test_router_support import serve_router
+
+    from router.config import Config
+    from simulator.testing import running_fleet
+
+    with running_fleet(1, decode_ms=1, prefill_tps=400000) as fleet, FakeKube() as kube:
+        w = fleet[0]
+        events_port = w.events_endpoint.rpartition(":")[2]
+        replay_port = w.replay_endpoint.rpartition(":")[2]
+        pod = make_pod(
+            "vllm-0",
+            "127.0.0.1",
+            annotations={
+                "kvrouter.io/events-port": events_port,
+                "kvrouter.io/replay-port": replay_port,
+            },
+        )
+        kube.put(pod)
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "fake", "cluster": {"server": kube.url}}],
+                    "users": [{"name": "u", "user": {}}],
+                    "contexts": [{"name": "c", "context": {"cluster": "fake", "user": "u"}}],
+                    "current-context": "c",
+                }
+            )
+        )
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        cfg = Config()
+        cfg.discovery.kubernetes = kcfg(port=w.port)
+        body = {"model": "sim-model", "prompt": "hello pods", "max_tokens": 2}
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
+            await until(lambda: c.get(base + "/ready"), 20)
+
+            async def ready() -> bool:
+                return (await c.get(base + "/ready")).status_code == 200
+
+            await until(ready, 20, "router ready on the discovered pod")
+            r = await c.post(base + "/v1/completions", json=body)
+            assert r.status_code == 200 and r.headers["x-kvrouter-worker"] == w.url
+            d = (await c.get(base + "/debug/index")).json()
+            assert d["discovery"]["pods_ready"] == [f"{NS}/vllm-0"]
+            assert d["workers"][0]["events_endpoint"] == f"tcp://127.0.0.1:{events_port}"
+
+            kube.put(make_pod("vllm-0", "127.0.0.1", ready=False))
+            await until(lambda: not router.registry.workers, 10, "worker dropped")
+            r = await c.post(base + "/v1/completions", json=body)
+            assert r.status_code == 503
+            assert not router.index.engines()
+
+            kube.put(pod)
+            await until(ready, 20, "worker back")
+            r = await c.post(base + "/v1/completions", json=body)
+            assert r.status_code == 200
