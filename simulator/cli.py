@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--block-size", type=int, default=16)
     a("--num-gpu-blocks", "--kv-blocks", dest="num_gpu_blocks", type=int, default=4096,
       help="KV capacity in blocks, shared by all groups")
-    a("--groups", default="full", help='e.g. "full", "full,swa:64", "swa:64,full", "full,mamba"')
+    a("--groups", default="full",
+      help='KV-cache groups in group_idx order, e.g. "full", "full,swa:64", "swa:64,full", '
+           '"full,mamba"; "@N" gives a group its own block size ("full@16,mamba@64")')
     a("--retention-interval", type=_retention, default=0,
       help="SWA/mamba prefix_cache_retention_interval: 0 (sparse, default), N, or none")
     a("--max-model-len", type=int, default=131072)
@@ -63,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--cpu-events", choices=["placeholder", "self_describing"], default="placeholder")
     a("--event-encoding", choices=list(ENCODINGS), default="map",
       help="map (vLLM >= 0.24), array (<= 0.23), map-0.32 (byte layout of the captures)")
+    a("--legacy-replay", action="store_true",
+      help="vLLM 0.23/0.24 replay bodies [seq, payload] (no topic frame)")
     a("--topic", default="")
     a("--buffer-steps", type=int, default=10_000)
     a("--hwm", type=int, default=100_000)
@@ -102,6 +106,7 @@ def settings_from_args(ns: argparse.Namespace, worker_idx: int) -> WorkerSetting
         replay_endpoint=None if ns.no_events else f"tcp://*:{rp_base + off}",
         topic=ns.topic, buffer_steps=ns.buffer_steps, hwm=ns.hwm,
         max_queue_size=ns.max_queue_size, event_encoding=ns.event_encoding,
+        legacy_replay=ns.legacy_replay,
         chat_template=ns.chat_template, max_body_bytes=ns.max_body_bytes,
         loras=tuple(ns.lora), default_max_tokens=ns.default_max_tokens,
     )

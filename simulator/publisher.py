@@ -56,6 +56,8 @@ class ZmqPublisher:
         hwm: int = 100_000,
         max_queue_size: int = 100_000,
         ctx: zmq.Context | None = None,
+        legacy_replay: bool = False,
+        bind_retry_s: float = 0.0,
     ) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -64,6 +66,8 @@ class ZmqPublisher:
         self.buffer_steps = buffer_steps
         self.hwm = hwm
         self.max_queue_size = max_queue_size
+        self.legacy_replay = legacy_replay  # vLLM 0.23/0.24: replay bodies [seq, payload]
+        self.bind_retry_s = bind_retry_s
         self.drop_fraction = 0.0
         self.dropped = 0
         self.queue_full_drops = 0
@@ -105,7 +109,7 @@ class ZmqPublisher:
 
     # ---- thread ------------------------------------------------------------------------------
     def _bind_or_connect(self, sock: zmq.Socket, endpoint: str, bind: bool) -> None:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + self.bind_retry_s
         while True:
             try:
                 sock.bind(endpoint) if bind else sock.connect(endpoint)
@@ -169,6 +173,12 @@ class ZmqPublisher:
         if len(start_b) != 8:
             return
         start = int.from_bytes(start_b, "big")
+        if self.legacy_replay:  # before PR #45177: no topic frame
+            for seq, payload in list(self._buffer):
+                if seq >= start:
+                    sock.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
+            sock.send_multipart((identity, b"", END_SEQ, b""))
+            return
         for seq, payload in list(self._buffer):
             if seq >= start:
                 sock.send_multipart((identity, b"", self.topic_bytes, seq.to_bytes(8, "big"),

@@ -43,6 +43,7 @@ class WorkerSettings:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     event_encoding: str = "map"
+    legacy_replay: bool = False
     chat_template: str = "default"
     max_body_bytes: int = 8 * 1024 * 1024
     request_timeout_s: float = 600.0
@@ -89,14 +90,16 @@ class Worker:
         self.app = self._make_app()
 
     # ---- lifecycle ---------------------------------------------------------------------------
-    def _publisher(self, rank: int) -> ZmqPublisher | None:
+    def _publisher(self, rank: int, restart: bool = False) -> ZmqPublisher | None:
         s = self.s
         if s.events_endpoint is None:
             return None
         return ZmqPublisher(
             offset_endpoint_port(s.events_endpoint, rank),
             offset_endpoint_port(s.replay_endpoint, rank) if s.replay_endpoint else None,
-            s.topic, s.buffer_steps, s.hwm, s.max_queue_size)
+            s.topic, s.buffer_steps, s.hwm, s.max_queue_size,
+            legacy_replay=s.legacy_replay,
+            bind_retry_s=10.0 if restart else 0.0)  # the old socket may linger briefly
 
     async def start(self) -> None:
         for rank in range(self.s.dp_size):
@@ -114,7 +117,7 @@ class Worker:
             old = r.publisher
             if old is not None:
                 await asyncio.to_thread(old.close)
-                r.publisher = await asyncio.to_thread(self._publisher, r.dp_rank)
+                r.publisher = await asyncio.to_thread(self._publisher, r.dp_rank, True)
                 r.published = 0
                 r.publisher.drop_fraction = self.faults.drop_event_fraction  # type: ignore
 

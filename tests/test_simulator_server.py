@@ -478,3 +478,46 @@ def test_client_disconnect_mid_stream_frees_blocks() -> None:
             time.sleep(0.05)
         else:
             raise AssertionError(f"request not aborted: {st}")
+
+
+def test_legacy_replay_format(ctx: zmq.Context) -> None:
+    """--legacy-replay: vLLM 0.23/0.24 replay bodies [seq, payload], end [END_SEQ, b'']."""
+    with running_fleet(1, legacy_replay=True, event_encoding="array") as (w,):
+        complete(w, toks(40), 1)
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(w.replay_endpoint)
+        try:
+            deadline = time.monotonic() + DEADLINE
+            got: list[list[bytes]] = []
+            while time.monotonic() < deadline:  # the batch may still be in the queue
+                d.send_multipart([b"", (0).to_bytes(8, "big")])
+                msgs = []
+                while d.poll(2000):
+                    f = d.recv_multipart()
+                    msgs.append(f)
+                    if f[-1] == b"":
+                        break
+                if len(msgs) > 1:
+                    got = msgs
+                    break
+            assert got, "no replay"
+            assert got[-1] == [b"", b"\xff" * 8, b""]
+            assert len(got[0]) == 3 and int.from_bytes(got[0][1], "big") == 0
+            batch = msgspec.msgpack.decode(got[0][2])
+            assert batch[1][0][0] == "BlockStored"  # array-era event
+        finally:
+            d.close(0)
+
+
+def test_completions_sse(fleet: list[WorkerInfo]) -> None:
+    body = {"prompt": toks(30), "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{fleet[0].url}/v1/completions", json=body,
+                      timeout=DEADLINE) as r:
+        data = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    objs = [json.loads(x) for x in data[:-1]]
+    assert [o["object"] for o in objs] == ["text_completion"] * 4
+    assert [o["choices"][0]["finish_reason"] for o in objs[:3]] == [None, None, "length"]
+    assert objs[3]["choices"] == [] and objs[3]["usage"]["prompt_tokens"] == 30
