@@ -8,7 +8,7 @@ Fast in-process mode (simulated clock, no sockets), used by ``bench/routing_benc
     cfg = EngineConfig(block_size=16, num_gpu_blocks=20000, groups="full",
                        prefill_tokens_per_s=20000, decode_s_per_token=0.02,
                        max_num_batched_tokens=8192, cpu_chunks=0)
-    fleet = FastFleet(n_workers, cfg)
+    fleet = FastFleet(n_workers, cfg)  # optional: encoding="map"|"array", dp_size=1
     fleet.submit(worker_idx, request_id, token_ids, max_tokens, arrival_s, cache_salt=None)
     fleet.run_until(t_s)               # advance the simulated clock, running engine steps
     fleet.next_event_time() -> float   # next arrival / step start / step end (inf if idle)
@@ -18,6 +18,9 @@ Fast in-process mode (simulated clock, no sockets), used by ``bench/routing_benc
                                        # first_token_s, finish_s, prompt_tokens,
                                        # cached_tokens (GPU), cpu_loaded_tokens, output_tokens
     fleet.load(worker_idx) -> WorkerLoad(running, waiting, queued_prefill_tokens, kv_usage)
+
+``fleet.rejected`` lists ids of future arrivals refused at admission (prompt larger than the
+KV cache or queue full); ``submit`` raises ValueError for those when they arrive now.
 
 Driver loop: ``while pending: t = min(next_arrival, fleet.next_event_time());
 fleet.run_until(t); route/submit arrivals at t; feed fleet.drain_events() to the index``.
