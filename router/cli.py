@@ -70,7 +70,7 @@ async def serve(cfg: Config, *, started: asyncio.Event | None = None) -> None:
                     log_level=level,
                     access_log=False,
                     lifespan="off",
-                    )
+                )
             )
         )
     tasks = [asyncio.create_task(s.serve()) for s in servers]
