@@ -1,0 +1,419 @@
+"""A lean HTTP/1.1 keep-alive client for the proxy hot path (router -> one worker).
+
+Why not httpx here: profiling the router under 16 concurrent clients showed most of its CPU in
+httpcore's connection pool, which re-scans every pooled connection on each request and release
+(``_assign_requests_to_connections``) and probes each idle one with syscalls
+(``has_expired`` -> ``getpeername`` + poll). For a gateway whose whole job is forwarding, that
+cost is paid twice per request (``/tokenize`` and the completion). This client does only what
+the proxy needs, with the parsing in C (``httptools``, the parser uvicorn already uses):
+
+* one pool per worker, LIFO idle connections, at most ``max_connections`` open; a request that
+  finds the pool full waits up to ``pool_timeout`` for a slot (then ``httpx.PoolTimeout``);
+* ``send(request, stream=True)`` returns once the status line and headers arrived (the
+  first-byte timeout covers that wait); the body is read as it arrives through ``aiter_raw``
+  (transfer-decoded, never content-decoded), with backpressure: the socket stops being read
+  while more than ``_HIGH_WATER`` bytes wait for the consumer;
+* closing a response before its end closes the connection: that is how an upstream request is
+  cancelled (vLLM aborts a request whose client disconnected);
+* errors are httpx's exception types, so callers handle one family.
+
+It mirrors the small slice of httpx's API the proxy uses (``build_request``, ``send``,
+``post``, ``get``, ``Response.status_code/headers.raw/aiter_raw/aread/aclose/json``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+from urllib.parse import urlsplit
+
+import httptools
+import httpx
+
+__all__ = ["UpstreamClient", "UpstreamRequest", "UpstreamResponse"]
+
+_HIGH_WATER = 1 << 20  # bytes buffered per response before the socket stops being read
+_LOW_WATER = 1 << 18
+_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"host"})
+
+
+class _Headers:
+    """The part of httpx.Headers the proxy uses."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self.raw = raw
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        key = name.lower().encode("latin-1")
+        for k, v in self.raw:
+            if k.lower() == key:
+                return v.decode("latin-1")
+        return default
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.get(name) is not None
+
+
+class UpstreamRequest:
+    __slots__ = ("body", "headers", "method", "path")
+
+    def __init__(
+        self, method: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]]
+    ) -> None:
+        self.method, self.path, self.body, self.headers = method, path, body, headers
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection; serves one response at a time."""
+
+    def __init__(self, pool: UpstreamClient) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: UpstreamResponse | None = None
+        self.closed = False
+        self._header_name = b""
+        self._raw_headers: list[tuple[bytes, bytes]] = []
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # pragma: no cover - workers never upgrade
+            self._fail(httpx.RemoteProtocolError("unexpected protocol upgrade"))
+        except httptools.HttpParserError as exc:
+            self._fail(httpx.RemoteProtocolError(f"malformed response from worker: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._fail(httpx.RemoteProtocolError("worker closed the connection"))
+
+    def pause_writing(self) -> None:  # pragma: no cover - request bodies are small
+        pass
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        self._raw_headers = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        r = self.response
+        if r is None:
+            return
+        r.status_code = self.parser.get_status_code()
+        r.headers = _Headers(self._raw_headers)
+        r.keep_alive = self.parser.should_keep_alive()
+        if not r.head.done():
+            r.head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        r = self.response
+        if r is not None:
+            r._feed(body)
+
+    def on_message_complete(self) -> None:
+        r = self.response
+        if r is not None:
+            r._finish()
+
+    # pool side
+    def write_request(self, req: UpstreamRequest, host: bytes) -> None:
+        lines = [req.method.encode(), b" ", req.path.encode("latin-1"), b" HTTP/1.1\r\nhost: "]
+        lines.append(host)
+        lines.append(b"\r\ncontent-length: ")
+        lines.append(str(len(req.body)).encode())
+        for k, v in req.headers:
+            if k.lower() not in _HOP:
+                lines += (b"\r\n", k, b": ", v)
+        lines.append(b"\r\n\r\n")
+        lines.append(req.body)
+        assert self.transport is not None
+        self.transport.write(b"".join(lines))
+
+    def _fail(self, exc: Exception) -> None:
+        r = self.response
+        if r is not None:
+            r._error(exc)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class UpstreamResponse:
+    """A response being read from a worker (httpx.Response-like)."""
+
+    def __init__(self, conn: _Conn, pool: UpstreamClient) -> None:
+        self._conn = conn
+        self._pool = pool
+        self.status_code = 0
+        self.headers = _Headers([])
+        self.keep_alive = False
+        self.head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._wake: asyncio.Future[None] | None = None
+        self._complete = False
+        self._exc: Exception | None = None
+        self._released = False
+        self._paused = False
+        self.content = b""
+
+    # fed by the connection
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > _HIGH_WATER and not self._paused and self._conn.transport:
+            self._paused = True
+            self._conn.transport.pause_reading()
+        self._signal()
+
+    def _finish(self) -> None:
+        self._complete = True
+        self._signal()
+
+    def _error(self, exc: Exception) -> None:
+        if self._complete:
+            return
+        self._exc = exc
+        if not self.head.done():
+            self.head.set_exception(exc)
+            self.head.exception()  # retrieved: the waiter may already be gone
+        self._signal()
+
+    def _signal(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    # consumer API
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                while self._chunks:
+                    chunk = self._chunks.popleft()
+                    self._buffered -= len(chunk)
+                    if self._paused and self._buffered < _LOW_WATER and self._conn.transport:
+                        self._paused = False
+                        self._conn.transport.resume_reading()
+                    yield chunk
+                if self._complete:
+                    return
+                if self._exc is not None:
+                    raise self._exc
+                self._wake = asyncio.get_running_loop().create_future()
+                await self._wake
+        finally:
+            if self._complete and not self._chunks:
+                self._release()
+
+    async def aread(self) -> bytes:
+        self.content = b"".join([c async for c in self.aiter_raw()])
+        return self.content
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+    async def aclose(self) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        reusable = self._complete and self.keep_alive and self._exc is None
+        self._pool._release(self._conn, reusable)
+
+
+class UpstreamClient:
+    """Keep-alive connection pool to one worker (``base_url`` is ``http://host:port``)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        max_connections: int = 256,
+        connect_timeout: float = 5.0,
+        first_byte_timeout: float = 600.0,
+        pool_timeout: float | None = None,
+        keepalive_expiry: float = 4.0,
+    ) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"upstream URL must be http://host:port, got {base_url!r}")
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        self._host_header = parts.netloc.encode("latin-1")
+        self.max_connections = max_connections
+        self.connect_timeout = connect_timeout
+        self.first_byte_timeout = first_byte_timeout
+        self.pool_timeout = connect_timeout if pool_timeout is None else pool_timeout
+        # Below uvicorn's (and so vLLM's) default keep-alive timeout of 5 s: an idle connection
+        # is dropped before the worker may close it under us.
+        self.keepalive_expiry = keepalive_expiry
+        self._idle: list[tuple[float, _Conn]] = []  # (idle since, connection), LIFO
+        self._open = 0
+        self._slots = asyncio.Semaphore(max_connections)
+        self._closed = False
+
+    @property
+    def open_connections(self) -> int:
+        return self._open
+
+    def build_request(
+        self,
+        method: str,
+        path: str,
+        *,
+        content: bytes = b"",
+        headers: Iterable[tuple[bytes, bytes]] | None = None,
+    ) -> UpstreamRequest:
+        return UpstreamRequest(method, path, content, list(headers or ()))
+
+    async def send(
+        self, request: UpstreamRequest, *, stream: bool = True, timeout: float | None = None
+    ) -> UpstreamResponse:
+        if self._closed:
+            raise httpx.ConnectError("upstream client is closed")
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.pool_timeout)
+        except TimeoutError:
+            raise httpx.PoolTimeout(
+                f"no free connection to {self.host}:{self.port} within {self.pool_timeout}s "
+                f"({self.max_connections} in use)"
+            ) from None
+        wait = self.first_byte_timeout if timeout is None else timeout
+        try:
+            resp = await self._exchange(request, wait)
+        except httpx.RemoteProtocolError as exc:
+            if not getattr(exc, "stale", False):
+                raise
+            # A kept-alive connection the worker closed while idle (uvicorn closes them after
+            # its keep-alive timeout): nothing was processed, so retry once on a new one.
+            resp = await self._exchange(request, wait, fresh=True)
+        if not stream:
+            await resp.aread()
+        return resp
+
+    async def _exchange(
+        self, request: UpstreamRequest, wait: float, fresh: bool = False
+    ) -> UpstreamResponse:
+        """Write the request on a pooled connection and wait for the response head. Holds
+        one pool slot from here until the response is released."""
+        try:
+            conn, reused = await self._connection(fresh)
+        except BaseException:
+            self._slots.release()
+            raise
+        resp = UpstreamResponse(conn, self)
+        conn.response = resp
+        try:
+            conn.write_request(request, self._host_header)
+            await asyncio.wait_for(asyncio.shield(resp.head), wait)
+        except TimeoutError:
+            resp._released = True
+            self._release(conn, False)
+            raise httpx.ReadTimeout(
+                f"worker {self.host}:{self.port} sent no response headers within {wait}s"
+            ) from None
+        except httpx.RemoteProtocolError as exc:
+            resp._released = True
+            self._release(conn, False, keep_slot=reused)
+            if reused:
+                exc.stale = True  # type: ignore[attr-defined]
+            raise
+        except BaseException:
+            resp._released = True
+            self._release(conn, False)
+            raise
+        return resp
+
+    async def post(
+        self,
+        path: str,
+        *,
+        content: bytes | None = None,
+        json: Any = None,
+        headers: Iterable[tuple[bytes, bytes]] | None = None,
+        timeout: float | None = None,
+    ) -> UpstreamResponse:
+        body = content if content is not None else _json_bytes(json)
+        hdrs = [(b"content-type", b"application/json"), *(headers or ())]
+        req = self.build_request("POST", path, content=body, headers=hdrs)
+        return await self._complete(req, timeout)
+
+    async def get(self, path: str, *, timeout: float | None = None) -> UpstreamResponse:
+        return await self._complete(self.build_request("GET", path), timeout)
+
+    async def _complete(self, req: UpstreamRequest, timeout: float | None) -> UpstreamResponse:
+        if timeout is None:
+            return await self.send(req, stream=False)
+        try:
+            return await asyncio.wait_for(self.send(req, stream=False, timeout=timeout), timeout)
+        except TimeoutError:
+            raise httpx.ReadTimeout(f"worker {self.host}:{self.port} timed out") from None
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for _, conn in self._idle:
+            conn.close()
+        self._idle.clear()
+
+    # pool internals
+    async def _connection(self, fresh: bool = False) -> tuple[_Conn, bool]:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        while self._idle and not fresh:
+            since, conn = self._idle.pop()
+            alive = not conn.closed and conn.transport is not None
+            if alive and now - since < self.keepalive_expiry and not conn.transport.is_closing():  # type: ignore[union-attr]
+                return conn, True
+            conn.close()
+            self._open -= 1
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Conn(self), self.host, self.port),
+                self.connect_timeout,
+            )
+        except TimeoutError:
+            raise httpx.ConnectTimeout(
+                f"connecting to {self.host}:{self.port} took over {self.connect_timeout}s"
+            ) from None
+        except OSError as exc:
+            raise httpx.ConnectError(f"cannot connect to {self.host}:{self.port}: {exc}") from None
+        self._open += 1
+        return conn, False
+
+    def _release(self, conn: _Conn, reusable: bool, keep_slot: bool = False) -> None:
+        conn.response = None
+        if reusable and not conn.closed and not self._closed:
+            self._idle.append((asyncio.get_running_loop().time(), conn))
+        else:
+            conn.close()
+            self._open -= 1
+        if not keep_slot:
+            self._slots.release()
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()

@@ -1,0 +1,202 @@
+"""The proxy's upstream HTTP/1.1 client, against a raw server whose every byte the test controls."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import httpx
+import pytest
+
+from router.upstream import UpstreamClient
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def raw_server(handler: Handler) -> AsyncIterator[tuple[str, list[int]]]:
+    """A TCP server on a free port; yields its URL and a list counting accepted connections."""
+    accepted: list[int] = []
+
+    async def on_conn(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        try:
+            await handler(r, w)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass
+        finally:
+            w.close()
+
+    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", accepted
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def read_request(r: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    head = await r.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head, await r.readexactly(length)
+
+
+def response(body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+async def echo_keepalive(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    while True:
+        head, body = await read_request(r)
+        w.write(response(b"echo:" + body, b"x-path: " + head.split(b" ")[1] + b"\r\n"))
+        await w.drain()
+
+
+async def test_keep_alive_reuses_one_connection_and_sends_exact_body() -> None:
+    async with raw_server(echo_keepalive) as (url, accepted):
+        client = UpstreamClient(url)
+        for i in range(20):
+            r = await client.post("/v1/x", content=b"body-%d" % i)
+            assert (r.status_code, r.content) == (200, b"echo:body-%d" % i)
+            assert r.headers.get("x-path") == "/v1/x"
+        assert len(accepted) == 1
+        await client.aclose()
+
+
+async def test_chunked_stream_arrives_chunk_by_chunk() -> None:
+    gate = asyncio.Event()
+
+    async def chunked(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await w.drain()
+        await gate.wait()
+        w.write(b"6\r\n world\r\n0\r\n\r\n")
+        await w.drain()
+        await asyncio.sleep(1)
+
+    async with raw_server(chunked) as (url, _):
+        client = UpstreamClient(url)
+        resp = await client.send(client.build_request("POST", "/s", content=b"{}"))
+        chunks = resp.aiter_raw()
+        assert await asyncio.wait_for(chunks.__anext__(), 5) == b"hello"  # before the rest exists
+        gate.set()
+        rest = [c async for c in chunks]
+        assert b"".join(rest) == b" world"
+        await resp.aclose()
+
+
+async def test_first_byte_timeout_and_other_requests_unaffected() -> None:
+    async def stall(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        head, _ = await read_request(r)
+        if b"/slow" in head:
+            await asyncio.sleep(30)
+        w.write(response(b"ok"))
+        await w.drain()
+        await asyncio.sleep(1)
+
+    async with raw_server(stall) as (url, _):
+        client = UpstreamClient(url, first_byte_timeout=0.3)
+        slow = asyncio.create_task(client.post("/slow", content=b""))
+        fast = await client.post("/fast", content=b"")
+        assert fast.content == b"ok"
+        with pytest.raises(httpx.ReadTimeout):
+            await slow
+        # The fast request's connection stays pooled; the timed-out one was closed.
+        assert client.open_connections == 1
+
+
+async def test_worker_dying_mid_body_is_an_error_not_a_short_body() -> None:
+    async def die(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial")
+        await w.drain()
+        w.transport.abort()
+
+    async with raw_server(die) as (url, _):
+        client = UpstreamClient(url)
+        resp = await client.send(client.build_request("POST", "/", content=b""))
+        with pytest.raises(httpx.RemoteProtocolError):
+            async for _ in resp.aiter_raw():
+                pass
+        await resp.aclose()
+        assert client.open_connections == 0
+
+
+async def test_connect_errors_are_httpx_errors() -> None:
+    async with raw_server(echo_keepalive) as (url, _):
+        pass  # closed again: nothing listens on that port now
+    client = UpstreamClient(url, connect_timeout=1)
+    with pytest.raises(httpx.ConnectError):
+        await client.post("/", content=b"")
+
+
+async def test_stale_keep_alive_connection_is_retried_on_a_fresh_one() -> None:
+    served = 0
+
+    async def one_per_connection(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        nonlocal served
+        await read_request(r)
+        served += 1
+        w.write(response(b"ok"))  # keep-alive promised, then the server closes while idle
+        await w.drain()
+
+    async with raw_server(one_per_connection) as (url, accepted):
+        client = UpstreamClient(url)
+        assert (await client.post("/", content=b"")).content == b"ok"
+        await asyncio.sleep(0.2)  # let the close arrive (or not: both paths must work)
+        assert (await client.post("/", content=b"")).content == b"ok"
+        assert served == 2 and len(accepted) == 2
+
+
+async def test_pool_bound_waits_then_times_out() -> None:
+    release = asyncio.Event()
+
+    async def hold(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        await release.wait()
+        w.write(response(b"done"))
+        await w.drain()
+        await asyncio.sleep(1)
+
+    async with raw_server(hold) as (url, accepted):
+        client = UpstreamClient(url, max_connections=2, pool_timeout=0.3)
+        held = [asyncio.create_task(client.post("/", content=b"")) for _ in range(2)]
+        while len(accepted) < 2:
+            await asyncio.sleep(0.01)
+        with pytest.raises(httpx.PoolTimeout):
+            await client.post("/", content=b"")
+        release.set()
+        assert [(await t).content for t in held] == [b"done", b"done"]
+        assert len(accepted) == 2, "the bound held: no third connection was opened"
+
+
+async def test_closing_a_response_early_closes_its_connection() -> None:
+    closed = asyncio.Event()
+
+    async def endless(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        try:
+            while True:
+                w.write(b"4\r\ndata\r\n")
+                await w.drain()
+                await asyncio.sleep(0.01)
+        except ConnectionError:
+            closed.set()
+            raise
+
+    async with raw_server(endless) as (url, _):
+        client = UpstreamClient(url)
+        resp = await client.send(client.build_request("POST", "/", content=b""))
+        async for chunk in resp.aiter_raw():
+            assert chunk.startswith(b"data")
+            break
+        await resp.aclose()  # the client went away: the upstream request must be cancelled
+        await asyncio.wait_for(closed.wait(), 5)
+        assert client.open_connections == 0
