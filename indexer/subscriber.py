@@ -402,6 +402,23 @@ class Subscriber:
             self._sources.pop(src.engine, None)
             self.index.remove_engine(src.engine)
 
+    def drop_worker_state(self, worker_id: str, reason: str) -> int:
+        """The worker went away (dead or unreachable): drop its index state, keep listening.
+
+        Every rank is cleared and marked degraded (``resets += 1``); the sockets stay connected
+        and the sequence state is kept, so a restarted worker (its seqs start again at 0) is
+        recognised as a restart and rebuilt exactly, while a worker that was only unreachable
+        is rebuilt by the usual rules. Returns the number of ranks cleared (0 if unknown or
+        already dropped).
+        """
+        n = 0
+        for src in self._workers.get(worker_id, []):
+            if src.degraded and src.degraded_reason == reason:
+                continue  # already dropped for this outage
+            self._reset(src, reason)
+            n += 1
+        return n
+
     # ------------------------------------------------------------------ inspection
 
     def status(self) -> list[SourceStatus]:

@@ -34,6 +34,7 @@ from router.policy import (
     PolicyParams,
     make_policy,
 )
+from router.resilience import WorkerWatch, load_only
 from router.shared_state import ExportedEngine, LoadTuple, SharedState, make_shared_state
 from router.shared_state import seed_subscriber as _seed_subscriber
 from router.tokenize import LocalTokenizer, PromptTokenizer, Tokenized, TokenizeError
@@ -132,6 +133,9 @@ class Router:
                 replay_concurrency=e.replay_concurrency,
                 bind=e.bind,
             )
+        sc = cfg.server
+        self.proxy_limits = proxy.ProxyLimits.from_server(sc)
+        self.watch = WorkerWatch(self.registry, self.subscriber, pool_timeout_s=sc.pool_timeout_s)
         self.started = time.time()
 
     # ---------------------------------------------------------------- lifecycle
@@ -143,12 +147,14 @@ class Router:
         else:
             log.warning("indexer.subscriber unavailable: routing by load only")
         await self.registry.start()
+        await self.watch.start()
         if self.discovery is not None:
             await self.discovery.start()
         if self.tokenizer.local is not None:
             await self._verify_local()
 
     async def stop(self) -> None:
+        await self.watch.stop()
         if self.discovery is not None:
             await self.discovery.stop()
         await self.registry.stop()
@@ -281,7 +287,7 @@ class Router:
         cands = []
         for w in workers:
             for e in w.engines():
-                m = matches.get(e)
+                m = None if load_only(self.subscriber, e) else matches.get(e)
                 spec = 0
                 if tok is not None:
                     spec = self.speculative.hit_tokens(e, tok.keys, unit, now) // bs * bs
@@ -531,11 +537,17 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def _add_admin_routes(app: FastAPI, router: Router) -> None:
-    token = router.cfg.server.admin_token
+    sc = router.cfg.server
+    token = sc.admin_token
+    # Safe default: on the API port, without an admin token, the API keys (if any) guard the
+    # admin endpoints too (/debug/route reveals which prefixes are cached).
+    keys = set(sc.api_keys) if token is None and sc.admin_port is None else set()
 
     def check(request: Request) -> None:
         if token is not None and _bearer(request) != token:
             raise BodyError(401, "admin endpoints require 'Authorization: Bearer <admin_token>'")
+        if keys and _bearer(request) not in keys:
+            raise BodyError(401, "admin endpoints require an API key (no admin_token is set)")
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -680,6 +692,8 @@ def _add_api_routes(app: FastAPI, router: Router) -> None:
             receive=request.receive,
             t0=t0,
             done=done,
+            limits=router.proxy_limits,
+            on_upstream_failure=router.watch.probe_soon,
         )
 
     @app.post("/v1/completions")

@@ -44,6 +44,7 @@ def build_config(ns: argparse.Namespace) -> Config:
 
 async def serve(cfg: Config, *, started: asyncio.Event | None = None) -> None:
     from router.app import create_apps
+    from router.limits import uvicorn_options
 
     app, admin, _router = create_apps(cfg)
     level = cfg.server.log_level.lower()
@@ -57,6 +58,7 @@ async def serve(cfg: Config, *, started: asyncio.Event | None = None) -> None:
                 access_log=False,
                 lifespan="on",
                 timeout_graceful_shutdown=3,
+                **uvicorn_options(cfg.server.max_header_bytes),
             )
         )
     ]
@@ -70,6 +72,7 @@ async def serve(cfg: Config, *, started: asyncio.Event | None = None) -> None:
                     log_level=level,
                     access_log=False,
                     lifespan="off",
+                    **uvicorn_options(cfg.server.max_header_bytes),
                 )
             )
         )

@@ -50,6 +50,10 @@ class ServerConfig:
     connect_timeout_s: float = 5.0
     first_byte_timeout_s: float = 600.0
     max_connections_per_worker: int = 256
+    # Issue 8 bounds (reported for docs/config.md).
+    request_timeout_s: float | None = None  # total time for one request, streaming included
+    pool_timeout_s: float = 5.0  # wait for a free upstream connection, then 503
+    max_header_bytes: int = 32_768  # request line + headers; 431 above
 
 
 @dataclass
@@ -125,6 +129,21 @@ class RedisConfig:
 
 
 @dataclass
+class VerifyConfig:
+    """Issue 9: prediction verification, drift handling and the worker self-check."""
+
+    enabled: bool = True
+    window: int = 50
+    min_samples: int = 20
+    min_accuracy: float = 0.8
+    reset_after_misses: int = 3
+    stream_usage: bool = True
+    selfcheck: bool = True
+    selfcheck_timeout_s: float = 5.0
+    require_selfcheck: bool = True
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -135,6 +154,7 @@ class Config:
     index: IndexConfig = field(default_factory=IndexConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
 
 
 _SECTIONS: dict[str, type] = {
@@ -146,6 +166,7 @@ _SECTIONS: dict[str, type] = {
     "index": IndexConfig,
     "discovery": DiscoveryConfig,
     "redis": RedisConfig,
+    "verify": VerifyConfig,
 }
 
 # Field types, spelled out (dataclass annotations are strings under ``from __future__``).
@@ -163,6 +184,9 @@ _TYPES: dict[str, dict[str, tuple[type, ...]]] = {
         "connect_timeout_s": (float,),
         "first_byte_timeout_s": (float,),
         "max_connections_per_worker": (int,),
+        "request_timeout_s": (float, type(None)),
+        "pool_timeout_s": (float,),
+        "max_header_bytes": (int,),
     },
     "model": {
         "name": (str, type(None)),
@@ -197,6 +221,17 @@ _TYPES: dict[str, dict[str, tuple[type, ...]]] = {
         "key_prefix": (str,),
         "heartbeat_ttl_s": (float,),
         "snapshot_interval_s": (float,),
+    },
+    "verify": {
+        "enabled": (bool,),
+        "window": (int,),
+        "min_samples": (int,),
+        "min_accuracy": (float,),
+        "reset_after_misses": (int,),
+        "stream_usage": (bool,),
+        "selfcheck": (bool,),
+        "selfcheck_timeout_s": (float,),
+        "require_selfcheck": (bool,),
     },
     "workers[]": {
         "url": (str,),
@@ -356,6 +391,12 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("server.max_body_bytes: must be positive")
     if s.connect_timeout_s <= 0 or s.first_byte_timeout_s <= 0:
         raise ConfigError("server.connect_timeout_s / first_byte_timeout_s: must be positive")
+    if s.request_timeout_s is not None and s.request_timeout_s <= 0:
+        raise ConfigError("server.request_timeout_s: must be positive (or null: no total limit)")
+    if s.pool_timeout_s <= 0:
+        raise ConfigError("server.pool_timeout_s: must be positive")
+    if s.max_header_bytes < 1024:
+        raise ConfigError("server.max_header_bytes: must be >= 1024")
     if s.max_connections_per_worker < 1:
         raise ConfigError("server.max_connections_per_worker: must be >= 1")
     if s.log_level.lower() not in LOG_LEVELS:
@@ -420,6 +461,17 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("redis.heartbeat_ttl_s: must be positive")
     if r.snapshot_interval_s <= 0:
         raise ConfigError("redis.snapshot_interval_s: must be positive")
+    v = cfg.verify
+    if v.window < 1 or v.min_samples < 1:
+        raise ConfigError("verify.window / verify.min_samples: must be >= 1")
+    if v.min_samples > v.window:
+        raise ConfigError("verify.min_samples: must be <= verify.window")
+    if not 0.0 <= v.min_accuracy <= 1.0:
+        raise ConfigError("verify.min_accuracy: must be within [0, 1]")
+    if v.reset_after_misses < 0:
+        raise ConfigError("verify.reset_after_misses: must be >= 0 (0: never reset)")
+    if v.selfcheck_timeout_s <= 0:
+        raise ConfigError("verify.selfcheck_timeout_s: must be positive")
 
 
 def parse_config(data: Any, env: Mapping[str, str] | None = None) -> Config:

@@ -9,12 +9,29 @@
   good health probe.
 * A client disconnect cancels the upstream request (the upstream connection is closed, which
   makes vLLM abort the request), for streaming and non-streaming responses alike.
+* Bounds (:class:`ProxyLimits`): connect / first-byte (read) / pool timeouts per request, and
+  an optional total ``server.request_timeout_s``. A worker at ``max_connections_per_worker``
+  makes the request wait up to ``server.pool_timeout_s`` for a connection, then the next-best
+  worker is tried, then 503 (a full pool is load, not failure: the worker stays healthy).
+* **A stream that fails after its first byte** (the worker died, reset the connection, or the
+  total timeout fired): if the response is SSE and the bytes forwarded so far end on an event
+  boundary, the router appends one error event in vLLM's format and ends the stream cleanly::
+
+      data: {"error": {"message": "...", "type": "upstream_error" | "timeout", "code": 502 | 504}}
+
+      data: [DONE]
+
+  (the OpenAI SDKs raise ``APIError`` on it). If the worker died mid-event, the router closes
+  the connection without the terminating chunk, so the client sees a truncated body rather than
+  a spliced, unparseable event. Either way the request is accounted as 502/504, its load is
+  released, and the worker is re-probed at once (``on_upstream_failure``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -28,7 +45,15 @@ from starlette.types import Receive, Scope, Send
 
 from router.workers import Worker, WorkerRegistry
 
-__all__ = ["HOP_BY_HOP", "Passthrough", "Ticket", "error_response", "forward"]
+__all__ = [
+    "HOP_BY_HOP",
+    "Passthrough",
+    "ProxyLimits",
+    "Ticket",
+    "error_response",
+    "forward",
+    "sse_error_event",
+]
 
 HOP_BY_HOP = frozenset(
     {
@@ -48,6 +73,7 @@ HOP_BY_HOP = frozenset(
 )
 _RESP_DROP = HOP_BY_HOP | {"date", "server"}
 WORKER_HEADER = "x-kvrouter-worker"
+log = logging.getLogger("kvrouter.proxy")
 
 
 def error_response(
@@ -90,6 +116,35 @@ class Ticket:
         if not self._done:
             self._done = True
             self.ld.inflight -= 1
+
+
+@dataclass
+class ProxyLimits:
+    """Per-request upstream bounds (``server.*`` timeouts)."""
+
+    timeout: httpx.Timeout | None = None
+    request_timeout_s: float | None = None
+
+    @classmethod
+    def from_server(cls, server: Any) -> ProxyLimits:
+        return cls(
+            timeout=httpx.Timeout(
+                connect=server.connect_timeout_s,
+                read=server.first_byte_timeout_s,
+                write=30.0,
+                pool=server.pool_timeout_s,
+            ),
+            request_timeout_s=server.request_timeout_s,
+        )
+
+
+def sse_error_event(message: str, etype: str, code: int) -> bytes:
+    doc = {"error": {"message": message, "type": etype, "code": code}}
+    return b"data: " + msgspec.json.encode(doc) + b"\n\ndata: [DONE]\n\n"
+
+
+class UpstreamBroken(Exception):
+    """Raised into the ASGI server to close a stream that broke mid-event (no last chunk)."""
 
 
 @dataclass
@@ -240,16 +295,52 @@ async def forward(
     receive: Receive,
     t0: float,
     done: Callable[[Outcome], None],
+    limits: ProxyLimits | None = None,
+    on_upstream_failure: Callable[[Worker], None] | None = None,
 ) -> Response:
     """Send ``body`` to the first attempt that answers; stream or buffer the answer back."""
     watcher = asyncio.ensure_future(_until_disconnect(receive))
+    lim = limits or ProxyLimits()
+    deadline = None
+    if lim.request_timeout_s is not None:
+        deadline = asyncio.get_running_loop().time() + lim.request_timeout_s
+        deadline -= time.perf_counter() - t0
+    ctx = _Ctx(lim, deadline, on_upstream_failure)
     try:
-        return await _forward(registry, path, body, headers, attempts, stream, watcher, t0, done)
+        return await _forward(
+            registry, path, body, headers, attempts, stream, watcher, t0, done, ctx
+        )
     finally:
         if not watcher.done():
             watcher.cancel()
             with contextlib.suppress(BaseException):
                 await watcher
+
+
+@dataclass
+class _Ctx:
+    limits: ProxyLimits
+    deadline: float | None
+    on_failure: Callable[[Worker], None] | None
+
+    def failed(self, w: Worker) -> None:
+        if self.on_failure is not None:
+            with contextlib.suppress(Exception):
+                self.on_failure(w)
+
+
+class _Deadline(Exception):
+    pass
+
+
+async def _within(coro: Awaitable[Any], deadline: float | None) -> Any:
+    if deadline is None:
+        return await coro
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await coro
+    except TimeoutError:
+        raise _Deadline from None
 
 
 async def _forward(
@@ -262,6 +353,7 @@ async def _forward(
     watcher: asyncio.Future[None],
     t0: float,
     done: Callable[[Outcome], None],
+    ctx: _Ctx,
 ) -> Response:
     last_error = "no worker available"
     last_status = 503
@@ -272,14 +364,30 @@ async def _forward(
         if w.dp_size > 1:
             hdrs.append((b"x-data-parallel-rank", str(att.engine[1]).encode()))
         ticket = Ticket(w, att.engine[1], att.uncached)
-        req = w.client.build_request("POST", path, content=body, headers=hdrs)
+        if ctx.limits.timeout is not None and isinstance(w.client, httpx.AsyncClient):
+            req = w.client.build_request(
+                "POST", path, content=body, headers=hdrs, timeout=ctx.limits.timeout
+            )
+        else:
+            req = w.client.build_request("POST", path, content=body, headers=hdrs)
         try:
-            resp = await _race(w.client.send(req, stream=True), watcher)
+            resp = await _race(_within(w.client.send(req, stream=True), ctx.deadline), watcher)
         except _ClientGone:
             ticket.finish()
             done(Outcome(499, w.url, None, None))
             return Response(status_code=499)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+        except _Deadline:
+            ticket.finish()
+            done(Outcome(504, w.url, None, None))
+            return error_response(
+                504, "request_timeout_s exceeded before the first byte", "timeout"
+            )
+        except httpx.PoolTimeout:
+            ticket.finish()  # the worker is busy (max_connections_per_worker), not broken
+            last_error = f"worker {w.url} has no free connection (max_connections_per_worker)"
+            last_status = 503
+            continue
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             ticket.finish()
             registry.mark_failed(w, f"{type(exc).__name__}: {exc}")
             last_error, last_status = f"worker {w.url} unreachable: {type(exc).__name__}", 502
@@ -298,20 +406,45 @@ async def _forward(
             last_error, last_status = f"worker {w.url} returned {resp.status_code}", 502
             continue
         if stream:
-            return _stream(resp, w, ticket, t0, done)
-        return await _buffered(resp, w, ticket, t0, watcher, done)
+            return _stream(resp, w, ticket, t0, done, ctx)
+        return await _buffered(resp, w, ticket, t0, watcher, done, ctx)
     done(Outcome(last_status, None, None, None))
-    etype = "timeout" if last_status == 504 else "bad_gateway"
+    etype = {504: "timeout", 503: "service_unavailable"}.get(last_status, "bad_gateway")
     return error_response(last_status, last_error, etype)
 
 
 def _stream(
-    resp: httpx.Response, w: Worker, ticket: Ticket, t0: float, done: Callable[[Outcome], None]
+    resp: httpx.Response,
+    w: Worker,
+    ticket: Ticket,
+    t0: float,
+    done: Callable[[Outcome], None],
+    ctx: _Ctx,
 ) -> Response:
-    state: dict[str, Any] = {"ttft": None, "cached": None}
+    state: dict[str, Any] = {"ttft": None, "cached": None, "failed": None}
+    sse = resp.headers.get("content-type", "").startswith("text/event-stream")
 
     async def body() -> AsyncIterator[bytes]:
-        async for chunk in resp.aiter_raw():
+        it = resp.aiter_raw().__aiter__()
+        boundary = True  # the bytes forwarded so far end between two SSE events
+        while True:
+            try:
+                chunk = await _within(it.__anext__(), ctx.deadline)
+            except StopAsyncIteration:
+                return
+            except (_Deadline, httpx.HTTPError) as exc:
+                timeout = isinstance(exc, _Deadline | httpx.TimeoutException)
+                code = 504 if timeout else 502
+                state["failed"] = code
+                if not timeout:
+                    ctx.failed(w)
+                what = "timed out" if timeout else f"failed mid-stream ({type(exc).__name__})"
+                log.warning("stream from %s %s", w.url, what)
+                if sse and boundary:
+                    etype = "timeout" if timeout else "upstream_error"
+                    yield sse_error_event(f"worker {w.url} {what}", etype, code)
+                    return
+                raise UpstreamBroken(what) from None
             if state["ttft"] is None:
                 state["ttft"] = time.perf_counter() - t0
                 ticket.first_token()
@@ -319,12 +452,17 @@ def _stream(
                 v = _cached_from_sse(chunk)
                 if v is not None:
                     state["cached"] = v
+            if chunk:
+                boundary = chunk.endswith(b"\n\n")
             yield chunk
 
     async def on_close(completed: bool) -> None:
         ticket.finish()
-        await resp.aclose()
+        with anyio.CancelScope(shield=True):
+            await resp.aclose()
         status = resp.status_code if completed else 499
+        if state["failed"] is not None:
+            status = state["failed"]
         done(Outcome(status, w.url, state["ttft"], state["cached"]))
 
     return Passthrough(resp.status_code, response_headers(resp, w.url), body(), on_close)
@@ -337,6 +475,7 @@ async def _buffered(
     t0: float,
     watcher: asyncio.Future[None],
     done: Callable[[Outcome], None],
+    ctx: _Ctx,
 ) -> Response:
     async def read() -> bytes:
         parts = [chunk async for chunk in resp.aiter_raw()]
@@ -344,18 +483,28 @@ async def _buffered(
 
     ttft = time.perf_counter() - t0
     try:
-        data = await _race(read(), watcher)
+        data = await _race(_within(read(), ctx.deadline), watcher)
     except _ClientGone:
         ticket.finish()
         with anyio.CancelScope(shield=True):
             await resp.aclose()
         done(Outcome(499, w.url, None, None))
         return Response(status_code=499)
+    except (_Deadline, httpx.TimeoutException):
+        ticket.finish()
+        with anyio.CancelScope(shield=True):
+            await resp.aclose()
+        done(Outcome(504, w.url, None, None))
+        return error_response(504, f"worker {w.url} timed out mid-response", "timeout")
     except httpx.HTTPError as exc:
         ticket.finish()
-        await resp.aclose()
+        ctx.failed(w)
+        with anyio.CancelScope(shield=True):
+            await resp.aclose()
         done(Outcome(502, w.url, None, None))
-        return error_response(502, f"worker {w.url} failed mid-response: {exc}", "bad_gateway")
+        return error_response(
+            502, f"worker {w.url} failed mid-response: {type(exc).__name__}", "bad_gateway"
+        )
     ticket.finish()
     await resp.aclose()
     cached = None

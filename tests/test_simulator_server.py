@@ -521,3 +521,18 @@ def test_completions_sse(fleet: list[WorkerInfo]) -> None:
     assert [o["object"] for o in objs] == ["text_completion"] * 4
     assert [o["choices"][0]["finish_reason"] for o in objs[:3]] == [None, None, "length"]
     assert objs[3]["choices"] == [] and objs[3]["usage"]["prompt_tokens"] == 30
+
+
+def test_tokenize_gives_the_engine_tokens(fleet: list[WorkerInfo]) -> None:
+    """/tokenize (chat form) returns exactly what /v1/chat/completions feeds the engine:
+    replaying those ids as a completion hits every full block of the chat prompt."""
+    w = fleet[1]
+    msgs = [{"role": "system", "content": "you are a router test " * 8},
+            {"role": "user", "content": [{"type": "text", "text": "question number 7"}]}]
+    with httpx.Client(base_url=w.url, timeout=DEADLINE) as c:
+        ids = c.post("/tokenize", json={"messages": msgs}).json()["tokens"]
+        chat = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}).json()
+        assert chat["usage"]["prompt_tokens"] == len(ids)
+        again = c.post("/v1/completions", json={"prompt": ids, "max_tokens": 1}).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (
+            (len(ids) - 1) // 16 * 16)
