@@ -457,7 +457,7 @@ def test_bounded_queue_returns_503() -> None:
                 return r.status_code
             return await asyncio.gather(*(one() for _ in range(4)))
 
-    with running_fleet(1, max_num_seqs=1, max_waiting=1, decode_ms=300) as (w,):
+    with running_fleet(1, max_num_seqs=1, max_waiting=1, decode_ms=800) as (w,):
         codes = asyncio.run(main(w))
         assert 200 in codes and 503 in codes
 
