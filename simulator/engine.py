@@ -254,6 +254,7 @@ class SimEngine:
         kv.set_reachable(req, hit, longest)
         if req.report_full and hit:
             kv.emit_cached_block_events(req, hit)
+            req.report_full = False  # once, even if the request has to wait and retry
         ext = 0
         if self.cpu is not None:
             ext = self.cpu.lookup(req, hit)
@@ -265,7 +266,11 @@ class SimEngine:
             self.external_hits += ext
         if ext:
             if not kv.allocate_slots(req, 0, per_group, hit, ext):
-                req.hit_done = False
+                req.hit_done = False  # looked up again next step: do not count twice
+                self.prefix_queries -= len(req.all_token_ids)
+                self.prefix_hits -= hit
+                self.external_queries -= len(req.all_token_ids) - hit
+                self.external_hits -= ext
                 return False
             self.cpu.touch(req, hit + ext)  # type: ignore[union-attr]
             req.num_computed = hit
