@@ -28,7 +28,7 @@ import contextlib
 import json
 import socket
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -286,9 +286,9 @@ class UpstreamClient:
         path: str,
         *,
         content: bytes = b"",
-        headers: Iterable[tuple[bytes, bytes]] | None = None,
+        headers: _HeaderArg = None,
     ) -> UpstreamRequest:
-        return UpstreamRequest(method, path, content, list(headers or ()))
+        return UpstreamRequest(method, path, content, _header_list(headers))
 
     async def send(
         self, request: UpstreamRequest, *, stream: bool = True, timeout: float | None = None
@@ -354,11 +354,13 @@ class UpstreamClient:
         *,
         content: bytes | None = None,
         json: Any = None,
-        headers: Iterable[tuple[bytes, bytes]] | None = None,
+        headers: _HeaderArg = None,
         timeout: float | None = None,
     ) -> UpstreamResponse:
         body = content if content is not None else _json_bytes(json)
-        hdrs = [(b"content-type", b"application/json"), *(headers or ())]
+        hdrs = _header_list(headers)
+        if not any(k.lower() == b"content-type" for k, _ in hdrs):
+            hdrs.append((b"content-type", b"application/json"))
         req = self.build_request("POST", path, content=body, headers=hdrs)
         return await self._complete(req, timeout)
 
@@ -413,6 +415,20 @@ class UpstreamClient:
             self._open -= 1
         if not keep_slot:
             self._slots.release()
+
+
+_HeaderArg = Mapping[str, str] | Iterable[tuple[bytes | str, bytes | str]] | None
+
+
+def _header_list(headers: _HeaderArg) -> list[tuple[bytes, bytes]]:
+    items = headers.items() if isinstance(headers, Mapping) else (headers or ())
+    return [
+        (
+            k.encode("latin-1") if isinstance(k, str) else k,
+            v.encode("latin-1") if isinstance(v, str) else v,
+        )
+        for k, v in items
+    ]
 
 
 def _json_bytes(obj: Any) -> bytes:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ import msgspec
 
 from router.config import WorkerSpec
 from router.policy import WorkerLoad
+from router.upstream import UpstreamClient
 
 __all__ = ["ModelNames", "Worker", "WorkerRegistry", "parse_vllm_metrics"]
 
@@ -36,6 +36,9 @@ _WANTED = {
     "vllm:num_requests_waiting": "waiting",
     "vllm:num_requests_running": "running",
     "vllm:kv_cache_usage_perc": "kv_usage",
+    # counters (verification: deltas vs the router's predictions; going back = restart)
+    "vllm:prefix_cache_hits_total": "prefix_hits",
+    "vllm:prefix_cache_queries_total": "prefix_queries",
 }
 
 
@@ -86,7 +89,7 @@ class EngineLoad:
 @dataclass
 class Worker:
     spec: WorkerSpec
-    client: httpx.AsyncClient
+    client: UpstreamClient
     healthy: bool = True
     last_health_error: str | None = None
     dp_size: int = 1
@@ -178,19 +181,12 @@ class WorkerRegistry:
         self.probe_timeout_s = probe_timeout_s
         self.models = ModelNames(model_name)
         self.on_events_ready = on_events_ready
-        limits = httpx.Limits(
-            max_connections=max_connections,
-            max_keepalive_connections=max_connections,
-            keepalive_expiry=30.0,
-        )
-        timeout = httpx.Timeout(
-            connect=connect_timeout_s, read=first_byte_timeout_s, write=30.0, pool=connect_timeout_s
-        )
+        self.on_metrics: Callable[[str, dict[int, dict[str, float]]], None] | None = None
+        """Called with every parsed /metrics poll (the verifier's counter deltas)."""
+        self._max_connections = max_connections
+        self._connect_timeout_s = connect_timeout_s
+        self._first_byte_timeout_s = first_byte_timeout_s
         self.workers: dict[str, Worker] = {}
-        # TCP_NODELAY: httpx writes headers and body separately; with Nagle on, the body waits
-        # for the worker's delayed ACK (measured: ~7 ms per request on loopback).
-        nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
-        self._limits, self._timeout, self._nodelay = limits, timeout, nodelay
         for spec in specs:
             self.workers[spec.url] = self._new_worker(spec)
         self._probe = httpx.AsyncClient(
@@ -204,11 +200,13 @@ class WorkerRegistry:
         self._rr = 0
 
     def _new_worker(self, spec: WorkerSpec) -> Worker:
-        client = httpx.AsyncClient(
-            base_url=spec.url,
-            timeout=self._timeout,
-            trust_env=False,
-            transport=httpx.AsyncHTTPTransport(limits=self._limits, socket_options=self._nodelay),
+        # The request path (proxy, /tokenize) uses the lean upstream pool (router/upstream.py
+        # says why); health and /metrics polling use the shared httpx probe client.
+        client = UpstreamClient(
+            spec.url,
+            max_connections=self._max_connections,
+            connect_timeout=self._connect_timeout_s,
+            first_byte_timeout=self._first_byte_timeout_s,
         )
         w = Worker(spec=spec, client=client, dp_size=spec.dp_size, topic=spec.topic)
         w.events_endpoint = spec.events
@@ -308,12 +306,15 @@ class WorkerRegistry:
         try:
             r = await self._probe.get(w.url + "/metrics")
             if r.status_code == 200:
-                for rank, vals in parse_vllm_metrics(r.text).items():
+                parsed = parse_vllm_metrics(r.text)
+                for rank, vals in parsed.items():
                     ld = w.load(rank)
                     ld.waiting = int(vals.get("waiting", 0))
                     ld.running = int(vals.get("running", 0))
                     ld.kv_usage = float(vals.get("kv_usage", 0.0))
                 w.metrics_ts = time.monotonic()
+                if self.on_metrics is not None:
+                    self.on_metrics(w.url, parsed)
         except httpx.HTTPError:
             pass
 

@@ -68,6 +68,26 @@ async def test_keep_alive_reuses_one_connection_and_sends_exact_body() -> None:
         await client.aclose()
 
 
+async def test_header_forms_and_json_body() -> None:
+    seen: list[bytes] = []
+
+    async def record(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            head, body = await read_request(r)
+            seen.append(head.lower() + body)
+            w.write(response(b'{"ok": true}'))
+            await w.drain()
+
+    async with raw_server(record) as (url, _):
+        client = UpstreamClient(url)
+        r = await client.post("/a", json={"x": 1}, headers={"X-Trace": "t1"})
+        assert r.json() == {"ok": True} and r.text == '{"ok": true}'
+        await client.post("/b", content=b"raw", headers=[(b"content-type", b"text/plain")])
+        assert b"x-trace: t1" in seen[0] and b"content-type: application/json" in seen[0]
+        assert seen[0].endswith(b'{"x":1}')
+        assert seen[1].count(b"content-type") == 1 and b"text/plain" in seen[1]
+
+
 async def test_chunked_stream_arrives_chunk_by_chunk() -> None:
     gate = asyncio.Event()
 
