@@ -140,6 +140,48 @@ def main() -> None:
     rss1 = rss_bytes()
     resident = index.total_entries
 
+    # Steady state of a full cache: every step evicts as many blocks as it stores. vLLM sends
+    # one single-hash BlockRemoved per evicted block (tail first), in the same batch as the
+    # new request's BlockStored. Churn = stored + removed blocks per second.
+    churn_payloads = []
+    victims = placements[: len(placements) // 4]
+    for w, chain in victims:
+        hashes = block_hashes(chain)
+        fresh = make_chain(rng, len(chain))
+        fresh_hashes = block_hashes(fresh)
+        for start in range(0, len(hashes), BLOCKS_PER_EVENT):
+            gone = hashes[::-1][start : start + BLOCKS_PER_EVENT]
+            blk = fresh_hashes[start : start + BLOCKS_PER_EVENT]
+            events = [
+                {"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0}
+                for h in gone
+            ]
+            events.append(
+                {
+                    "type": "BlockStored",
+                    "block_hashes": blk,
+                    "parent_block_hash": fresh_hashes[start - 1] if start else None,
+                    "token_ids": fresh[start * BLOCK : (start + len(blk)) * BLOCK],
+                    "block_size": BLOCK,
+                    "lora_id": None,
+                    "medium": "GPU",
+                    "lora_name": None,
+                    "extra_keys": [None] * len(blk),
+                    "group_idx": 0,
+                    "kv_cache_spec_kind": "full_attention",
+                }
+            )
+            churn_payloads.append((engines[w], msgspec.msgpack.encode([time.time(), events, 0])))
+    churn_blocks = sum(
+        len(e["block_hashes"]) for _, p in churn_payloads for e in msgspec.msgpack.decode(p)[1]
+    )
+    gc.disable()
+    t0 = time.perf_counter()
+    for engine, payload in churn_payloads:
+        index.apply(engine, decode_payload(payload).events)
+    churn_s = time.perf_counter() - t0
+    gc.enable()
+
     root = index.root(MODEL)
 
     def timed(prompts: list[list[int]]) -> tuple[list[float], list[int]]:
@@ -165,6 +207,7 @@ def main() -> None:
         "stored_blocks": total_blocks,
         "ingest_s": round(ingest_s, 3),
         "ingest_blocks_per_s": round(total_blocks / ingest_s),
+        "churn_blocks_per_s": round(churn_blocks / churn_s),
         "match_p50_ms_8k": round(statistics.median(t8), 3),
         "match_p99_ms_8k": round(sorted(t8)[int(len(t8) * 0.99) - 1], 3),
         "match_p50_ms_128k": round(statistics.median(t128), 3),

@@ -125,11 +125,8 @@ class _Engine:
     pending: list[tuple[BlockStored, int]] = field(default_factory=list)
     pending_removed: set[BlockHash] = field(default_factory=set)
     locator: VllmHashLocator | None = None
+    bit: int = 0
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0))
-
-    @property
-    def bit(self) -> int:
-        return 1 << self.slot
 
 
 _COUNTERS = (
@@ -222,7 +219,7 @@ class PrefixIndex:
         slot = self._free_slots.pop() if self._free_slots else self._next_slot
         if slot == self._next_slot:
             self._next_slot += 1
-        e = _Engine(engine, slot, model)
+        e = _Engine(engine, slot, model, bit=1 << slot)
         self._engines[engine] = e
         self._by_slot[slot] = e
         return e
@@ -560,42 +557,58 @@ class PrefixIndex:
         self._add_many(e, g, medium, res, [h], [key])
 
     def _remove(self, e: _Engine, ev: BlockRemoved) -> None:
+        # Hot path: vLLM's GPU pool sends one BlockRemoved per evicted block, so per-event
+        # overhead matters as much as per-block work. Counters are summed locally, and the
+        # duplicate table is consulted only when it is non-empty (duplicates are rare).
         g = ev.group_idx or 0
         medium = ev.medium or GPU
         res = self._residency.get((g, medium))
         bit = e.bit
         hmap = e.hashes
-        gm = (g, medium)
+        dups = self._dups
+        removed = unknown = cleared = 0
         for h in ev.block_hashes:
             v = hmap.get(h)
-            key = -1 if v is None else v & _MASK64
-            m = 0 if res is None or v is None else res.get(key, 0)
-            if not m & bit:
-                e.counters["unknown_removes"] += 1
+            if v is None or res is None:
+                unknown += 1
                 if e.pending:
                     e.pending_removed.add(h)
                 continue
-            dk = (e.slot, g, medium, key)
-            extra = self._dups.get(dk)
+            key = v & _MASK64
+            m = res.get(key, 0)
+            if not m & bit:
+                unknown += 1
+                if e.pending:
+                    e.pending_removed.add(h)
+                continue
+            extra = dups.get((e.slot, g, medium, key)) if dups else None
             if extra:
+                dk = (e.slot, g, medium, key)
                 if extra == 1:
-                    del self._dups[dk]
+                    del dups[dk]
                 else:
-                    self._dups[dk] = extra - 1
+                    dups[dk] = extra - 1
             else:
                 m &= ~bit
                 if m:
-                    res[key] = m  # type: ignore[index]
+                    res[key] = m
                 else:
-                    del res[key]  # type: ignore[union-attr]
-                e.resident[gm] -= 1
-                self.total_entries -= 1
-            v -= _ONE_REF  # type: ignore[operator]
+                    del res[key]
+                cleared += 1
+            v -= _ONE_REF
             if v < _ONE_REF:
                 del hmap[h]
             else:
                 hmap[h] = v
-            e.counters["blocks_removed"] += 1
+            removed += 1
+        if cleared:
+            e.resident[(g, medium)] -= cleared
+            self.total_entries -= cleared
+        counters = e.counters
+        if removed:
+            counters["blocks_removed"] += removed
+        if unknown:
+            counters["unknown_removes"] += unknown
 
     def _drop_state(self, e: _Engine) -> None:
         bit = e.bit
