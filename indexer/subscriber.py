@@ -173,9 +173,9 @@ class _Source:
     replay_task: asyncio.Task[None] | None = None
     replay_streak: int = 0
     last_live_seq: int | None = None
+    """Seq of the last decodable live message handled (restart = the live stream goes back)."""
     reconnected: bool = False
     """The SUB reconnected since the last live batch: a gap may hide a publisher restart."""
-    """Seq of the last decodable live message handled (restart = the live stream goes back)."""
     degraded: bool = False
     degraded_reason: str | None = None
     degraded_since: float = 0.0
@@ -468,6 +468,28 @@ class Subscriber:
                 )
             )
         return out
+
+    def seed_seq(self, engine: EngineId, seq: int, event_ts: float | None = None) -> bool:
+        """Treat ``engine`` as already applied up to ``seq`` (its index state was imported from
+        a snapshot taken at that seq). Call right after :meth:`add_worker`, before any message
+        of that engine is consumed; returns False (import nothing) if it is too late.
+
+        The first live batch then decides, by the ordinary rules: ``seq + 1`` applies; a later
+        seq is a gap, replayed from ``seq + 1`` (a replay that cannot reach back resets the
+        engine: exact or empty, never wrong); a seq ``<= seq`` means the engine restarted since
+        the snapshot, so it is cleared. With ``event_ts`` (the snapshot batch's ``ts``) the
+        first gap is verified like one after a reconnect: an engine that restarted *and*
+        already passed ``seq`` is caught by comparing that batch's ts.
+        """
+        src = self._sources.get(engine)
+        if src is None or src.last_seq is not None or src.queue:
+            return False
+        src.last_seq = seq
+        src.last_live_seq = seq
+        if event_ts is not None:
+            src.last_event_ts = event_ts
+            src.reconnected = True
+        return True
 
     def is_degraded(self, engine: EngineId) -> bool:
         src = self._sources.get(engine)

@@ -191,37 +191,9 @@ class SharedSpeculativeCache(SpeculativeCache):
 def seed_subscriber(
     subscriber: Any, engine: EngineId, seq: int, event_ts: float | None = None
 ) -> bool:
-    """Make ``subscriber`` treat ``engine`` as already applied up to ``seq`` (a snapshot).
-
-    The first live batch then decides: ``seq + 1`` applies, a later one is a gap replayed from
-    ``seq + 1`` over DEALER (a replay that cannot reach back resets the engine: exact or
-    empty, never wrong), and a seq ``<= seq`` means the engine restarted since the snapshot
-    (the live stream "went backwards"): the engine is cleared and rebuilt from 0. With
-    ``event_ts`` (the snapshot's batch ``ts``) and a subscriber that verifies gaps after a
-    reconnect by replaying from its last seq and comparing that batch's ts, an engine that
-    restarted *and* already passed ``seq`` is caught too (the source is marked reconnected).
-
-    ``indexer.subscriber.Subscriber`` has no public way to start a source at a known seq yet,
-    so this sets the source's ``last_seq`` and ``last_live_seq`` (private fields) right after
-    ``add_worker``; it returns False (and the caller must drop the imported snapshot) if the
-    subscriber does not have them. Wanted upstream: ``add_worker(..., start_seqs={rank: seq})``.
-    """
-    if hasattr(subscriber, "seed_seq"):  # a future public API takes precedence
-        subscriber.seed_seq(engine, seq, event_ts)
-        return True
-    sources = getattr(subscriber, "_sources", None)
-    src = sources.get(engine) if isinstance(sources, dict) else None
-    if src is None or not hasattr(src, "last_seq") or not hasattr(src, "last_live_seq"):
-        return False
-    if src.last_seq is not None or src.queue:
-        return False  # already consuming: too late to seed
-    src.last_seq = seq
-    src.last_live_seq = seq
-    if event_ts is not None and hasattr(src, "last_event_ts"):
-        src.last_event_ts = event_ts
-        if hasattr(src, "reconnected"):
-            src.reconnected = True  # the first gap is verified against event_ts
-    return True
+    """Make ``subscriber`` treat ``engine`` as already applied up to ``seq`` (a snapshot);
+    see :meth:`indexer.subscriber.Subscriber.seed_seq`. False: too late, drop the snapshot."""
+    return bool(subscriber.seed_seq(engine, seq, event_ts))
 
 
 class SharedState:
