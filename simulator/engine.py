@@ -321,6 +321,11 @@ class SimEngine:
                         skipped.append(self.waiting.popleft())
                         continue
                     req.num_computed += req.cpu_loaded_tokens
+                    if req.num_computed >= len(req.all_token_ids):
+                        # vLLM (_update_waiting_for_remote_kv): a load that covers the whole
+                        # prompt still recomputes its last token.
+                        req.num_computed = len(req.all_token_ids) - 1
+                        req.cpu_loaded_tokens = req.num_computed - req.cached_tokens
                     kv.cache_blocks(req, req.num_computed)
                     req.status = WAITING
                     new_groups, new_tokens = None, 0

@@ -9,8 +9,10 @@
 - Events: placeholder (default: one chunk-tail hash, ``token_ids`` [], ``block_size`` 0,
   no parent, no spec kind) or self-describing (``self_describing_kv_events``: the chunk's
   per-GPU-block hashes, its tokens, the GPU block size, parent = hash before the chunk).
-- Hit rule (``_get_num_new_matched_tokens``): from chunk ``gpu_hit // chunk``, contiguous
-  present chunks, at least one full chunk beyond the GPU hit, aligned to the chunk size.
+- Hit rule (``get_num_new_matched_tokens``): from chunk ``gpu_hit // chunk``, contiguous
+  present chunks among the request's whole chunks, a load of at least one whole chunk,
+  aligned to the chunk size; a load reaching the prompt's end leaves the last token to
+  recompute (the engine backs off one token, as vLLM's ``_update_waiting_for_remote_kv``).
 - ``reset`` is silent (``OffloadingConnector.reset_cache`` emits nothing).
 
 Full-attention group 0 only: the simulator offloads the first full-attention group.
@@ -66,22 +68,26 @@ class CpuTier:
 
     # ---- lookup / load --------------------------------------------------------------------
     def lookup(self, req: Request, gpu_hit_tokens: int) -> int:
-        """Extra tokens a CPU load would add beyond the GPU hit (0 if none)."""
+        """Extra tokens a CPU load would add beyond the GPU hit (0 if none).
+
+        Mirrors ``OffloadingConnectorScheduler.get_num_new_matched_tokens`` (non-hybrid): the
+        lookup covers the request's whole chunks (``num_tokens // chunk``, not ``- 1``), starts
+        at chunk ``gpu_hit // chunk``, needs contiguous present chunks, and refuses a load of
+        less than one whole chunk (``min_hit_tokens = offloaded_block_size``).
+        """
         c = self.chunk_tokens
         digests = req.hasher.digests
-        limit = len(req.all_token_ids) - 1
+        whole = min(len(req.all_token_ids) // c, len(digests) // self.per_chunk)
+        if whole * c - gpu_hit_tokens < c:
+            return 0
         k = gpu_hit_tokens // c
-        end = k * c
-        while (k + 1) * c <= limit:
-            idx = (k + 1) * self.per_chunk - 1
-            if idx >= len(digests):
-                break
-            ch = self.lru.get(digests[idx])
+        while k < whole:
+            ch = self.lru.get(digests[(k + 1) * self.per_chunk - 1])
             if ch is None or not ch.ready:
                 break
             k += 1
-            end = k * c
-        return max(0, end - gpu_hit_tokens) if end > gpu_hit_tokens else 0
+        loaded = k * c - gpu_hit_tokens
+        return loaded if loaded >= c else 0
 
     def touch(self, req: Request, upto_tokens: int) -> None:
         digests = req.hasher.digests

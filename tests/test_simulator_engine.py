@@ -367,3 +367,26 @@ def test_hasher_memos_never_change_hashes(specs: list[tuple[int, int, str | None
             parent = hash_block_tokens(parent, toks[i * 8 : (i + 1) * 8], extra)
             assert h.digests[i] == parent
         assert len(h.digests) == len(toks) // 8
+
+
+def test_cpu_lookup_follows_offloading_connector_rules() -> None:
+    """vLLM: whole chunks of the request (n // chunk), contiguous from gpu_hit // chunk, at least
+    one whole chunk gained; a load reaching the prompt's end recomputes the last token."""
+    cfg = EngineConfig(block_size=16, num_gpu_blocks=40, cpu_chunks=16, cpu_chunk_tokens=64,
+                       cpu_events="self_describing", cpu_load_tokens_per_s=1e6)
+    eng = SimEngine(cfg)
+    base = list(range(300, 300 + 256))  # exactly 4 chunks
+    eng.add_request("a", [*base, 7], 1, 0.0)
+    now, _ = _drain(eng)
+    for i in range(3):  # flush the GPU with other prompts
+        eng.add_request(f"x{i}", [5000 + i] * 200 + list(range(i, i + 57)), 1, now)
+        now, _ = _drain(eng, now)
+    eng.add_request("again", base, 1, now)
+    req = eng.requests["again"]
+    req.hasher.extend(req.all_token_ids)  # what the engine does at the first schedule
+    assert eng.cpu is not None
+    assert eng.cpu.lookup(req, 0) == 256  # n // chunk, not (n - 1) // chunk
+    assert eng.cpu.lookup(req, 192) == 64
+    assert eng.cpu.lookup(req, 224) == 0, "32 tokens < one chunk: nothing is loaded"
+    now, _ = _drain(eng, now)
+    assert req.cached_tokens + req.cpu_loaded_tokens == 255  # the last token is recomputed
