@@ -71,6 +71,7 @@ from simulator.fleet import FastFleet
 MODEL = "sim-model"
 POLICIES = ("random", "round_robin", "least_loaded", "approx_prefix", "kvrouter", "pooled_ideal")
 DEFAULT_TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
+CAPACITY_REQUESTS = 2000
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
@@ -78,13 +79,13 @@ OUT_DIR = Path(__file__).resolve().parent / "out"
 class FleetSpec:
     workers: int = 8
     block_size: int = 16
-    gpu_blocks: int = 25_000  # per worker: 400k tokens, ~ an 8B model's KV on one 80 GB GPU
+    gpu_blocks: int = 50_000  # per worker: 800k tokens (see --gpu-blocks)
     groups: str = "full"
     cpu_chunks: int = 0
     cpu_chunk_tokens: int = 256
     prefill_tokens_per_s: float = 20_000.0
     decode_s_per_token: float = 0.02
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int = 131_072
 
@@ -368,7 +369,13 @@ def _timed_schedule(orig, busy: list[float], w: int):
 def measure_capacity(
     reqs: list[Req], fs: FleetSpec, rs: RouterSpec, src: TokenSource, keys: KeyCache
 ) -> dict[str, float]:
-    """Round-robin capacity (requests/s) of the fleet on this workload, by a saturation run."""
+    """Round-robin capacity (requests/s) of the fleet on this workload, by a saturation run.
+
+    Uses the first ``CAPACITY_REQUESTS`` requests: a saturated fleet's throughput settles within
+    a few hundred requests, and replaying the whole trace at 2x capacity would cost as much as
+    another policy run.
+    """
+    reqs = reqs[:CAPACITY_REQUESTS]
     base_rate = len(reqs) / max(reqs[-1].arrival_s - reqs[0].arrival_s, 1e-9)
     mean_prompt = statistics.fmean(r.n_tokens for r in reqs)
     est_rps = fs.capacity_tokens_per_s() / mean_prompt
@@ -379,8 +386,9 @@ def measure_capacity(
     inside = sum(1 for x in fleet_rr if lo <= x <= hi)
     cap = inside / max(hi - lo, 1e-9)
     return {
-        "method": "saturation run: round robin at 2x the no-cache analytic estimate, "
-        "first tokens/s between the 10th and 90th percentile first-token times",
+        "method": f"saturation run on the first {len(reqs)} requests: round robin at 2x the "
+        "no-cache analytic estimate, first tokens/s between the 10th and 90th percentile "
+        "first-token times",
         "analytic_no_cache_rps": round(est_rps, 4),
         "saturation_offered_rps": round(2.0 * est_rps, 4),
         "round_robin_capacity_rps": round(cap, 4),
@@ -430,7 +438,7 @@ def run_all(
                 f"p50 {s['ttft_p50_s']:7.3f} p90 {s['ttft_p90_s']:7.3f} "
                 f"p99 {s['ttft_p99_s']:8.3f}  rps {s['throughput_rps']:.3f}  "
                 f"imb {s['imbalance']:.2f} pre {s['preemptions']} "
-                  f"dec {s['decision_ms_p50']:.3f}ms  "
+                f"dec {s['decision_ms_p50']:.3f}ms  "
                 f"({time.perf_counter() - t0:.1f}s)",
                 file=sys.stderr,
                 flush=True,
@@ -468,6 +476,7 @@ KNOB_GRID: dict[str, list[float]] = {
     "cpu_transfer_discount": [0.0, 0.25, 0.5, 1.0],
     "running_request_tokens": [0.0, 16.0, 128.0],
     "kv_pressure_tokens": [0.0, 2048.0, 16384.0],
+    "recompute_weight": [1.0, 2.0, 4.0, 8.0],  # only if router.policy has it (proposed)
 }
 
 
@@ -479,11 +488,16 @@ def sweep_knobs(
     src: TokenSource,
     keys: KeyCache,
     seed: int,
+    only: list[str] | None = None,
 ) -> dict[str, dict[str, dict[str, float]]]:
     out: dict[str, dict[str, dict[str, float]]] = {}
     for knob, values in KNOB_GRID.items():
+        if only and knob not in only:
+            continue
         if knob == "cpu_transfer_discount" and fs.cpu_chunks == 0:
             continue  # no CPU tier: the knob cannot matter
+        if knob != "speculative_ttl_s" and not hasattr(rs.params, knob):
+            continue
         out[knob] = {}
         for v in values:
             if knob == "speculative_ttl_s":
@@ -575,12 +589,25 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cpu-chunk-tokens", type=int, default=256)
     ap.add_argument("--prefill-tps", type=float, default=20_000.0)
     ap.add_argument("--decode-s", type=float, default=0.02)
-    ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--poll-s", type=float, default=1.0)
     ap.add_argument("--spec-ttl", type=float, default=2.0)
     ap.add_argument("--near-tie", type=int, default=None)
     ap.add_argument("--cpu-discount", type=float, default=None)
-    ap.add_argument("--sweep-knobs", action="store_true")
+    ap.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set any router.policy.PolicyParams field (repeatable)",
+    )
+    ap.add_argument(
+        "--sweep-knobs",
+        nargs="?",
+        const="all",
+        default=None,
+        help="vary each PolicyParams knob (or a comma list of knobs) for kvrouter",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="chart path (PNG)")
     args = ap.parse_args(argv)
@@ -589,12 +616,12 @@ def main(argv: list[str] | None = None) -> dict:
     trace = args.trace or DEFAULT_TRACE
     limit = args.limit
     if args.quick and limit is None:
-        limit = 1500 if args.workload == "mooncake" else None
+        limit = 600 if args.workload == "mooncake" else None
     scale = args.scale * (0.4 if args.quick and args.workload != "mooncake" else 1.0)
     reqs = load_workload(args.workload, trace, limit, args.seed, scale)
     if not reqs:
         raise SystemExit("empty workload")
-    gpu_blocks = args.gpu_blocks or 25_000
+    gpu_blocks = args.gpu_blocks or FleetSpec.gpu_blocks
     fs = FleetSpec(
         workers=args.workers,
         block_size=args.block_size,
@@ -611,6 +638,11 @@ def main(argv: list[str] | None = None) -> dict:
         params.near_tie_tokens = args.near_tie
     if args.cpu_discount is not None:
         params.cpu_transfer_discount = args.cpu_discount
+    for item in args.param:
+        pname, _, val = item.partition("=")
+        if not hasattr(params, pname):
+            raise SystemExit(f"PolicyParams has no field {pname!r}")
+        setattr(params, pname, type(getattr(params, pname))(float(val)))
     rs = RouterSpec(poll_s=args.poll_s, speculative_ttl_s=args.spec_ttl, params=params)
     src = TokenSource()
     unit = math.gcd(16, fs.block_size)
@@ -674,7 +706,10 @@ def main(argv: list[str] | None = None) -> dict:
         result["by_load"] = by_load
     result["targets"] = targets(result["policies"])
     if args.sweep_knobs:
-        result["knob_sweep"] = sweep_knobs(reqs, speeds[main_load], fs, rs, src, keys, args.seed)
+        only = None if args.sweep_knobs == "all" else args.sweep_knobs.split(",")
+        result["knob_sweep"] = sweep_knobs(
+            reqs, speeds[main_load], fs, rs, src, keys, args.seed, only
+        )
     result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     name = result["workload"].replace(":", "_").replace(".jsonl", "")
     out = Path(args.out) if args.out else OUT_DIR / f"routing_{name}.png"

@@ -30,17 +30,38 @@ def test_shared_prefix_workload_ranks_policies(tmp_path, capsys):
     where the conversation was, kvrouter (events + policy) follows the conversations.
     """
     png = tmp_path / "chart.png"
-    argv = ["--workload", "chat", "--scale", "0.05", "--speed", "1.0", "--workers", "4",
-            "--gpu-blocks", "20000", "--policies", "round_robin,least_loaded,kvrouter,pooled_ideal",
-            "--out", str(png)]
+    argv = [
+        "--workload",
+        "chat",
+        "--scale",
+        "0.05",
+        "--speed",
+        "1.0",
+        "--workers",
+        "4",
+        "--gpu-blocks",
+        "20000",
+        "--policies",
+        "round_robin,least_loaded,kvrouter,pooled_ideal",
+        "--out",
+        str(png),
+    ]
     routing_bench.main(argv)
     out = _last_json(capsys)
     pol = out["policies"]
     assert out["workload"] == "chat" and out["workers"] == 4
     for name, s in pol.items():
         assert s["completed"] == out["config"]["requests"], name
-        for key in ("hit_rate", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
-                    "throughput_rps", "imbalance", "decision_ms_p50"):
+        for key in (
+            "hit_rate",
+            "ttft_mean_s",
+            "ttft_p50_s",
+            "ttft_p90_s",
+            "ttft_p99_s",
+            "throughput_rps",
+            "imbalance",
+            "decision_ms_p50",
+        ):
             assert key in s, (name, key)
         assert s["preemptions"] == 0, name
     assert pol["kvrouter"]["hit_rate"] > pol["round_robin"]["hit_rate"] + 0.1
@@ -59,17 +80,37 @@ def test_trace_replay_and_capacity_measurement(tmp_path, capsys):
         conv = i % 8
         turn = i // 8
         hashes = [0, 1000 + conv] + [2000 + conv * 10 + k for k in range(turn)] + [5000 + i]
-        lines.append(json.dumps({"timestamp": i * 500, "input_length": 512 * len(hashes) - 100,
-                                 "output_length": 4, "hash_ids": hashes}))
+        lines.append(
+            json.dumps(
+                {
+                    "timestamp": i * 500,
+                    "input_length": 512 * len(hashes) - 100,
+                    "output_length": 4,
+                    "hash_ids": hashes,
+                }
+            )
+        )
     trace.write_text("\n".join(lines) + "\n")
-    routing_bench.main(["--trace", str(trace), "--workers", "3", "--gpu-blocks", "3000",
-                        "--policies", "round_robin,approx_prefix,kvrouter",
-                        "--out", str(tmp_path / "c.png")])
+    routing_bench.main(
+        [
+            "--trace",
+            str(trace),
+            "--workers",
+            "3",
+            "--gpu-blocks",
+            "3000",
+            "--policies",
+            "round_robin,approx_prefix,kvrouter",
+            "--out",
+            str(tmp_path / "c.png"),
+        ]
+    )
     out = _last_json(capsys)
     cap = out["config"]["capacity"]
     assert cap["round_robin_capacity_rps"] > 0
-    assert out["config"]["offered_rps"] == pytest.approx(0.8 * cap["round_robin_capacity_rps"],
-                                                         rel=1e-3)
+    assert out["config"]["offered_rps"] == pytest.approx(
+        0.8 * cap["round_robin_capacity_rps"], rel=1e-3
+    )
     pol = out["policies"]
     assert pol["kvrouter"]["hit_rate"] > pol["round_robin"]["hit_rate"]
     assert set(out["targets"]) >= {"ttft_mean <= round_robin / 5"}
@@ -80,7 +121,8 @@ def test_mooncake_blocks_share_exact_prefixes(tmp_path):
     trace.write_text(
         '{"timestamp": 0, "input_length": 1100, "output_length": 3, "hash_ids": [7, 8, 9]}\n'
         '{"timestamp": 5, "input_length": 1500, "output_length": 3, "hash_ids": [7, 8, 10]}\n'
-        '{"timestamp": 9, "input_length": 600, "output_length": 3, "hash_ids": [7, 8]}\n')
+        '{"timestamp": 9, "input_length": 600, "output_length": 3, "hash_ids": [7, 8]}\n'
+    )
     a, b, c = mooncake(trace)
     src = TokenSource()
     ta, tb, tc = src.tokens(a), src.tokens(b), src.tokens(c)
@@ -112,8 +154,10 @@ def test_approx_prefix_follows_history_and_forgets_after_ttl():
     first = p.choose(cands, 1024, now=0.0).worker
     p.keys = list(range(1, 61))
     # the other workers are less loaded, history still wins
-    cands = [Candidate(w, load=WorkerLoad(inflight_requests=5 if w == first else 0))
-             for w in ("a", "b", "c")]
+    cands = [
+        Candidate(w, load=WorkerLoad(inflight_requests=5 if w == first else 0))
+        for w in ("a", "b", "c")
+    ]
     assert p.choose(cands, 960, now=1.0).worker == first
     late = p.choose(cands, 960, now=30.0)
     assert late.worker != first  # entries expired: least loaded
