@@ -35,9 +35,11 @@ from router.policy import (
     make_policy,
 )
 from router.resilience import WorkerWatch, load_only
+from router.selfcheck import SelfCheck
 from router.shared_state import ExportedEngine, LoadTuple, SharedState, make_shared_state
 from router.shared_state import seed_subscriber as _seed_subscriber
 from router.tokenize import LocalTokenizer, PromptTokenizer, Tokenized, TokenizeError
+from router.verify import Verifier, VerifyCollector, VerifyParams, with_stream_usage
 from router.workers import Worker, WorkerRegistry
 
 __all__ = ["RouteResult", "Router", "create_app", "create_apps"]
@@ -136,6 +138,24 @@ class Router:
         sc = cfg.server
         self.proxy_limits = proxy.ProxyLimits.from_server(sc)
         self.watch = WorkerWatch(self.registry, self.subscriber, pool_timeout_s=sc.pool_timeout_s)
+        # Issue 9: verify predictions against what workers report; self-check every worker.
+        v = cfg.verify
+        self.verifier: Verifier | None = None
+        if v.enabled:
+            self.verifier = Verifier(
+                self.index,
+                VerifyParams(
+                    v.window, v.min_samples, v.min_accuracy, v.reset_after_misses, self.block_size
+                ),
+                sub_status=self._engine_status,
+                error_histogram=self.metrics.prediction_error,
+                tokenizer_mismatch=self._tokenizer_mismatch,
+            )
+            self.metrics.registry.register(
+                VerifyCollector(self.verifier, lambda: list(self.registry.workers))
+            )
+            self.registry.on_metrics = self.verifier.on_metrics
+        self.selfcheck = SelfCheck(self, timeout_s=v.selfcheck_timeout_s) if v.selfcheck else None
         self.started = time.time()
 
     # ---------------------------------------------------------------- lifecycle
@@ -152,8 +172,12 @@ class Router:
             await self.discovery.start()
         if self.tokenizer.local is not None:
             await self._verify_local()
+        if self.selfcheck is not None:
+            await self.selfcheck.start(wait_s=self.cfg.verify.selfcheck_timeout_s + 1.0)
 
     async def stop(self) -> None:
+        if self.selfcheck is not None:
+            await self.selfcheck.stop()
         await self.watch.stop()
         if self.discovery is not None:
             await self.discovery.stop()
@@ -216,6 +240,8 @@ class Router:
         await self.registry.add_worker(spec)  # its discovery loop then subscribes to events
 
     def _worker_left(self, url: str) -> None:
+        if self.verifier is not None:
+            self.verifier.forget_worker(url)
         if self.registry.remove_worker(url) is not None and self.subscriber is not None:
             self.subscriber.remove_worker(url)  # closes its sockets, drops it from the index
 
@@ -291,6 +317,8 @@ class Router:
                 spec = 0
                 if tok is not None:
                     spec = self.speculative.hit_tokens(e, tok.keys, unit, now) // bs * bs
+                if self.verifier is not None and self.verifier.is_unverified(e):
+                    m, spec = None, 0  # predictions drifted: load only until re-verified
                 load = w.worker_load(e[1])
                 other = self.shared.remote_load(e)  # other replicas' in-flight work (Redis)
                 load.inflight_requests += other.requests
@@ -351,7 +379,34 @@ class Router:
             )
         return {"workers": workers}
 
+    def _tokenizer_mismatch(self, url: str) -> str | None:
+        return self.selfcheck.tokenizer_detail(url) if self.selfcheck is not None else None
+
+    def _engine_status(self, e: tuple[str, int]) -> Any:
+        return next((s for s in self._sub_status().get(e[0], []) if s.dp_rank == e[1]), None)
+
+    def verify_outcome(self, res: RouteResult, o: proxy.Outcome) -> None:
+        """The index's prediction for the engine that served the request vs the worker's usage."""
+        tok = res.tokens
+        if self.verifier is None or tok is None or o.engine is None or o.status != 200:
+            return
+        if o.cached_tokens is None:
+            return
+        m = res.matches.get(o.engine)
+        spec = next((c.speculative_tokens for c in res.candidates if c.worker == o.engine), 0)
+        self.verifier.observe(
+            o.engine,
+            predicted_gpu=m.gpu_tokens if m else 0,
+            predicted_cpu=m.cpu_tokens if m else 0,
+            n_tokens=tok.n_tokens,
+            cached=o.cached_tokens,
+            prompt_tokens=o.prompt_tokens,
+            speculative=spec,
+        )
+
     def ready(self) -> tuple[bool, str]:
+        if self.selfcheck is not None and self.cfg.verify.require_selfcheck:
+            return self.selfcheck.ready()
         status = self._sub_status()
         for w in self.registry.healthy():
             if self.subscriber is None:
@@ -389,6 +444,7 @@ class Router:
                         "degraded": degraded,
                         "subscriber": msgspec.structs.asdict(srow) if srow is not None else None,
                         "load": msgspec.structs.asdict(_load_struct(w, e[1])),
+                        "verify": self.verifier.debug(e) if self.verifier is not None else None,
                     }
                 )
             out.append(
@@ -403,6 +459,10 @@ class Router:
                     "degraded": any(x["degraded"] for x in engines),
                     "resident_blocks": sum(x["resident_blocks"] for x in engines),
                     "engines": engines,
+                    "unverified": any(
+                        (x["verify"] or {}).get("state") == "unverified" for x in engines
+                    ),
+                    "selfcheck": self.selfcheck.debug(w.url) if self.selfcheck else None,
                 }
             )
         return {
@@ -678,17 +738,24 @@ def _add_api_routes(app: FastAPI, router: Router) -> None:
             m.request_duration.observe(time.perf_counter() - t0)
             if o.ttft_s is not None:
                 m.ttft.observe(o.ttft_s)
-            if o.cached_tokens is not None and tok is not None:
+            if router.verifier is not None:
+                router.verify_outcome(res, o)
+            elif o.cached_tokens is not None and tok is not None:
                 m.prediction_error.observe(abs(predicted - o.cached_tokens))
 
         headers = proxy.request_headers(request.scope["headers"], cfg.server.forward_authorization)
+        stream = bool(body.get("stream"))
+        strip = False
+        if stream and router.verifier is not None and cfg.verify.stream_usage:
+            data, strip = with_stream_usage(body, data)  # usage for verification, stripped
         return await proxy.forward(
             registry=router.registry,
             path=path,
             body=data,
             headers=headers,
             attempts=attempts,
-            stream=bool(body.get("stream")),
+            stream=stream,
+            strip_usage=strip,
             receive=request.receive,
             t0=t0,
             done=done,

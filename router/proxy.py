@@ -43,6 +43,7 @@ import msgspec
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from router.verify import StreamUsageFilter
 from router.workers import Worker, WorkerRegistry
 
 __all__ = [
@@ -159,6 +160,10 @@ class Outcome:
     worker: str | None
     ttft_s: float | None
     cached_tokens: int | None
+    prompt_tokens: int | None = None
+    """``usage.prompt_tokens`` the worker reported (verification: tokens as the worker saw them)."""
+    engine: tuple[str, int] | None = None
+    """The engine that served the request (set for every attempt that got a response)."""
 
 
 _usage_dec = msgspec.json.Decoder()
@@ -176,14 +181,34 @@ def cached_tokens_of(doc: Any) -> int | None:
     return None
 
 
-def _cached_from_sse(chunk: bytes) -> int | None:
+def prompt_tokens_of(doc: Any) -> int | None:
+    usage = doc.get("usage") if isinstance(doc, dict) else None
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        return usage["prompt_tokens"]
+    return None
+
+
+def _cached_from_sse(chunk: bytes) -> tuple[int, int | None] | None:
+    """(cached_tokens, prompt_tokens) of the usage event in an SSE chunk, if any."""
     for line in chunk.split(b"\n"):
         if line.startswith(b"data: {") and b"cached_tokens" in line:
             with contextlib.suppress(msgspec.DecodeError):
-                v = cached_tokens_of(_usage_dec.decode(line[6:]))
+                doc = _usage_dec.decode(line[6:])
+                v = cached_tokens_of(doc)
                 if v is not None:
-                    return v
+                    return v, prompt_tokens_of(doc)
     return None
+
+
+def _tag_engine(
+    done: Callable[[Outcome], None], engine: tuple[str, int]
+) -> Callable[[Outcome], None]:
+    def tagged(o: Outcome) -> None:
+        if o.engine is None:
+            o.engine = engine
+        done(o)
+
+    return tagged
 
 
 class Passthrough(Response):
@@ -297,6 +322,7 @@ async def forward(
     done: Callable[[Outcome], None],
     limits: ProxyLimits | None = None,
     on_upstream_failure: Callable[[Worker], None] | None = None,
+    strip_usage: bool = False,
 ) -> Response:
     """Send ``body`` to the first attempt that answers; stream or buffer the answer back."""
     watcher = asyncio.ensure_future(_until_disconnect(receive))
@@ -305,7 +331,7 @@ async def forward(
     if lim.request_timeout_s is not None:
         deadline = asyncio.get_running_loop().time() + lim.request_timeout_s
         deadline -= time.perf_counter() - t0
-    ctx = _Ctx(lim, deadline, on_upstream_failure)
+    ctx = _Ctx(lim, deadline, on_upstream_failure, strip_usage)
     try:
         return await _forward(
             registry, path, body, headers, attempts, stream, watcher, t0, done, ctx
@@ -322,6 +348,8 @@ class _Ctx:
     limits: ProxyLimits
     deadline: float | None
     on_failure: Callable[[Worker], None] | None
+    strip_usage: bool = False
+    """The router added ``stream_options.include_usage``: drop the usage-only final event."""
 
     def failed(self, w: Worker) -> None:
         if self.on_failure is not None:
@@ -405,9 +433,10 @@ async def _forward(
             ticket.finish()
             last_error, last_status = f"worker {w.url} returned {resp.status_code}", 502
             continue
+        done_e = _tag_engine(done, att.engine)
         if stream:
-            return _stream(resp, w, ticket, t0, done, ctx)
-        return await _buffered(resp, w, ticket, t0, watcher, done, ctx)
+            return _stream(resp, w, ticket, t0, done_e, ctx)
+        return await _buffered(resp, w, ticket, t0, watcher, done_e, ctx)
     done(Outcome(last_status, None, None, None))
     etype = {504: "timeout", 503: "service_unavailable"}.get(last_status, "bad_gateway")
     return error_response(last_status, last_error, etype)
@@ -421,8 +450,9 @@ def _stream(
     done: Callable[[Outcome], None],
     ctx: _Ctx,
 ) -> Response:
-    state: dict[str, Any] = {"ttft": None, "cached": None, "failed": None}
+    state: dict[str, Any] = {"ttft": None, "cached": None, "failed": None, "prompt": None}
     sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+    strip = StreamUsageFilter() if ctx.strip_usage and sse else None
 
     async def body() -> AsyncIterator[bytes]:
         it = resp.aiter_raw().__aiter__()
@@ -431,6 +461,8 @@ def _stream(
             try:
                 chunk = await _within(it.__anext__(), ctx.deadline)
             except StopAsyncIteration:
+                if strip is not None and (tail := strip.flush()):
+                    yield tail
                 return
             except (_Deadline, httpx.HTTPError) as exc:
                 timeout = isinstance(exc, _Deadline | httpx.TimeoutException)
@@ -448,10 +480,16 @@ def _stream(
             if state["ttft"] is None:
                 state["ttft"] = time.perf_counter() - t0
                 ticket.first_token()
-            if b"cached_tokens" in chunk:
+            if strip is not None:
+                chunk = strip.feed(chunk)
+                if strip.usage is not None:
+                    state["cached"], state["prompt"] = strip.usage
+                if not chunk:
+                    continue
+            elif b"cached_tokens" in chunk:
                 v = _cached_from_sse(chunk)
                 if v is not None:
-                    state["cached"] = v
+                    state["cached"], state["prompt"] = v
             if chunk:
                 boundary = chunk.endswith(b"\n\n")
             yield chunk
@@ -463,7 +501,7 @@ def _stream(
         status = resp.status_code if completed else 499
         if state["failed"] is not None:
             status = state["failed"]
-        done(Outcome(status, w.url, state["ttft"], state["cached"]))
+        done(Outcome(status, w.url, state["ttft"], state["cached"], state["prompt"]))
 
     return Passthrough(resp.status_code, response_headers(resp, w.url), body(), on_close)
 
@@ -507,11 +545,12 @@ async def _buffered(
         )
     ticket.finish()
     await resp.aclose()
-    cached = None
+    cached = prompt = None
     if resp.status_code == 200 and b"cached_tokens" in data:
         with contextlib.suppress(msgspec.DecodeError):
-            cached = cached_tokens_of(_usage_dec.decode(data))
-    done(Outcome(resp.status_code, w.url, ttft, cached))
+            doc = _usage_dec.decode(data)
+            cached, prompt = cached_tokens_of(doc), prompt_tokens_of(doc)
+    done(Outcome(resp.status_code, w.url, ttft, cached, prompt))
     headers = response_headers(resp, w.url)
     r = Response(content=data, status_code=resp.status_code)
     r.raw_headers = [*headers, (b"content-length", str(len(data)).encode())]

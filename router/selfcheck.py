@@ -1,0 +1,431 @@
+"""Start-up (and on-join) self-check of every worker (issue 9).
+
+Per worker, once it is healthy and its event discovery has had a chance to run:
+
+1. **tokenizer**: a fixed prompt and a fixed chat are tokenized by the worker's ``/tokenize``.
+   With a local tokenizer configured they are compared with it (``ok`` / ``mismatch``); without
+   one the router tokenizes remotely, on any worker, so each worker is compared with the rest of
+   the fleet: ``remote`` when it agrees with the majority (or is alone), ``mismatch`` when it does
+   not (e.g. a different chat template).
+2. **events**: one probe completion (``max_tokens=1``) whose prompt is a unique random sequence of
+   a few blocks (token ids taken from the worker's own tokenization of random text, so they are
+   valid for its vocabulary) is sent straight to the worker; the index must then show the probe's
+   blocks on that worker within ``verify.selfcheck_timeout_s``: ``ok``; ``missing`` when nothing
+   arrives (events disabled or unreachable: the worker has no event source, or the subscriber got
+   no event from it at all); ``unmatched`` when events arrive but do not describe the probe (tokens
+   or block size differ); ``error`` when the probe request itself failed.
+3. **hits**: the same probe again: the worker's ``cached_tokens`` must equal what the index
+   predicts (``ok`` / ``mismatch`` / ``unreported`` when the worker does not report cached tokens,
+   i.e. vLLM without ``--enable-prompt-tokens-details``).
+
+Results are in ``/debug/index`` (per worker ``selfcheck``) and drive ``/ready``: with
+``verify.require_selfcheck`` the router is ready only when a healthy worker passed (events ok);
+a fleet with events disabled says so at once, in the log and in the ``/ready`` reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from router.proxy import cached_tokens_of
+from router.tokenize import decode_tokenize_response
+
+if TYPE_CHECKING:
+    from router.app import Router
+    from router.workers import Worker
+
+__all__ = ["SelfCheck"]
+
+log = logging.getLogger("kvrouter.selfcheck")
+
+_PROMPT = "Hello, world! The quick brown fox: 123 \u00fc \u2713"
+_CHAT = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is 2+2?"},
+]
+_dec = msgspec.json.Decoder()
+
+
+class SelfCheck:
+    def __init__(self, router: Router, *, timeout_s: float = 5.0, poll_s: float = 0.5) -> None:
+        self.router = router
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self.results: dict[str, dict[str, Any]] = {}
+        self.fingerprints: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._fleet_warned = False
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self, wait_s: float | None = None) -> None:
+        """Check the workers known now, waiting up to ``wait_s`` for those that are healthy (so a
+        router that starts serving has checked its static fleet), then watch for joins."""
+        self._launch()
+        healthy = [
+            self._running[w.url] for w in self.router.registry.healthy() if w.url in self._running
+        ]
+        if healthy and wait_s:
+            await asyncio.wait(healthy, timeout=wait_s)
+        self._task = asyncio.create_task(self._loop(), name="kvrouter-selfcheck")
+
+    def _launch(self) -> None:
+        workers = self.router.registry.workers
+        for url, w in list(workers.items()):
+            if url not in self.results and url not in self._running:
+                self.results[url] = {"events": "pending", "tokenizer": "pending"}
+                self._running[url] = asyncio.create_task(self._check_one(w))
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, *self._running.values()) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        self._running.clear()
+
+    async def _loop(self) -> None:
+        """Check every worker once (new ones as they join); forget workers that left."""
+        while True:
+            self._launch()
+            workers = self.router.registry.workers
+            for url in [u for u in self.results if u not in workers]:
+                self.results.pop(url, None)
+                self.fingerprints.pop(url, None)
+                t = self._running.pop(url, None)
+                if t is not None:
+                    t.cancel()
+            await asyncio.sleep(self.poll_s)
+
+    async def recheck(self, url: str) -> dict[str, Any]:
+        """Run the check of one worker now (tests, admin use)."""
+        w = self.router.registry.workers[url]
+        await self._check_one(w)
+        return self.results[url]
+
+    # ---------------------------------------------------------------- one worker
+
+    async def _check_one(self, w: Worker) -> None:
+        t0 = time.monotonic()
+        res: dict[str, Any] = {"events": "pending", "tokenizer": "pending"}
+        try:
+            res = await self._check(w)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a self-check must never take the router down
+            log.exception("self-check of %s failed", w.url)
+            res = {"events": "error", "events_detail": f"{type(exc).__name__}: {exc}"}
+        finally:
+            res.setdefault("tokenizer", "pending")
+            res["checked_at"] = time.time()
+            res["duration_s"] = round(time.monotonic() - t0, 3)
+            if w.url in self.router.registry.workers:
+                self.results[w.url] = res
+            self._running.pop(w.url, None)
+        self._report(w.url, res)
+
+    async def _wait(self, pred: Any, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            if pred():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+
+    async def _check(self, w: Worker) -> dict[str, Any]:
+        r = self.router
+        res: dict[str, Any] = {}
+        if not await self._wait(lambda: w.healthy and bool(w.models), self.timeout_s * 2):
+            return {
+                "events": "error",
+                "events_detail": f"worker not healthy or /v1/models unanswered "
+                f"({w.last_health_error or 'no answer'})",
+                "tokenizer": "unchecked",
+            }
+        model = r.registry.models.base
+        # 1. tokenizer
+        prompt_ids = await self._tokenize(w, {"prompt": _PROMPT, "add_special_tokens": True}, model)
+        chat_ids = await self._tokenize(w, {"messages": _CHAT}, model)
+        self.fingerprints[w.url] = (tuple(prompt_ids), tuple(chat_ids))
+        local = r.tokenizer.local
+        if local is not None:
+            problems = []
+            with contextlib.suppress(Exception):
+                if local.encode_prompt(_PROMPT, True) != prompt_ids:
+                    problems.append("prompt")
+            try:
+                if local.encode_chat({"messages": _CHAT}) != chat_ids:
+                    problems.append("chat")
+            except Exception as exc:
+                problems.append(f"chat ({exc})")
+            res["tokenizer"] = "mismatch" if problems else "ok"
+            if problems:
+                res["tokenizer_detail"] = f"local tokenizer differs on: {', '.join(problems)}"
+        else:
+            res["tokenizer"] = "remote"
+        # 2. events: wait for discovery to subscribe (a worker without events never does)
+        no_sources = None
+        if w.events_endpoint is None and not w.subscribed:
+            no_sources = await self._no_event_sources(w)
+        subscribed = no_sources is None and await self._wait(lambda: w.subscribed, self.timeout_s)
+        if not subscribed or r.subscriber is None:
+            res["events"] = "missing"
+            res["events_detail"] = no_sources or await self._why_no_events(w)
+            res["hits"] = "unchecked"
+            return res
+        await self._wait(lambda: self._connected(w), self.timeout_s)
+        bs = r.cfg.model.block_size or 16
+        n = max(6 * bs + bs // 2 + 1, 217)
+        seed = await self._tokenize(
+            w,
+            {
+                "prompt": "kvrouter self-check "
+                + " ".join(secrets.token_hex(4) for _ in range(n // 2)),
+                "add_special_tokens": False,
+            },
+            model,
+        )
+        if len(seed) < 8:
+            seed = seed + list(range(200, 264))  # a tokenizer that merges everything: pad
+        ids = (seed * (n // len(seed) + 1))[:n]
+        _, root = r.namespace_root({"model": model})
+        engines = w.engines()
+        events_before = self._events(w)
+        first = await self._probe(w, ids, model)
+        if first is None:
+            res["events"] = "error"
+            res["events_detail"] = "the probe completion failed"
+            res["hits"] = "unchecked"
+            return res
+        rank, _ = first
+
+        def found() -> int:
+            m = r.index.match(ids, root, engines)
+            return max((x.gpu_tokens for x in m.values()), default=0)
+
+        if await self._wait(lambda: found() > 0, self.timeout_s):
+            res["events"] = "ok"
+            res["events_detail"] = f"probe of {n} tokens indexed ({found()} tokens matched)"
+        elif self._events(w) > events_before:
+            res["events"] = "unmatched"
+            res["events_detail"] = (
+                f"events arrive ({self._events(w) - events_before} since the probe) but none "
+                f"describes the {n}-token probe: the worker's tokens or block size differ from "
+                "what its events say"
+            )
+        else:
+            res["events"] = "missing"
+            res["events_detail"] = (
+                f"no KV event arrived within {self.timeout_s:.1f}s of a {n}-token probe "
+                f"(subscribed to {w.events_endpoint}; events disabled on the worker, or its "
+                "ZMQ port unreachable)"
+            )
+        # 3. the same probe again: the worker's cached_tokens vs the index's prediction
+        m = r.index.match(ids, root, [(w.url, rank)]).get((w.url, rank))
+        predicted = (m.gpu_tokens + m.cpu_tokens) if m is not None else 0
+        second = await self._probe(w, ids, model, rank)
+        if second is None:
+            res["hits"] = "error"
+        elif second[1] is None:
+            res["hits"] = "unreported"
+            res["hits_detail"] = (
+                "the worker reports no usage.prompt_tokens_details.cached_tokens "
+                "(vLLM: --enable-prompt-tokens-details); per-request verification is off for it"
+            )
+        else:
+            res["hits"] = "ok" if second[1] == predicted else "mismatch"
+            res["hits_detail"] = f"predicted {predicted}, worker cached {second[1]}"
+        return res
+
+    async def _tokenize(self, w: Worker, payload: dict[str, Any], model: str | None) -> list[int]:
+        if model is not None:
+            payload = {**payload, "model": model}
+        resp = await w.client.post("/tokenize", json=payload, timeout=self.timeout_s)
+        if resp.status_code != 200:
+            raise RuntimeError(f"/tokenize returned {resp.status_code}: {resp.text[:200]}")
+        return decode_tokenize_response(resp.content)
+
+    async def _probe(
+        self, w: Worker, ids: list[int], model: str | None, rank: int | None = None
+    ) -> tuple[int, int | None] | None:
+        body: dict[str, Any] = {"prompt": ids, "max_tokens": 1, "temperature": 0.0}
+        if model is not None:
+            body["model"] = model
+        headers = {}
+        if rank is not None and w.dp_size > 1:
+            headers["x-data-parallel-rank"] = str(rank)
+        try:
+            resp = await w.client.post(
+                "/v1/completions", json=body, headers=headers, timeout=self.timeout_s * 4
+            )
+        except Exception as exc:
+            log.warning("self-check probe of %s failed: %s", w.url, exc)
+            return None
+        if resp.status_code != 200:
+            log.warning("self-check probe of %s returned %d", w.url, resp.status_code)
+            return None
+        cached = None
+        with contextlib.suppress(msgspec.DecodeError):
+            cached = cached_tokens_of(_dec.decode(resp.content))
+        if rank is None:
+            rank = 0
+            if w.dp_size > 1:  # find the rank whose event stream moved
+                rank = max(w.engines(), key=lambda e: self.router.index.resident_blocks(e))[1]
+        return rank, cached
+
+    def _events(self, w: Worker) -> int:
+        return sum(getattr(s, "events", 0) for s in self.router._sub_status().get(w.url, []))
+
+    def _connected(self, w: Worker) -> bool:
+        rows = self.router._sub_status().get(w.url, [])
+        return bool(rows) and all(getattr(s, "connected", False) for s in rows)
+
+    async def _no_event_sources(self, w: Worker) -> str | None:
+        """Why the worker cannot be subscribed, if it says so itself (else None)."""
+        try:
+            resp = await w.client.get("/kv_event_sources", timeout=self.timeout_s)
+        except Exception:
+            return None
+        if resp.status_code == 404 or (
+            resp.status_code == 200 and resp.content.strip() in (b"{}", b"null")
+        ):
+            return await self._why_no_events(w)
+        return None
+
+    async def _why_no_events(self, w: Worker) -> str:
+        if self.router.subscriber is None:
+            return "the router has no event subscriber (indexer unavailable)"
+        try:
+            resp = await w.client.get("/kv_event_sources", timeout=self.timeout_s)
+        except Exception as exc:
+            return f"not subscribed; /kv_event_sources unreachable ({type(exc).__name__})"
+        if resp.status_code == 404:
+            return "the worker has no /kv_event_sources and no events= is configured for it"
+        if resp.status_code == 200 and resp.content.strip() in (b"{}", b"null"):
+            return (
+                "the worker publishes no KV events "
+                "(/kv_event_sources is empty: no --kv-events-config)"
+            )
+        return (
+            f"not subscribed within {self.timeout_s:.1f}s (/kv_event_sources: {resp.status_code})"
+        )
+
+    # ---------------------------------------------------------------- reporting
+
+    def _report(self, url: str, res: dict[str, Any]) -> None:
+        if res.get("events") == "ok":
+            log.info(
+                "self-check of %s: events ok, tokenizer %s, hits %s (%s)",
+                url,
+                self.tokenizer_status(url),
+                res.get("hits"),
+                res.get("hits_detail", ""),
+            )
+        else:
+            log.warning(
+                "self-check of %s: KV events %s: %s",
+                url,
+                res.get("events"),
+                res.get("events_detail"),
+            )
+        if res.get("hits") == "mismatch":
+            log.warning(
+                "self-check of %s: predicted hit differs from the worker's: %s",
+                url,
+                res.get("hits_detail"),
+            )
+        tok = self.tokenizer_status(url)
+        if tok == "mismatch":
+            log.warning(
+                "self-check of %s: tokenizer mismatch: %s",
+                url,
+                self.tokenizer_detail(url) or res.get("tokenizer_detail"),
+            )
+        done = [x for x in self.results.values() if x.get("events") not in ("pending", None)]
+        if (
+            not self._fleet_warned
+            and done
+            and len(done) == len(self.router.registry.workers)
+            and all(x.get("events") != "ok" for x in done)
+        ):
+            self._fleet_warned = True
+            log.error(
+                "no worker passed the KV-event self-check (%s): the index stays empty and routing "
+                "is by load only",
+                "; ".join(f"{u}: {x.get('events')}" for u, x in self.results.items()),
+            )
+
+    def tokenizer_status(self, url: str) -> str:
+        res = self.results.get(url) or {}
+        tok = res.get("tokenizer", "pending")
+        if tok != "remote":
+            return tok
+        fp = self.fingerprints.get(url)
+        if fp is None or len(self.fingerprints) < 2:
+            return "remote"
+        counts = Counter(self.fingerprints.values())
+        top, n = counts.most_common(1)[0]
+        if fp == top or counts[fp] == n:
+            return "remote"
+        return "mismatch"
+
+    def tokenizer_detail(self, url: str) -> str | None:
+        fp = self.fingerprints.get(url)
+        if fp is None or self.tokenizer_status(url) != "mismatch":
+            return None
+        top = Counter(self.fingerprints.values()).most_common(1)[0][0]
+        parts = [k for k, a, b in (("prompt", fp[0], top[0]), ("chat", fp[1], top[1])) if a != b]
+        agree = sum(1 for v in self.fingerprints.values() if v == top)
+        return (
+            f"its /tokenize differs on the {' and '.join(parts)} probe from {agree} other "
+            "worker(s) (chat template or tokenizer differ)"
+        )
+
+    def debug(self, url: str) -> dict[str, Any] | None:
+        res = self.results.get(url)
+        if res is None:
+            return None
+        out = dict(res)
+        out["tokenizer"] = self.tokenizer_status(url)
+        detail = self.tokenizer_detail(url)
+        if detail:
+            out["tokenizer_detail"] = detail
+        return out
+
+    def passed(self, url: str) -> bool:
+        return (self.results.get(url) or {}).get("events") == "ok"
+
+    def ready(self) -> tuple[bool, str]:
+        healthy = self.router.registry.healthy()
+        if not healthy:
+            return False, "no healthy worker"
+        for w in healthy:
+            if self.passed(w.url):
+                return True, f"{w.url} healthy and passed the self-check (KV events indexed)"
+        pending = [
+            w.url
+            for w in healthy
+            if (self.results.get(w.url) or {}).get("events") in (None, "pending")
+        ]
+        failed = [
+            f"{w.url}: events {self.results[w.url].get('events')} "
+            f"({self.results[w.url].get('events_detail')})"
+            for w in healthy
+            if w.url in self.results and w.url not in pending
+        ]
+        if failed and not pending:
+            return False, "no worker passed the self-check: " + "; ".join(failed)
+        return False, "self-check pending for " + ", ".join(pending) + (
+            ("; failed: " + "; ".join(failed)) if failed else ""
+        )

@@ -1,0 +1,395 @@
+"""Issue 9: the router verifies its predictions against what workers report, and handles drift.
+
+Real HTTP on loopback, simulated vLLM workers (subprocesses), real ZMQ events. Every wait polls
+with a deadline. Misconfigurations: events off, a different chat template, a BOS-adding
+tokenizer (prompt_tokens differ), events that lie about the block size, lost events without
+replay, an unannounced cache reset; and a correct fleet under a multi-turn load with evictions
+that must raise no alarm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import re
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from test_router_support import config_for, serve_app, serve_router, until, words
+
+from router.config import Config, WorkerSpec
+from router.verify import StreamUsageFilter, Verifier, VerifyParams, with_stream_usage
+from simulator.testing import running_fleet
+
+pytestmark = pytest.mark.timeout(180)
+
+FAST = {"decode_ms": 1, "prefill_tps": 400000, "step_overhead_ms": 0.1}
+VERIFY = {"window": 30, "min_samples": 12, "min_accuracy": 0.8, "selfcheck_timeout_s": 3.0}
+
+
+def cfg_with(workers: list[Any], **sections: dict[str, Any]) -> Config:
+    sections.setdefault("verify", {})
+    sections["verify"] = {**VERIFY, **sections["verify"]}
+    return config_for(workers, **sections)
+
+
+async def debug_worker(c: httpx.AsyncClient, base: str, url: str) -> dict[str, Any]:
+    d = (await c.get(base + "/debug/index")).json()
+    return next(w for w in d["workers"] if w["url"] == url)
+
+
+async def verify_of(c: httpx.AsyncClient, base: str, url: str) -> dict[str, Any]:
+    return (await debug_worker(c, base, url))["engines"][0]["verify"]
+
+
+async def repeat_prompts(c: httpx.AsyncClient, base: str, n: int, tag: str, size: int = 250):
+    """``n`` requests: each prompt twice in a row (the second is a cache hit on the worker)."""
+    for i in range(n):
+        body = {"model": "sim-model", "prompt": words(size + 16 * (i % 3), f"{tag}{i // 2}")}
+        r = await c.post(base + "/v1/completions", json={**body, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+
+
+async def until_unverified(c, base, url, timeout=20.0) -> dict[str, Any]:
+    async def unverified():
+        v = await verify_of(c, base, url)
+        return v if v["state"] == "unverified" else None
+
+    return await until(unverified, timeout, f"{url} to become unverified")
+
+
+# ------------------------------------------------------------------------- pure parts
+
+
+def test_stream_usage_filter_is_byte_exact_under_any_chunking():
+    events = [
+        b'data: {"id":"x","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n',
+        b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"h\xc3\xa9"},'
+        b'"finish_reason":null}]}\n\n',
+        b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"!"},'
+        b'"finish_reason":"length"}]}\n\n',
+    ]
+    usage = (
+        b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":7,"total_tokens":9,'
+        b'"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":4}}}\n\n'
+    )
+    done = b"data: [DONE]\n\n"
+    full = b"".join(events) + usage + done
+    want = b"".join(events) + done
+    rng = random.Random(7)
+    for _ in range(300):
+        cuts = sorted(rng.sample(range(1, len(full)), rng.randrange(0, 12)))
+        parts = [full[a:b] for a, b in zip([0, *cuts], [*cuts, len(full)], strict=True)]
+        f = StreamUsageFilter()
+        out = [f.feed(p) for p in parts]
+        got = b"".join(out) + f.flush()
+        assert got == want
+        assert f.usage == (4, 7)
+        # Before a choice finished, every chunk passes through at once, unchanged.
+        first_finish = full.index(b'"finish_reason":"')
+        pos = 0
+        for p, o in zip(parts, out, strict=True):
+            if pos + len(p) <= first_finish:
+                assert o == p
+            pos += len(p)
+    # A stream the router did not touch keeps its usage event (no filter there), and a body
+    # that already asks for usage is sent unchanged.
+    body = {"stream": True, "stream_options": {"include_usage": True}}
+    assert with_stream_usage(body, b"orig") == (b"orig", False)
+    data, strip = with_stream_usage({"stream": True, "prompt": "x"}, b"orig")
+    assert strip and b'"stream_options":{"include_usage":true}' in data
+
+
+def test_counters_going_back_reset_the_engine_once():
+    from indexer.index import PrefixIndex
+    from indexer.wire import BlockStored
+
+    idx = PrefixIndex(unit=16)
+    e = ("http://w", 0)
+    idx.add_engine(e, "m")
+    idx.apply(e, [BlockStored([1], None, list(range(16)), 16, None)])
+    assert idx.resident_blocks(e) == 1
+    v = Verifier(idx, VerifyParams())
+    v.on_metrics("http://w", {0: {"prefix_hits": 10.0, "prefix_queries": 100.0}})
+    v.on_metrics("http://w", {0: {"prefix_hits": 30.0, "prefix_queries": 200.0}})
+    assert idx.resident_blocks(e) == 1 and v.state(e).metrics_hits == 20.0
+    v.on_metrics("http://w", {0: {"prefix_hits": 0.0, "prefix_queries": 16.0}})  # restarted
+    assert idx.resident_blocks(e) == 0
+    assert v.debug(e)["index_resets"] == {"restart": 1}
+
+
+# ------------------------------------------------------------------------- correct fleet
+
+
+async def test_correct_fleet_under_multi_turn_load_raises_no_alarm(capsys):
+    """120 requests of 12 four-way concurrent multi-turn chats (streaming with and without
+    usage, and not), caches small enough to evict: no worker unverified, predictions exact."""
+    with running_fleet(3, num_gpu_blocks=160, **FAST) as fleet:
+        cfg = cfg_with(fleet)
+        async with serve_router(cfg) as (base, _router), httpx.AsyncClient(timeout=60) as c:
+            r = await c.get(base + "/ready")
+            assert r.status_code == 200, r.text
+            systems = [words(200, f"sys{k}") for k in range(3)]
+            sem = asyncio.Semaphore(4)
+            kinds = {"plain": 0, "stream": 0, "stream_usage": 0}
+
+            async def conversation(i: int) -> None:
+                msgs = [{"role": "system", "content": systems[i % 3]}]
+                async with sem:
+                    for turn in range(10):
+                        msgs.append({"role": "user", "content": words(60, f"u{i}-{turn}")})
+                        body: dict[str, Any] = {
+                            "model": "sim-model",
+                            "messages": msgs,
+                            "max_tokens": 8,
+                        }
+                        kind = ("plain", "stream", "stream_usage")[(i + turn) % 3]
+                        kinds[kind] += 1
+                        if kind == "plain":
+                            r = await c.post(base + "/v1/chat/completions", json=body)
+                            assert r.status_code == 200, r.text
+                            text = r.json()["choices"][0]["message"]["content"]
+                        else:
+                            body["stream"] = True
+                            if kind == "stream_usage":
+                                body["stream_options"] = {"include_usage": True}
+                            async with c.stream(
+                                "POST", base + "/v1/chat/completions", json=body
+                            ) as r:
+                                assert r.status_code == 200
+                                raw = b"".join([x async for x in r.aiter_raw()])
+                            assert raw.endswith(b"data: [DONE]\n\n")
+                            # the usage event exactly when the client asked for it
+                            assert (b'"usage"' in raw) == (kind == "stream_usage"), raw[-300:]
+                            parts = re.findall(rb'"content":"([^"]*)"', raw)
+                            text = b"".join(parts).decode()
+                        msgs.append({"role": "assistant", "content": text})
+
+            await asyncio.gather(*(conversation(i) for i in range(12)))
+            d = (await c.get(base + "/debug/index")).json()
+            samples = exact = within = 0
+            for w in d["workers"]:
+                assert w["selfcheck"]["events"] == "ok" and w["selfcheck"]["hits"] == "ok"
+                assert not w["unverified"], w["engines"][0]["verify"]
+                v = w["engines"][0]["verify"]
+                samples += v["samples"]
+                exact += v["exact"]
+                within += round(v["accuracy"] * v["window"]) if v["window"] else 0
+                assert v["accuracy"] is None or v["accuracy"] >= 0.9, v
+                assert v["index_resets"] == {}, v
+            assert samples == 120
+            evicted = sum(
+                e["counters"]["blocks_removed"] for w in d["workers"] for e in w["engines"]
+            )
+            assert evicted > 0  # the caches really turned over
+            rate = exact / samples
+            with capsys.disabled():
+                print(
+                    f"\n[verify] simulator fleet: {exact}/{samples} predictions exact "
+                    f"({rate:.3f}); {evicted} blocks evicted; request kinds {kinds}"
+                )
+            assert rate >= 0.95
+            m = (await c.get(base + "/metrics")).text
+            for name in (
+                "kvrouter_prediction_error_tokens_bucket",
+                "kvrouter_worker_prediction_accuracy{",
+                'kvrouter_predictions_total{result="exact"',
+                "kvrouter_worker_unverified{",
+            ):
+                assert name in m.replace('{result="exact",worker', '{result="exact"'), name
+            assert re.search(r"kvrouter_prediction_error_tokens_count 120\.0", m)
+
+
+# ------------------------------------------------------------------------- misconfigurations
+
+
+async def test_events_off_selfcheck_missing_then_unverified_no_events(caplog):
+    caplog.set_level(logging.WARNING)
+    with running_fleet(1, no_events=True, num_gpu_blocks=512, **FAST) as fleet:
+        url = fleet[0].url
+        async with (
+            serve_router(cfg_with(fleet)) as (base, _router),
+            httpx.AsyncClient(timeout=30) as c,
+        ):
+            # Obvious at once: /ready says why, the log says it once for the fleet.
+            r = await c.get(base + "/ready")
+            assert r.status_code == 503
+            assert "events missing" in r.json()["reason"] and "no KV events" in r.json()["reason"]
+            w = await debug_worker(c, base, url)
+            assert w["selfcheck"]["events"] == "missing"
+            assert any(
+                "no worker passed the KV-event self-check" in x.getMessage() for x in caplog.records
+            )
+            # Traffic: the worker reports hits, the router predicted none.
+            await repeat_prompts(c, base, 14, "noev", size=300)
+            v = await until_unverified(c, base, url)
+            assert v["cause"] == "no_events", v
+            assert (await debug_worker(c, base, url))["unverified"] is True
+            warnings = [x for x in caplog.records if "UNVERIFIED" in x.getMessage()]
+            assert len(warnings) == 1 and "no_events" in warnings[0].getMessage()
+            m = (await c.get(base + "/metrics")).text
+            assert f'kvrouter_worker_unverified{{worker="{url}"}} 1.0' in m
+
+
+def _bos_proxy(target: str) -> FastAPI:
+    """A worker front whose /tokenize adds a BOS token the engine itself does not add: the
+    router's token count differs from the worker's prompt_tokens (a tokenizer mismatch)."""
+    app = FastAPI()
+    client = httpx.AsyncClient(base_url=target, timeout=30)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def fwd(path: str, request: Request) -> Response:
+        r = await client.request(
+            request.method,
+            "/" + path,
+            content=await request.body(),
+            headers={"content-type": "application/json"},
+        )
+        if path == "tokenize" and r.status_code == 200:
+            doc = r.json()
+            doc["tokens"] = [2, *doc["tokens"]]
+            doc["count"] = len(doc["tokens"])
+            return Response(
+                content=httpx.Response(200, json=doc).content, media_type="application/json"
+            )
+        return Response(
+            content=r.content, status_code=r.status_code, media_type=r.headers.get("content-type")
+        )
+
+    return app
+
+
+async def test_tokens_differ_prompt_tokens_mismatch_is_diagnosed():
+    with running_fleet(1, num_gpu_blocks=512, **FAST) as fleet:
+        sim = fleet[0]
+        async with serve_app(_bos_proxy(sim.url)) as front:
+            cfg = cfg_with([front])
+            cfg.workers = [
+                WorkerSpec(url=front, events=sim.events_endpoint, replay=sim.replay_endpoint)
+            ]
+            async with serve_router(cfg) as (base, _r), httpx.AsyncClient(timeout=30) as c:
+                await until(lambda: c.get(base + "/debug/index"), 10)
+                await repeat_prompts(c, base, 14, "bos")
+                v = await until_unverified(c, base, front)
+                assert v["cause"] == "tokens_differ", v
+                assert v["tokens_mismatches"] >= 12
+                assert "prompt tokens" in v["cause_detail"]
+
+
+async def test_different_chat_template_fails_the_tokenizer_selfcheck(caplog):
+    caplog.set_level(logging.WARNING)
+    with (
+        running_fleet(2, num_gpu_blocks=256, **FAST) as good,
+        running_fleet(1, chat_template="alt", num_gpu_blocks=256, **FAST) as alt,
+    ):
+        async with (
+            serve_router(cfg_with([*good, *alt])) as (base, router),
+            httpx.AsyncClient(timeout=30) as c,
+        ):
+            w = await debug_worker(c, base, alt[0].url)
+            assert w["selfcheck"]["tokenizer"] == "mismatch", w["selfcheck"]
+            assert "chat" in w["selfcheck"]["tokenizer_detail"]
+            for g in good:
+                assert (await debug_worker(c, base, g.url))["selfcheck"]["tokenizer"] == "remote"
+            assert any("tokenizer mismatch" in x.getMessage() for x in caplog.records)
+            # Drift on that worker is then attributed to the tokenizer.
+            assert router.verifier is not None
+            cause = router.verifier.diagnose(router.verifier.state((alt[0].url, 0)))
+            assert cause[0] == "tokens_differ" and "self-check" in cause[1]
+
+
+async def test_event_block_size_lie_is_diagnosed():
+    with running_fleet(1, event_block_size_lie=32, num_gpu_blocks=512, **FAST) as fleet:
+        url = fleet[0].url
+        async with serve_router(cfg_with(fleet)) as (base, _r), httpx.AsyncClient(timeout=30) as c:
+            w = await debug_worker(c, base, url)
+            assert w["selfcheck"]["events"] == "unmatched", w["selfcheck"]
+            assert w["selfcheck"]["hits"] == "mismatch"
+            await repeat_prompts(c, base, 20, "lie")
+            v = await until_unverified(c, base, url)
+            assert v["cause"] == "block_size_mismatch", v
+            assert (
+                "block_size 32" in v["cause_detail"]
+                and "gcd of cached_tokens: 16" in (v["cause_detail"])
+            )
+
+
+async def test_lost_events_without_replay_unverified_then_recovers():
+    with running_fleet(1, num_gpu_blocks=512, **FAST) as fleet:
+        sim = fleet[0]
+        cfg = cfg_with(fleet)
+        cfg.workers = [WorkerSpec(url=sim.url, events=sim.events_endpoint)]  # no replay
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
+            assert (await c.get(base + "/ready")).status_code == 200
+            await c.post(sim.url + "/sim/faults", json={"drop_event_fraction": 0.5})
+            await repeat_prompts(c, base, 24, "lost")
+            v = await until_unverified(c, base, sim.url)
+            assert v["cause"] == "lost_events", v
+            assert "gaps" in v["cause_detail"]
+            # While unverified it gets no prefix credit.
+            body = {"model": "sim-model", "prompt": words(300, "credit")}
+            await c.post(base + "/v1/completions", json={**body, "max_tokens": 1})
+            e = (await c.post(base + "/debug/route", json=body)).json()
+            assert e["workers"][0]["gpu_hit_tokens"] == 0
+            # Events flow again: predictions recover, the worker is re-verified.
+            await c.post(sim.url + "/sim/faults", json={"drop_event_fraction": 0.0})
+
+            async def recovered():
+                await repeat_prompts(c, base, 4, f"rec{random.random()}")
+                v = await verify_of(c, base, sim.url)
+                return v if v["state"] == "verified" else None
+
+            v = await until(recovered, 60, "re-verification")
+            assert v["recoveries"] == 1
+            assert router.verifier is not None and not router.verifier.is_unverified((sim.url, 0))
+
+
+async def test_unannounced_reset_clears_the_index_for_that_worker():
+    with running_fleet(1, num_gpu_blocks=512, **FAST) as fleet:
+        url = fleet[0].url
+        async with (
+            serve_router(cfg_with(fleet)) as (base, router),
+            httpx.AsyncClient(timeout=30) as c,
+        ):
+            prompts = [words(300, f"reset{i}") for i in range(4)]
+            for p in prompts:
+                r = await c.post(
+                    base + "/v1/completions",
+                    json={"model": "sim-model", "prompt": p, "max_tokens": 1},
+                )
+                assert r.status_code == 200
+
+            async def indexed():
+                e = (
+                    await c.post(
+                        base + "/debug/route", json={"model": "sim-model", "prompt": prompts[-1]}
+                    )
+                ).json()
+                return e["workers"][0]["gpu_hit_tokens"] >= 288
+
+            await until(indexed, 20, "prompts indexed")
+            r = await c.post(url + "/sim/faults", json={"unannounced_reset": True})
+            assert r.status_code == 200
+            for p in prompts[:3]:
+                r = await c.post(
+                    base + "/v1/completions",
+                    json={"model": "sim-model", "prompt": p, "max_tokens": 1},
+                )
+                assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            v = await verify_of(c, base, url)
+            assert v["index_resets"] == {"unannounced_reset": 1}, v
+            assert "without AllBlocksCleared" in v["last_reset"]
+            # The stale prefix is gone from the index; what the worker really holds is back.
+            e = (
+                await c.post(
+                    base + "/debug/route", json={"model": "sim-model", "prompt": prompts[3]}
+                )
+            ).json()
+            assert e["workers"][0]["gpu_hit_tokens"] == 0
+            m = (await c.get(base + "/metrics")).text
+            assert re.search(r'kvrouter_index_resets_total\{[^}]*reason="unannounced_reset"', m)
+            assert router.verifier is not None and not router.verifier.is_unverified((url, 0))
