@@ -16,6 +16,7 @@ Templates:
 from __future__ import annotations
 
 import re
+from itertools import islice
 from typing import Any
 
 import xxhash
@@ -36,6 +37,9 @@ SPECIALS: dict[str, int] = {
 FIRST_REGULAR_ID = 100
 _SPECIAL_RE = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
 _PIECE_RE = re.compile(r"\n| ?[A-Za-z0-9_]+| ?[^\sA-Za-z0-9_]|[ \t\r\f\v]+")
+# Words separated by single spaces: there ``_PIECE_RE`` yields exactly ``text.split(" ")`` with
+# the space kept on every word but the first, which C-level str methods compute ~10x faster.
+_SIMPLE_RE = re.compile(r"[A-Za-z0-9_]+(?: [A-Za-z0-9_]+)*")
 _SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "so", "ta", "vi", "ze", "po", "da", "fe"]
 
 
@@ -76,7 +80,32 @@ class Tokenizer:
         return out
 
     def encode(self, text: str) -> list[int]:
-        return [SPECIALS[p] if p in SPECIALS else self.piece_id(p) for p in self.pieces(text)]
+        # Equal to [id of p for p in self.pieces(text)], by a faster route: prompts of tens of
+        # thousands of tokens must tokenize in milliseconds, as vLLM's Rust tokenizers do.
+        if "<" not in text:
+            return self._encode_plain(text)
+        out: list[int] = []
+        for part in _SPECIAL_RE.split(text):
+            if not part:
+                continue
+            sid = SPECIALS.get(part)
+            if sid is not None:
+                out.append(sid)
+            else:
+                out.extend(self._encode_plain(part))
+        return out
+
+    def _encode_plain(self, text: str) -> list[int]:
+        if _SIMPLE_RE.fullmatch(text):
+            words = text.split(" ")
+            pieces = [words[0], *map(" ".__add__, islice(words, 1, None))]
+        else:
+            pieces = _PIECE_RE.findall(text)
+        ids = list(map(self._cache.get, pieces))
+        if None in ids:
+            piece_id = self.piece_id
+            ids = [i if i is not None else piece_id(p) for i, p in zip(ids, pieces, strict=True)]
+        return ids  # type: ignore[return-value]
 
     def token_strs(self, text: str) -> list[str]:
         return [p if p in SPECIALS else p.replace(" ", "\u0120").replace("\n", "\u010a")
