@@ -278,10 +278,14 @@ class Router:
                     "/tokenize",
                     content=body,
                     headers={"content-type": "application/json"},
-                    timeout=self.cfg.server.connect_timeout_s,
+                    # bounded like a first byte: a hung worker must not hold every request
+                    timeout=min(
+                        self.cfg.server.connect_timeout_s, self.cfg.server.first_byte_timeout_s
+                    ),
                 )
             except Exception as exc:
                 last = f"{w.url}: {type(exc).__name__}"
+                self.watch.probe_soon(w)
                 continue
             if r.status_code == 200:
                 return proxy_decode_tokens(r.content)
