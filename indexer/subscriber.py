@@ -87,6 +87,9 @@ log = logging.getLogger(__name__)
 
 RECV_BATCH = 256
 """Messages a reader takes off its socket before yielding to the loop."""
+RECV_BUDGET_S = 0.0005
+"""...or this much time, whichever comes first (checked every 16 messages): a flood of junk on
+a socket costs every HTTP request at most this per loop turn (tests/faults/test_garbage.py)."""
 APPLY_BATCH = 64
 """Messages the applier takes from one source before moving to the next."""
 APPLY_BUDGET_S = 0.004
@@ -600,6 +603,7 @@ class Subscriber:
         n = 0
         more = True
         try:
+            t_end = time.perf_counter() + RECV_BUDGET_S
             while n < RECV_BATCH:
                 frames = raw.recv_multipart(zmq.NOBLOCK)
                 n += 1
@@ -607,6 +611,8 @@ class Subscriber:
                     route(feed, frames)
                 except Exception:  # nothing a socket delivers may stop the reader
                     log.exception("routing a message from %s", feed.endpoint)
+                if not n & 15 and time.perf_counter() > t_end:
+                    break  # time budget spent: rescheduled below (more is True)
         except zmq.Again:
             # Reading EVENTS re-arms the edge-triggered FD; a message may have slipped in.
             more = bool(raw.get(zmq.EVENTS) & zmq.POLLIN)
