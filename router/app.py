@@ -101,7 +101,9 @@ class Router:
         local = None
         if cfg.tokenizer.mode == "local" and cfg.tokenizer.path:
             local = LocalTokenizer(cfg.tokenizer.path)
-        self.tokenizer = PromptTokenizer(unit, cfg.tokenizer.cache_entries, local=local)
+        self.tokenizer = PromptTokenizer(
+            unit, cfg.tokenizer.cache_entries, cfg.tokenizer.cache_tokens, local=local
+        )
         p = cfg.policy
         self.policy = make_policy(
             p.name,

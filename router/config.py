@@ -68,6 +68,7 @@ class TokenizerConfig:
     mode: str = "remote"
     path: str | None = None
     cache_entries: int = 4096
+    cache_tokens: int = 32_000_000  # token budget of that cache (issue 8; reported)
 
 
 @dataclass
@@ -193,7 +194,12 @@ _TYPES: dict[str, dict[str, tuple[type, ...]]] = {
         "block_size": (int, type(None)),
         "cpu_chunk_tokens": (int,),
     },
-    "tokenizer": {"mode": (str,), "path": (str, type(None)), "cache_entries": (int,)},
+    "tokenizer": {
+        "mode": (str,),
+        "path": (str, type(None)),
+        "cache_entries": (int,),
+        "cache_tokens": (int,),
+    },
     "policy": {
         "name": (str,),
         "cpu_transfer_discount": (float,),
@@ -415,6 +421,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("tokenizer.path: required when tokenizer.mode is local")
     if cfg.tokenizer.cache_entries < 0:
         raise ConfigError("tokenizer.cache_entries: must be >= 0")
+    if cfg.tokenizer.cache_tokens < 0:
+        raise ConfigError("tokenizer.cache_tokens: must be >= 0")
     p = cfg.policy
     if p.name not in POLICIES:
         raise ConfigError(f"policy.name: {p.name!r} is not one of {', '.join(POLICIES)}")
