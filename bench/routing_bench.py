@@ -6,9 +6,17 @@
     python bench/routing_bench.py --trace PATH            # any Mooncake-format file
     python bench/routing_bench.py --loads 0.5,0.8,1.0     # sweep offered load (chart by load)
     python bench/routing_bench.py --sweep-knobs           # kvrouter with each knob varied
+    python bench/routing_bench.py --jobs 4                # policies in parallel processes
 
 The last line printed is one JSON object (``workload``, ``workers``, ``config``, ``policies``);
 a PNG chart of TTFT and hit rate by policy is written to ``bench/out/routing_<workload>.png``.
+Progress and a one-line summary per policy go to stderr.
+
+Default fleet (cache-bound; see ``FleetSpec``): 8 workers, 16-token blocks, 50,000 blocks
+(800k tokens) of KV per worker, prefill 20k tokens/s, 20 ms per decode step, 2,048-token
+chunked-prefill budget, 256 sequences. The fleet's 6.4M tokens of KV hold a few minutes of the
+conversation trace's unique tokens, one worker's 800k tokens well under a minute: hits depend
+on sending each conversation back where its prefix lives.
 
 Every policy sees identical inputs (same requests, token ids, arrival times, fleet). Workers are
 ``simulator.FastFleet`` engines on a simulated clock (vLLM 0.33 scheduler, prefix cache, exact
@@ -369,49 +377,52 @@ def _timed_schedule(orig, busy: list[float], w: int):
 def measure_capacity(
     reqs: list[Req], fs: FleetSpec, rs: RouterSpec, src: TokenSource, keys: KeyCache
 ) -> dict[str, float]:
-    """Round-robin capacity (requests/s) of the fleet on this workload, by a saturation run.
+    """Round-robin capacity of the fleet on this workload, by a saturation run.
 
     Uses the first ``CAPACITY_REQUESTS`` requests: a saturated fleet's throughput settles within
     a few hundred requests, and replaying the whole trace at 2x capacity would cost as much as
-    another policy run.
+    another policy run. Capacity is measured in prompt tokens per second (what a prefill-bound
+    fleet serves) and converted to requests per second with the whole workload's mean prompt,
+    so a subset with longer prompts than the rest does not skew the offered load.
     """
-    reqs = reqs[:CAPACITY_REQUESTS]
-    base_rate = len(reqs) / max(reqs[-1].arrival_s - reqs[0].arrival_s, 1e-9)
+    sub = reqs[:CAPACITY_REQUESTS]
+    sub_rate = len(sub) / max(sub[-1].arrival_s - sub[0].arrival_s, 1e-9)
+    sub_prompt = statistics.fmean(r.n_tokens for r in sub)
+    est_rps = fs.capacity_tokens_per_s() / sub_prompt
+    speed = 2.0 * est_rps / sub_rate
+    firsts = sorted(_first_token_times(sub, speed, fs, src))
+    lo, hi = pct([t for t, _ in firsts], 10), pct([t for t, _ in firsts], 90)
+    tokens = sum(n for t, n in firsts if lo <= t <= hi)
+    cap_tps = tokens / max(hi - lo, 1e-9)
     mean_prompt = statistics.fmean(r.n_tokens for r in reqs)
-    est_rps = fs.capacity_tokens_per_s() / mean_prompt
-    speed = 2.0 * est_rps / base_rate
-    fleet_rr = _first_token_times(reqs, speed, fs, src)
-    fleet_rr.sort()
-    lo, hi = pct(fleet_rr, 10), pct(fleet_rr, 90)
-    inside = sum(1 for x in fleet_rr if lo <= x <= hi)
-    cap = inside / max(hi - lo, 1e-9)
     return {
-        "method": f"saturation run on the first {len(reqs)} requests: round robin at 2x the "
-        "no-cache analytic estimate, first tokens/s between the 10th and 90th percentile "
-        "first-token times",
-        "analytic_no_cache_rps": round(est_rps, 4),
-        "saturation_offered_rps": round(2.0 * est_rps, 4),
-        "round_robin_capacity_rps": round(cap, 4),
-        "trace_rate_rps": round(base_rate, 4),
+        "method": f"saturation run on the first {len(sub)} requests: round robin offered 2x the "
+        "no-cache analytic capacity; capacity = prompt tokens of the requests whose first token "
+        "falls between the 10th and 90th percentile first-token times / that interval; "
+        "requests/s = that / the workload's mean prompt",
+        "analytic_no_cache_tokens_per_s": round(fs.capacity_tokens_per_s(), 1),
+        "round_robin_capacity_tokens_per_s": round(cap_tps, 1),
+        "round_robin_capacity_rps": round(cap_tps / mean_prompt, 4),
+        "trace_rate_rps": round(len(reqs) / max(reqs[-1].arrival_s - reqs[0].arrival_s, 1e-9), 4),
     }
 
 
 def _first_token_times(
     reqs: list[Req], speed: float, fs: FleetSpec, src: TokenSource
-) -> list[float]:
+) -> list[tuple[float, int]]:
     fleet = FastFleet(fs.workers, fs.engine(events=False))
-    out: list[float] = []
+    out: list[tuple[float, int]] = []
     for i, req in enumerate(reqs):
         t = req.arrival_s / speed
         fleet.run_until(t)
-        out.extend(c.first_token_s for c in fleet.completed())
+        out.extend((c.first_token_s, c.prompt_tokens) for c in fleet.completed())
         fleet.submit(i % fs.workers, req.rid, src.tokens(req), req.max_tokens, t)
     while len(out) < len(reqs):
         nxt = fleet.next_event_time()
         if nxt == math.inf:
             break
         fleet.run_until(nxt + 10.0)
-        out.extend(c.first_token_s for c in fleet.completed())
+        out.extend((c.first_token_s, c.prompt_tokens) for c in fleet.completed())
     return out
 
 
@@ -425,25 +436,51 @@ def run_all(
     policies: list[str],
     seed: int,
     log: bool = True,
+    jobs: int = 1,
 ) -> dict[str, dict[str, float]]:
+    """Every policy on identical inputs; ``jobs`` > 1 runs them in forked processes."""
+    global _SHARED
     out: dict[str, dict[str, float]] = {}
+    if jobs > 1 and len(policies) > 1:
+        import multiprocessing as mp
+
+        _SHARED = (reqs, speed, fs, rs, src, keys, seed)
+        with mp.get_context("fork").Pool(min(jobs, len(policies))) as pool:
+            for name, s, dt in pool.imap_unordered(_run_one, policies):
+                out[name] = s
+                if log:
+                    _log(name, s, dt)
+        _SHARED = None
+        return {name: out[name] for name in policies}
     for name in policies:
         t0 = time.perf_counter()
-        res = run_policy(name, reqs, speed, fs, rs, src, keys, seed)
-        out[name] = res.summary()
+        out[name] = run_policy(name, reqs, speed, fs, rs, src, keys, seed).summary()
         if log:
-            s = out[name]
-            print(
-                f"  {name:14s} hit {s['hit_rate']:.3f}  ttft mean {s['ttft_mean_s']:8.3f}s "
-                f"p50 {s['ttft_p50_s']:7.3f} p90 {s['ttft_p90_s']:7.3f} "
-                f"p99 {s['ttft_p99_s']:8.3f}  rps {s['throughput_rps']:.3f}  "
-                f"imb {s['imbalance']:.2f} pre {s['preemptions']} "
-                f"dec {s['decision_ms_p50']:.3f}ms  "
-                f"({time.perf_counter() - t0:.1f}s)",
-                file=sys.stderr,
-                flush=True,
-            )
+            _log(name, out[name], time.perf_counter() - t0)
     return out
+
+
+_SHARED: tuple | None = None  # inputs inherited by forked workers (copy-on-write)
+
+
+def _run_one(name: str) -> tuple[str, dict[str, float], float]:
+    assert _SHARED is not None
+    reqs, speed, fs, rs, src, keys, seed = _SHARED
+    t0 = time.perf_counter()
+    s = run_policy(name, reqs, speed, fs, rs, src, keys, seed).summary()
+    return name, s, time.perf_counter() - t0
+
+
+def _log(name: str, s: dict[str, float], dt: float) -> None:
+    print(
+        f"  {name:14s} hit {s['hit_rate']:.3f}  ttft mean {s['ttft_mean_s']:8.3f}s "
+        f"p50 {s['ttft_p50_s']:7.3f} p90 {s['ttft_p90_s']:7.3f} "
+        f"p99 {s['ttft_p99_s']:8.3f}  rps {s['throughput_rps']:.3f}  "
+        f"imb {s['imbalance']:.2f} pre {s['preemptions']} "
+        f"dec {s['decision_ms_p50']:.3f}ms  ({dt:.1f}s)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def targets(pol: dict[str, dict[str, float]]) -> dict[str, object]:
@@ -609,6 +646,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="vary each PolicyParams knob (or a comma list of knobs) for kvrouter",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=1, help="policies run in parallel processes")
     ap.add_argument("--out", default=None, help="chart path (PNG)")
     args = ap.parse_args(argv)
     if args.trace:
@@ -616,7 +654,9 @@ def main(argv: list[str] | None = None) -> dict:
     trace = args.trace or DEFAULT_TRACE
     limit = args.limit
     if args.quick and limit is None:
-        limit = 600 if args.workload == "mooncake" else None
+        limit = 500 if args.workload == "mooncake" else None
+    if args.quick and args.jobs == 1:
+        args.jobs = min(2, os.cpu_count() or 1)
     scale = args.scale * (0.4 if args.quick and args.workload != "mooncake" else 1.0)
     reqs = load_workload(args.workload, trace, limit, args.seed, scale)
     if not reqs:
@@ -672,7 +712,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"load {ld}: speed-up {speed:.3f}x, offered {base_rate * speed:.3f} req/s",
             file=sys.stderr,
         )
-        by_load[ld] = run_all(reqs, speed, fs, rs, src, keys, policies, args.seed)
+        by_load[ld] = run_all(reqs, speed, fs, rs, src, keys, policies, args.seed, jobs=args.jobs)
     main_load = str(args.load) if str(args.load) in by_load else next(iter(by_load))
     result: dict = {
         "workload": args.workload if not args.trace else f"mooncake:{Path(trace).name}",
