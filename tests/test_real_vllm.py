@@ -106,6 +106,7 @@ _MODEL_SCRIPT = textwrap.dedent(
                                sliding_window=64,
                                layer_types=["sliding_attention", "full_attention"],
                                bos_token_id=2, eos_token_id=3, pad_token_id=1)
+    cfg.architectures = ["LlamaForCausalLM" if kind == "dense" else "Gemma3ForCausalLM"]
     cfg.torch_dtype = "bfloat16"
     cfg.save_pretrained(out)
     specials = ["<unk>", "<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>",
