@@ -255,19 +255,40 @@ class PrefixIndex:
         # One re-announce decision per prefix per batch: vLLM sends one event per group for the
         # same request step, and storing the first must not change how the next is judged.
         reannounce: dict[int, bool] = {}
-        for i, ev in enumerate(events):
+        i, n = 0, len(events)
+        while i < n:
+            ev = events[i]
             kind = type(ev)
+            i += 1
             if kind is BlockStored:
-                if not self._store(e, ev, reannounce):
+                if not self._store(e, ev, reannounce):  # type: ignore[arg-type]
                     continue
                 # A sparse event listed hashes we could not resolve yet: vLLM sends the
                 # sliding-window group's event *before* the full-attention group's event of the
                 # same step (group order), so learn the mappings the rest of this batch brings.
                 if lookahead is None:
-                    lookahead = self._learn_ahead(e, events, i + 1)
-                self._store_sparse(e, ev, lookahead)
+                    lookahead = self._learn_ahead(e, events, i)
+                self._store_sparse(e, ev, lookahead)  # type: ignore[arg-type]
             elif kind is BlockRemoved:
-                self._remove(e, ev)
+                # vLLM's GPU pool sends one single-hash BlockRemoved per evicted block, in runs:
+                # a run with one group and medium is applied as one pass (same order, same
+                # result, a fraction of the per-event cost).
+                g = ev.group_idx or 0  # type: ignore[union-attr]
+                medium = ev.medium or GPU  # type: ignore[union-attr]
+                hashes = ev.block_hashes  # type: ignore[union-attr]
+                if i < n and type(events[i]) is BlockRemoved:
+                    hashes = list(hashes)
+                    while i < n:
+                        nxt = events[i]
+                        if (
+                            type(nxt) is not BlockRemoved
+                            or (nxt.group_idx or 0) != g  # type: ignore[union-attr]
+                            or (nxt.medium or GPU) != medium  # type: ignore[union-attr]
+                        ):
+                            break
+                        hashes.extend(nxt.block_hashes)  # type: ignore[union-attr]
+                        i += 1
+                self._remove(e, hashes, g, medium)
             elif kind is AllBlocksCleared:
                 self._drop_state(e)
                 e.counters["cleared"] += 1
@@ -556,18 +577,16 @@ class PrefixIndex:
             res = self._residency[(g, medium)] = {}
         self._add_many(e, g, medium, res, [h], [key])
 
-    def _remove(self, e: _Engine, ev: BlockRemoved) -> None:
+    def _remove(self, e: _Engine, block_hashes: list[BlockHash], g: int, medium: str) -> None:
         # Hot path: vLLM's GPU pool sends one BlockRemoved per evicted block, so per-event
         # overhead matters as much as per-block work. Counters are summed locally, and the
         # duplicate table is consulted only when it is non-empty (duplicates are rare).
-        g = ev.group_idx or 0
-        medium = ev.medium or GPU
         res = self._residency.get((g, medium))
         bit = e.bit
         hmap = e.hashes
         dups = self._dups
         removed = unknown = cleared = 0
-        for h in ev.block_hashes:
+        for h in block_hashes:
             v = hmap.get(h)
             if v is None or res is None:
                 unknown += 1
