@@ -90,6 +90,7 @@ class Router:
             connect_timeout_s=cfg.server.connect_timeout_s,
             first_byte_timeout_s=cfg.server.first_byte_timeout_s,
             max_connections=cfg.server.max_connections_per_worker,
+            pool_timeout_s=cfg.server.pool_timeout_s,
             on_events_ready=self._subscribe,
         )
         # Workers that join and leave at run time (Kubernetes pods); the static list is above.
@@ -139,7 +140,7 @@ class Router:
             )
         sc = cfg.server
         self.proxy_limits = proxy.ProxyLimits.from_server(sc)
-        self.watch = WorkerWatch(self.registry, self.subscriber, pool_timeout_s=sc.pool_timeout_s)
+        self.watch = WorkerWatch(self.registry, self.subscriber)
         # Issue 9: verify predictions against what workers report; self-check every worker.
         v = cfg.verify
         self.verifier: Verifier | None = None

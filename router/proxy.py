@@ -123,20 +123,13 @@ class Ticket:
 class ProxyLimits:
     """Per-request upstream bounds (``server.*`` timeouts)."""
 
-    timeout: httpx.Timeout | None = None
     request_timeout_s: float | None = None
+    # Connect, first-byte/read-gap and pool-wait bounds live in each worker's upstream pool
+    # (router/upstream.py), set from the same ``server.*`` keys by the registry.
 
     @classmethod
     def from_server(cls, server: Any) -> ProxyLimits:
-        return cls(
-            timeout=httpx.Timeout(
-                connect=server.connect_timeout_s,
-                read=server.first_byte_timeout_s,
-                write=30.0,
-                pool=server.pool_timeout_s,
-            ),
-            request_timeout_s=server.request_timeout_s,
-        )
+        return cls(request_timeout_s=server.request_timeout_s)
 
 
 def sse_error_event(message: str, etype: str, code: int) -> bytes:
@@ -392,12 +385,7 @@ async def _forward(
         if w.dp_size > 1:
             hdrs.append((b"x-data-parallel-rank", str(att.engine[1]).encode()))
         ticket = Ticket(w, att.engine[1], att.uncached)
-        if ctx.limits.timeout is not None and isinstance(w.client, httpx.AsyncClient):
-            req = w.client.build_request(
-                "POST", path, content=body, headers=hdrs, timeout=ctx.limits.timeout
-            )
-        else:
-            req = w.client.build_request("POST", path, content=body, headers=hdrs)
+        req = w.client.build_request("POST", path, content=body, headers=hdrs)
         try:
             resp = await _race(_within(w.client.send(req, stream=True), ctx.deadline), watcher)
         except _ClientGone:

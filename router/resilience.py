@@ -40,13 +40,11 @@ class WorkerWatch:
         *,
         interval_s: float = 0.2,
         drop_after_s: float = 2.0,
-        pool_timeout_s: float | None = None,
     ) -> None:
         self.registry = registry
         self.subscriber = subscriber
         self.interval_s = interval_s
         self.drop_after_s = drop_after_s
-        self.pool_timeout_s = pool_timeout_s
         self.drops = 0
         self.probes = 0
         self._down_since: dict[str, float] = {}
@@ -55,7 +53,6 @@ class WorkerWatch:
         self._probing: dict[str, asyncio.Task[None]] = {}
 
     async def start(self) -> None:
-        self._apply_pool_timeout()
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="kvrouter-worker-watch")
 
@@ -68,15 +65,6 @@ class WorkerWatch:
                 await t
         self._task = None
         self._probing.clear()
-
-    def _apply_pool_timeout(self) -> None:
-        """Clients that take the pool wait at construction (``router.upstream``) get
-        ``server.pool_timeout_s`` (httpx clients get it per request from the proxy)."""
-        if self.pool_timeout_s is None:
-            return
-        for w in self.registry.workers.values():
-            if hasattr(w.client, "pool_timeout"):
-                w.client.pool_timeout = self.pool_timeout_s
 
     def probe_soon(self, w: Any) -> None:
         """Re-check ``w``'s health now (a stream from it broke)."""

@@ -10,7 +10,8 @@ the proxy needs, with the parsing in C (``httptools``, the parser uvicorn alread
 * one pool per worker, LIFO idle connections, at most ``max_connections`` open; a request that
   finds the pool full waits up to ``pool_timeout`` for a slot (then ``httpx.PoolTimeout``);
 * ``send(request, stream=True)`` returns once the status line and headers arrived (the
-  first-byte timeout covers that wait); the body is read as it arrives through ``aiter_raw``
+  first-byte timeout covers that wait, and then each wait for more of the body); the body is
+  read as it arrives through ``aiter_raw``
   (transfer-decoded, never content-decoded), with backpressure: the socket stops being read
   while more than ``_HIGH_WATER`` bytes wait for the consumer;
 * closing a response before its end closes the connection: that is how an upstream request is
@@ -218,7 +219,14 @@ class UpstreamResponse:
                 if self._exc is not None:
                     raise self._exc
                 self._wake = asyncio.get_running_loop().create_future()
-                await self._wake
+                try:
+                    # Like httpx's read timeout: a bound on each wait for more of the body.
+                    await asyncio.wait_for(self._wake, self._pool.first_byte_timeout)
+                except TimeoutError:
+                    self._exc = httpx.ReadTimeout(
+                        f"worker sent nothing for {self._pool.first_byte_timeout}s mid-response"
+                    )
+                    raise self._exc from None
         finally:
             if self._complete and not self._chunks:
                 self._release()

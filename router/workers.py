@@ -173,6 +173,7 @@ class WorkerRegistry:
         connect_timeout_s: float = 5.0,
         first_byte_timeout_s: float = 600.0,
         max_connections: int = 256,
+        pool_timeout_s: float = 5.0,
         poll_interval_s: float = 1.0,
         probe_timeout_s: float = 1.0,
         on_events_ready: Callable[[Worker], None] | None = None,
@@ -186,6 +187,7 @@ class WorkerRegistry:
         self._max_connections = max_connections
         self._connect_timeout_s = connect_timeout_s
         self._first_byte_timeout_s = first_byte_timeout_s
+        self._pool_timeout_s = pool_timeout_s
         self.workers: dict[str, Worker] = {}
         for spec in specs:
             self.workers[spec.url] = self._new_worker(spec)
@@ -207,6 +209,7 @@ class WorkerRegistry:
             max_connections=self._max_connections,
             connect_timeout=self._connect_timeout_s,
             first_byte_timeout=self._first_byte_timeout_s,
+            pool_timeout=self._pool_timeout_s,
         )
         w = Worker(spec=spec, client=client, dp_size=spec.dp_size, topic=spec.topic)
         w.events_endpoint = spec.events
