@@ -220,3 +220,22 @@ async def test_closing_a_response_early_closes_its_connection() -> None:
         await resp.aclose()  # the client went away: the upstream request must be cancelled
         await asyncio.wait_for(closed.wait(), 5)
         assert client.open_connections == 0
+
+
+async def test_a_stream_that_stalls_mid_body_times_out() -> None:
+    async def stall_mid_body(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await w.drain()
+        await asyncio.sleep(30)
+
+    async with raw_server(stall_mid_body) as (url, _):
+        client = UpstreamClient(url, first_byte_timeout=0.3)
+        resp = await client.send(client.build_request("POST", "/", content=b""))
+        got = []
+        with pytest.raises(httpx.ReadTimeout):
+            async for chunk in resp.aiter_raw():
+                got.append(chunk)
+        assert got == [b"first"]
+        await resp.aclose()
+        assert client.open_connections == 0
