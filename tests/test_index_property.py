@@ -543,6 +543,9 @@ class IndexVsReference(RuleBasedStateMachine):
         self._apply(cfg, self._store_events(cfg, seq, hit, data.draw(st.sampled_from([0, 1]))))
         start = data.draw(st.sampled_from([0, 16, 32, 64, 128, 240, 256, 272, 320]))
         self._apply(cfg, self._evict_events(cfg, seq, start, data.draw(st.booleans())))
+        for cut in (CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK - 1, 2 * CHUNK, 2 * CHUNK + 1):
+            if cut <= len(seq):  # chunk-boundary prompts: the last-token cap matters there
+                self._check(seq[:cut])
 
     @rule(data=st.data(), k=st.integers(1, 3))
     def evict(self, data: st.DataObject, k: int) -> None:
