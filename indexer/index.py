@@ -348,12 +348,16 @@ class PrefixIndex:
         block_extras = None
         if extras and extras.count(None) != len(extras):
             block_extras = [_strip_lora(x, ev.lora_name) for x in extras]
+        try:
+            data = tokens_to_bytes(ev.token_ids)
+        except ValueError:  # token ids outside [0, 2**32): not a real prompt
+            e.counters["malformed_events"] += 1
+            return None
         if block_extras is None or block_extras.count(None) == len(block_extras):
-            keys = chain_keys(seed, ev.token_ids, unit, nblocks * step)
+            keys = chain_keys(seed, data, unit, nblocks * step)
             return keys[step - 1 :: step] if step > 1 else keys
         # Rare path: multimodal or prompt-embeds extras fold into the chain block by block
         # (dense events only: extra_keys has one entry per listed block).
-        data = tokens_to_bytes(ev.token_ids)
         out: list[int] = []
         for b in range(nblocks):
             seed = chain_keys(seed, data[b * bs * 4 : (b + 1) * bs * 4], unit)[-1]
@@ -366,8 +370,6 @@ class PrefixIndex:
     def _store(self, e: _Engine, ev: BlockStored, reannounce: dict[int, bool]) -> bool:
         """Apply a BlockStored. Returns True when it is sparse and still needs resolving."""
         hashes = ev.block_hashes
-        if not hashes:
-            return False  # sparse groups may list nothing; the event is still sent
         g = ev.group_idx or 0
         medium = ev.medium or GPU
         if (
@@ -375,7 +377,11 @@ class PrefixIndex:
             and ev.block_size > 0
             and (ev.kv_cache_spec_kind is not None or g not in e.groups)
         ):
+            # Before anything else: even a sparse event listing no block tells us the group
+            # exists, and matching without it would ignore that group's rule (over-predict).
             self._learn_group(e, g, ev)
+        if not hashes:
+            return False  # sparse groups may list nothing; the event is still sent
         if ev.block_size <= 0 or not ev.token_ids:
             # CPU placeholder (vLLM OffloadingConnector default): one chunk-tail hash per chunk,
             # no tokens. The same hash was published for the chunk's last GPU block.
@@ -483,10 +489,13 @@ class PrefixIndex:
 
     def _chain_from(self, seed: int, ev: BlockStored) -> list[int] | None:
         bs = ev.block_size
-        if bs % self.unit:
+        if bs <= 0 or bs % self.unit:
             return None
         step = bs // self.unit
-        keys = chain_keys(seed, ev.token_ids, self.unit, (len(ev.token_ids) // bs) * step)
+        try:
+            keys = chain_keys(seed, ev.token_ids, self.unit, (len(ev.token_ids) // bs) * step)
+        except ValueError:  # token ids outside [0, 2**32)
+            return None
         return keys[step - 1 :: step] if step > 1 else keys
 
     def _learn_group(self, e: _Engine, g: int, ev: BlockStored) -> None:

@@ -127,6 +127,8 @@ def decode_payload(payload: bytes | memoryview) -> DecodedBatch:
         fast = _fast_decoder.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return _decode_generic(payload)
+    except RecursionError:  # a small payload can nest thousands of arrays deep
+        raise DecodeError("payload nests too deeply") from None
     return DecodedBatch(fast.ts, fast.events, fast.data_parallel_rank)
 
 
@@ -135,6 +137,8 @@ def _decode_generic(payload: bytes | memoryview) -> DecodedBatch:
         raw = _generic_decoder.decode(payload)
     except msgspec.DecodeError as exc:
         raise DecodeError(f"payload is not msgpack: {exc}") from None
+    except RecursionError:
+        raise DecodeError("payload nests too deeply") from None
     if not isinstance(raw, list) or len(raw) < 2:
         raise DecodeError("batch must be a msgpack array [ts, events, dp_rank?, ...]")
     ts, raw_events = raw[0], raw[1]
@@ -184,3 +188,5 @@ def _normalize_event(raw: Any, batch: DecodedBatch) -> Event | None:
         return msgspec.convert(fields, _TYPES[tag], strict=True)
     except msgspec.ValidationError as exc:
         raise DecodeError(f"malformed {tag}: {exc}") from None
+    except RecursionError:
+        raise DecodeError(f"malformed {tag}: nests too deeply") from None

@@ -187,14 +187,13 @@ class RefEngine:
 
     def _store(self, ev: BlockStored, batch: list, i: int, decided: dict) -> None:
         g, medium = ev.group_idx or 0, ev.medium or GPU
-        if not ev.block_hashes:
-            # Group facts are learned from events that list blocks, as the index does. (The
-            # design would learn them from an empty sparse event too: see the xfail test
-            # test_group_learned_from_empty_sparse_event below.)
-            return
         if medium == GPU and ev.block_size > 0:
+            # Group facts come from every GPU BlockStored, even a sparse one listing no block
+            # (test_group_learned_from_empty_sparse_event).
             kind = SWA if "sliding" in (ev.kv_cache_spec_kind or "") else FA
             self.groups[g] = (kind, ev.block_size, ev.kv_cache_spec_sliding_window)
+        if not ev.block_hashes:
+            return
         if ev.block_size <= 0 or not ev.token_ids:  # CPU placeholder: resolve through the map
             for h in ev.block_hashes:
                 p = self.known(h)
@@ -775,13 +774,6 @@ def test_eviction_on_one_engine_never_changes_another(
 # --------------------------------------------------------------------------- found bugs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: PrefixIndex._store returns on an empty block_hashes list before learning the "
-    "group (kind, block size, window), so a hybrid engine whose sliding-window group has so far "
-    "sent only empty sparse BlockStored events is matched as full-attention-only and "
-    "over-predicts its hit (vLLM finds no SWA blocks: hit 0)",
-)
 def test_group_learned_from_empty_sparse_event() -> None:
     """vLLM emits a sparse SWA BlockStored even when it lists no block (reference §3.1: "can
     even be empty: the event is still emitted"), e.g. the first chunked-prefill step of a long

@@ -571,11 +571,6 @@ def test_malformed_payloads_raise_decode_error(payload: bytes) -> None:
 # --------------------------------------------------------------------------- bugs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: deeply nested msgpack (~1000 levels, a 1 KB payload) makes decode_payload "
-    "raise RecursionError instead of DecodeError; msgspec's recursion guard is not caught",
-)
 @pytest.mark.parametrize(
     "payload",
     [
@@ -610,12 +605,6 @@ def test_any_decoded_batch_applies_without_raising(batch: tuple[list, DecodedBat
     idx.match(list(range(100)), idx.root("m"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (robustness): decode_payload accepts token ids outside [0, 2**32) and "
-    "PrefixIndex.apply then raises ValueError from keys.tokens_to_bytes instead of counting "
-    "the event as malformed (the subscriber turns that into an engine reset)",
-)
 @pytest.mark.parametrize("token", [-1, 2**32, 2**64 - 1])
 def test_out_of_range_token_ids_are_rejected_or_counted(token: int) -> None:
     payload = enc([0.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
