@@ -121,6 +121,7 @@ class _Engine:
     hashes: dict[BlockHash, int] = field(default_factory=dict)
     groups: dict[int, GroupSpec] = field(default_factory=dict)
     configured_groups: dict[int, GroupSpec] = field(default_factory=dict)
+    group_facts: dict[int, tuple[str | None, int, int | None]] = field(default_factory=dict)
     resident: dict[tuple[int, str], int] = field(default_factory=dict)
     pending: list[tuple[BlockStored, int]] = field(default_factory=list)
     pending_removed: set[BlockHash] = field(default_factory=set)
@@ -409,7 +410,7 @@ class PrefixIndex:
         if keys is None:
             return False
         from_root_on_gpu = ev.parent_block_hash is None and medium == GPU
-        if from_root_on_gpu and self._is_reannounce(e, ev, reannounce):
+        if from_root_on_gpu and self._is_reannounce(e, ev, keys, reannounce):
             e.counters["reannounced"] += 1
             return False
         res = self._residency.get((g, medium))
@@ -499,6 +500,11 @@ class PrefixIndex:
         return keys[step - 1 :: step] if step > 1 else keys
 
     def _learn_group(self, e: _Engine, g: int, ev: BlockStored) -> None:
+        # vLLM 0.33 repeats the group facts on every BlockStored: skip when nothing changed.
+        raw = (ev.kv_cache_spec_kind, ev.block_size, ev.kv_cache_spec_sliding_window)
+        if e.group_facts.get(g) == raw:
+            return
+        e.group_facts[g] = raw
         if ev.kv_cache_spec_kind is None and g in e.configured_groups:
             e.groups[g] = e.configured_groups[g]
             return
@@ -515,7 +521,9 @@ class PrefixIndex:
                 spec = GroupSpec(kind, ev.block_size, None, e.configured_groups[g].attention_chunk)
             e.groups[g] = spec
 
-    def _is_reannounce(self, e: _Engine, ev: BlockStored, decided: dict[int, bool]) -> bool:
+    def _is_reannounce(
+        self, e: _Engine, ev: BlockStored, keys: list[int], decided: dict[int, bool]
+    ) -> bool:
         """Is this parent-None GPU store vLLM's ``kv_cache_report_mode="full"`` re-announce?
 
         vLLM stores from token 0 (parent None) only when the request's prefix hit was zero.
@@ -527,19 +535,32 @@ class PrefixIndex:
         sliding-window-only eviction (full attention still resident, window tail gone) fails
         this test and is stored, with its full-attention duplicates reference-counted.
         """
-        if not e.groups or not e.resident:
+        if not e.groups or not e.resident or not keys:
             return False
+        # One decision per prefix per batch, keyed by the event's end key (the groups' events
+        # of one step cover the same range when their block sizes agree).
+        verdict = decided.get(keys[-1])
+        if verdict is not None:
+            return verdict
+        # Fast rejection, exact: a full hit from token 0 needs block 0 of every full-attention
+        # group, and a new prompt's first block is almost never resident.
+        bit = e.bit
+        for g, spec in e.groups.items():
+            if spec.kind == FULL and spec.block_size == ev.block_size:
+                res = self._residency.get((g, GPU))
+                if not res or not res.get(keys[0], 0) & bit:
+                    decided[keys[-1]] = False
+                    return False
         align = math.lcm(*(spec.block_size for spec in e.groups.values()))
         point = (len(ev.token_ids) // align) * align
         if point == 0:
+            decided[keys[-1]] = False
             return False
         seed, _ = self._root(e, ev, ev.extra_keys[0] if ev.extra_keys else None)
-        keys = chain_keys(seed, ev.token_ids[:point], self.unit)
-        verdict = decided.get(keys[-1])
-        if verdict is None:
-            verdict = decided[keys[-1]] = all(
-                self._group_ok(e, g, spec, keys, point) for g, spec in e.groups.items()
-            )
+        unit_keys = chain_keys(seed, ev.token_ids[:point], self.unit)
+        verdict = decided[keys[-1]] = all(
+            self._group_ok(e, g, spec, unit_keys, point) for g, spec in e.groups.items()
+        )
         return verdict
 
     def _add_many(
@@ -966,6 +987,7 @@ class PrefixIndex:
         e.groups = {
             g: GroupSpec(kind, bs, window, chunk) for g, kind, bs, window, chunk in state.groups
         }
+        e.group_facts.clear()
         bit = e.bit
         for g, medium, keys in state.resident:
             res = self._residency.setdefault((g, medium), {})
