@@ -1022,6 +1022,14 @@ class PrefixIndex:
             counters=dict(e.counters),
         )
 
+    def churn(self, engine: EngineId) -> tuple[int, int]:
+        """(blocks stored, blocks removed) counters of an engine: two snapshots tell whether its
+        cache changed in between (the verifier uses this to tell races from wrong predictions)."""
+        e = self._engines.get(engine)
+        if e is None:
+            return (0, 0)
+        return (e.counters["blocks_stored"], e.counters["blocks_removed"])
+
     def resident_blocks(self, engine: EngineId) -> int:
         e = self._engines.get(engine)
         return 0 if e is None else sum(e.resident.values())

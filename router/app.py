@@ -69,6 +69,8 @@ class RouteResult(msgspec.Struct):
     matches: dict[tuple[str, int], Any]
     candidates: list[Candidate]
     tokenize_error: str | None = None
+    churn: dict[tuple[str, int], tuple[int, int]] = {}
+    """Each engine's (stored, removed) index counters when the decision was made."""
 
 
 class Router:
@@ -344,7 +346,8 @@ class Router:
             raise BodyError(503, "no workers configured")
         n = tok.n_tokens if tok is not None else 0
         decision = self.policy.choose(cands, n, now)
-        return RouteResult(decision, tok, ns, matches, cands, err)
+        churn = {c.worker: self.index.churn(c.worker) for c in cands}
+        return RouteResult(decision, tok, ns, matches, cands, err, churn)
 
     # ---------------------------------------------------------------- state for metrics/debug
 
@@ -401,6 +404,8 @@ class Router:
             return
         m = res.matches.get(o.engine)
         spec = next((c.speculative_tokens for c in res.candidates if c.worker == o.engine), 0)
+        stored0, removed0 = res.churn.get(o.engine, (0, 0))
+        stored1, removed1 = self.index.churn(o.engine)
         self.verifier.observe(
             o.engine,
             predicted_gpu=m.gpu_tokens if m else 0,
@@ -409,6 +414,8 @@ class Router:
             cached=o.cached_tokens,
             prompt_tokens=o.prompt_tokens,
             speculative=spec,
+            stored_since=stored1 > stored0,
+            removed_since=removed1 > removed0,
         )
 
     def ready(self) -> tuple[bool, str]:

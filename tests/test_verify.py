@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from test_router_support import config_for, serve_app, serve_router, until, words
 
+from indexer.index import PrefixIndex
 from router.config import Config, WorkerSpec
 from router.verify import StreamUsageFilter, Verifier, VerifyParams, with_stream_usage
 from simulator.testing import running_fleet
@@ -123,6 +124,48 @@ def test_counters_going_back_reset_the_engine_once():
 
 
 # ------------------------------------------------------------------------- correct fleet
+
+
+def test_races_the_events_show_are_not_wrong_predictions():
+    """Round robin on small caches: a worker evicts a predicted prefix before it schedules the
+    request (over-prediction) or a concurrent request computes one (under-prediction). When the
+    engine's events show that churn since the decision, the index was right and no alarm may
+    follow; the same mismatches with no churn are a wrong index."""
+    for churn, expect_unverified in ((True, False), (False, True)):
+        index = PrefixIndex()
+        engine = ("http://w", 0)
+        index.add_engine(engine, "m")
+        v = Verifier(index, VerifyParams(window=20, min_samples=10, min_accuracy=0.8))
+        for i in range(20):
+            over = i % 2 == 0
+            v.observe(
+                engine,
+                predicted_gpu=512 if over else 0,
+                predicted_cpu=0,
+                n_tokens=600,
+                cached=0 if over else 512,
+                prompt_tokens=600,
+                removed_since=churn and over,
+                stored_since=churn and not over,
+            )
+        assert v.is_unverified(engine) is expect_unverified, churn
+    # Collapses (predicted a hit, the worker found nothing) in a row read as a reset vLLM did
+    # not announce -- unless the engine's own BlockRemoved events explain them.
+    for evicted, expect_reset in ((True, False), (False, True)):
+        index = PrefixIndex()
+        index.add_engine(engine, "m")
+        v = Verifier(index, VerifyParams(reset_after_misses=3))
+        for _ in range(3):
+            v.observe(
+                engine,
+                predicted_gpu=512,
+                predicted_cpu=0,
+                n_tokens=600,
+                cached=0,
+                prompt_tokens=600,
+                removed_since=evicted,
+            )
+        assert bool(v.debug(engine)["index_resets"]) is expect_reset, evicted
 
 
 async def test_correct_fleet_under_multi_turn_load_raises_no_alarm(capsys):
