@@ -54,6 +54,23 @@ def block_hashes(chain: list[int]) -> list[int]:
     return out
 
 
+def stored_event(hashes: list[int], parent: int | None, tokens: list[int]) -> dict:
+    """A vLLM 0.33 BlockStored event map (full attention, GPU)."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BLOCK,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [None] * len(hashes),
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
+
+
 def chain_payloads(chain: list[int], cached: set[int], rank: int) -> list[bytes]:
     """vLLM-shaped batches storing the blocks of ``chain`` the engine does not hold yet.
 
@@ -68,19 +85,11 @@ def chain_payloads(chain: list[int], cached: set[int], rank: int) -> list[bytes]
     payloads = []
     for start in range(first, len(hashes), BLOCKS_PER_EVENT):
         blk = hashes[start : start + BLOCKS_PER_EVENT]
-        event = {
-            "type": "BlockStored",
-            "block_hashes": blk,
-            "parent_block_hash": hashes[start - 1] if start else None,
-            "token_ids": chain[start * BLOCK : (start + len(blk)) * BLOCK],
-            "block_size": BLOCK,
-            "lora_id": None,
-            "medium": "GPU",
-            "lora_name": None,
-            "extra_keys": [None] * len(blk),
-            "group_idx": 0,
-            "kv_cache_spec_kind": "full_attention",
-        }
+        event = stored_event(
+            blk,
+            hashes[start - 1] if start else None,
+            chain[start * BLOCK : (start + len(blk)) * BLOCK],
+        )
         payloads.append(msgspec.msgpack.encode([time.time(), [event], rank]))
     return payloads
 
@@ -157,19 +166,11 @@ def main() -> None:
                 for h in gone
             ]
             events.append(
-                {
-                    "type": "BlockStored",
-                    "block_hashes": blk,
-                    "parent_block_hash": fresh_hashes[start - 1] if start else None,
-                    "token_ids": fresh[start * BLOCK : (start + len(blk)) * BLOCK],
-                    "block_size": BLOCK,
-                    "lora_id": None,
-                    "medium": "GPU",
-                    "lora_name": None,
-                    "extra_keys": [None] * len(blk),
-                    "group_idx": 0,
-                    "kv_cache_spec_kind": "full_attention",
-                }
+                stored_event(
+                    blk,
+                    fresh_hashes[start - 1] if start else None,
+                    fresh[start * BLOCK : (start + len(blk)) * BLOCK],
+                )
             )
             churn_payloads.append((engines[w], msgspec.msgpack.encode([time.time(), events, 0])))
     churn_blocks = sum(
