@@ -32,8 +32,11 @@ def _retention(v: str) -> int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvrouter-sim", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="kvrouter-sim",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     a = p.add_argument
     a("--workers", type=int, default=1)
     a("--host", default="127.0.0.1", help="HTTP bind host")
@@ -44,16 +47,34 @@ def build_parser() -> argparse.ArgumentParser:
     a("--model", default="sim-model")
     a("--lora", action="append", default=[], help="declare a LoRA adapter name (repeatable)")
     a("--block-size", type=int, default=16)
-    a("--num-gpu-blocks", "--kv-blocks", dest="num_gpu_blocks", type=int, default=4096,
-      help="KV capacity in blocks, shared by all groups")
-    a("--groups", default="full",
-      help='KV-cache groups in group_idx order, e.g. "full", "full,swa:64", "swa:64,full", '
-           '"full,mamba"; "@N" gives a group its own block size ("full@16,mamba@64")')
-    a("--retention-interval", type=_retention, default=0,
-      help="SWA/mamba prefix_cache_retention_interval: 0 (sparse, default), N, or none")
+    a(
+        "--num-gpu-blocks",
+        "--kv-blocks",
+        dest="num_gpu_blocks",
+        type=int,
+        default=4096,
+        help="KV capacity in blocks, shared by all groups",
+    )
+    a(
+        "--groups",
+        default="full",
+        help='KV-cache groups in group_idx order, e.g. "full", "full,swa:64", "swa:64,full", '
+        '"full,mamba"; "@N" gives a group its own block size ("full@16,mamba@64")',
+    )
+    a(
+        "--retention-interval",
+        type=_retention,
+        default=0,
+        help="SWA/mamba prefix_cache_retention_interval: 0 (sparse, default), N, or none",
+    )
     a("--max-model-len", type=int, default=131072)
-    a("--max-num-batched-tokens", "--token-budget", dest="max_num_batched_tokens", type=int,
-      default=8192)
+    a(
+        "--max-num-batched-tokens",
+        "--token-budget",
+        dest="max_num_batched_tokens",
+        type=int,
+        default=8192,
+    )
     a("--max-num-seqs", type=int, default=256)
     a("--max-waiting", type=int, default=10000)
     a("--prefill-tps", type=float, default=20000.0, help="prefill tokens/s (uncached)")
@@ -63,22 +84,37 @@ def build_parser() -> argparse.ArgumentParser:
     a("--cpu-chunks", type=int, default=0, help="CPU tier capacity in chunks (0 = off)")
     a("--cpu-chunk-tokens", type=int, default=256)
     a("--cpu-events", choices=["placeholder", "self_describing"], default="placeholder")
-    a("--event-encoding", choices=list(ENCODINGS), default="map",
-      help="map (vLLM >= 0.24), array (<= 0.23), map-0.32 (byte layout of the captures)")
-    a("--legacy-replay", action="store_true",
-      help="vLLM 0.23/0.24 replay bodies [seq, payload] (no topic frame)")
+    a(
+        "--event-encoding",
+        choices=list(ENCODINGS),
+        default="map",
+        help="map (vLLM >= 0.24), array (<= 0.23), map-0.32 (byte layout of the captures)",
+    )
+    a(
+        "--legacy-replay",
+        action="store_true",
+        help="vLLM 0.23/0.24 replay bodies [seq, payload] (no topic frame)",
+    )
     a("--topic", default="")
     a("--buffer-steps", type=int, default=10_000)
     a("--hwm", type=int, default=100_000)
     a("--max-queue-size", type=int, default=100_000)
     a("--no-events", action="store_true")
     a("--chat-template", choices=["default", "alt"], default="default")
-    a("--event-block-size-lie", type=int, default=None,
-      help="misconfiguration: events report this block size")
+    a(
+        "--event-block-size-lie",
+        type=int,
+        default=None,
+        help="misconfiguration: events report this block size",
+    )
     a("--vocab-size", type=int, default=32000)
     a("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    a("--default-max-tokens", type=int, default=16,
-      help="output length when a request sets none (finish_reason 'stop')")
+    a(
+        "--default-max-tokens",
+        type=int,
+        default=16,
+        help="output length when a request sets none (finish_reason 'stop')",
+    )
     a("--log-level", default="warning")
     return p
 
@@ -86,29 +122,45 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_from_args(ns: argparse.Namespace, worker_idx: int) -> WorkerSettings:
     parse_groups(ns.groups)  # fail early with a clear message
     eng = EngineConfig(
-        model=ns.model, block_size=ns.block_size, num_gpu_blocks=ns.num_gpu_blocks,
-        groups=ns.groups, retention_interval=ns.retention_interval,
-        max_model_len=ns.max_model_len, max_num_batched_tokens=ns.max_num_batched_tokens,
-        max_num_seqs=ns.max_num_seqs, max_waiting=ns.max_waiting,
-        prefill_tokens_per_s=ns.prefill_tps, cpu_load_tokens_per_s=ns.cpu_load_tps,
-        decode_s_per_token=ns.decode_ms / 1000.0, step_overhead_s=ns.step_overhead_ms / 1000.0,
-        cpu_chunks=ns.cpu_chunks, cpu_chunk_tokens=ns.cpu_chunk_tokens,
-        cpu_events=ns.cpu_events, enable_events=not ns.no_events,
-        event_block_size_lie=ns.event_block_size_lie, loras=tuple(ns.lora),
+        model=ns.model,
+        block_size=ns.block_size,
+        num_gpu_blocks=ns.num_gpu_blocks,
+        groups=ns.groups,
+        retention_interval=ns.retention_interval,
+        max_model_len=ns.max_model_len,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        max_num_seqs=ns.max_num_seqs,
+        max_waiting=ns.max_waiting,
+        prefill_tokens_per_s=ns.prefill_tps,
+        cpu_load_tokens_per_s=ns.cpu_load_tps,
+        decode_s_per_token=ns.decode_ms / 1000.0,
+        step_overhead_s=ns.step_overhead_ms / 1000.0,
+        cpu_chunks=ns.cpu_chunks,
+        cpu_chunk_tokens=ns.cpu_chunk_tokens,
+        cpu_events=ns.cpu_events,
+        enable_events=not ns.no_events,
+        event_block_size_lie=ns.event_block_size_lie,
+        loras=tuple(ns.lora),
         vocab_size=ns.vocab_size,
     )
     ev_base = ns.event_base_port if ns.event_base_port is not None else ns.base_port + 1000
     rp_base = ns.replay_base_port if ns.replay_base_port is not None else ns.base_port + 2000
     off = worker_idx * ns.dp_size
     return WorkerSettings(
-        engine=eng, dp_size=ns.dp_size,
+        engine=eng,
+        dp_size=ns.dp_size,
         events_endpoint=None if ns.no_events else f"tcp://*:{ev_base + off}",
         replay_endpoint=None if ns.no_events else f"tcp://*:{rp_base + off}",
-        topic=ns.topic, buffer_steps=ns.buffer_steps, hwm=ns.hwm,
-        max_queue_size=ns.max_queue_size, event_encoding=ns.event_encoding,
+        topic=ns.topic,
+        buffer_steps=ns.buffer_steps,
+        hwm=ns.hwm,
+        max_queue_size=ns.max_queue_size,
+        event_encoding=ns.event_encoding,
         legacy_replay=ns.legacy_replay,
-        chat_template=ns.chat_template, max_body_bytes=ns.max_body_bytes,
-        loras=tuple(ns.lora), default_max_tokens=ns.default_max_tokens,
+        chat_template=ns.chat_template,
+        max_body_bytes=ns.max_body_bytes,
+        loras=tuple(ns.lora),
+        default_max_tokens=ns.default_max_tokens,
     )
 
 
@@ -117,9 +169,17 @@ async def serve(ns: argparse.Namespace) -> None:
     for w in workers:
         await w.start()
     servers = [
-        uvicorn.Server(uvicorn.Config(w.app, host=ns.host, port=ns.base_port + i,
-                                      log_level=ns.log_level, access_log=False,
-                                      lifespan="off", timeout_graceful_shutdown=2))
+        uvicorn.Server(
+            uvicorn.Config(
+                w.app,
+                host=ns.host,
+                port=ns.base_port + i,
+                log_level=ns.log_level,
+                access_log=False,
+                lifespan="off",
+                timeout_graceful_shutdown=2,
+            )
+        )
         for i, w in enumerate(workers)
     ]
     for s in servers:

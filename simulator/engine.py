@@ -105,21 +105,32 @@ class SimEngine:
     def _build(self) -> None:
         c = self.config
         self.kv = KVCacheManager(
-            c.group_specs, c.num_gpu_blocks, c.block_size, c.retention_interval,
+            c.group_specs,
+            c.num_gpu_blocks,
+            c.block_size,
+            c.retention_interval,
             c.event_block_size_lie,
         )
         # largest token count whose blocks (all groups) fit the pool
         lo, hi = 0, c.num_gpu_blocks * max(self.kv.gbs)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self.kv.blocks_for_tokens(mid) <= c.num_gpu_blocks - 1 else (
-                lo, mid - 1)
+            lo, hi = (
+                (mid, hi)
+                if self.kv.blocks_for_tokens(mid) <= c.num_gpu_blocks - 1
+                else (lo, mid - 1)
+            )
         self._cap_tokens = lo
         self.cpu: CpuTier | None = None
         if c.cpu_chunks > 0:
             fa = [g for g, s in enumerate(c.group_specs) if s.kind == "full_attention"]
-            self.cpu = CpuTier(c.cpu_chunks, c.cpu_chunk_tokens, self.kv.hbs,
-                               c.cpu_events == "self_describing", fa[0] if fa else 0)
+            self.cpu = CpuTier(
+                c.cpu_chunks,
+                c.cpu_chunk_tokens,
+                self.kv.hbs,
+                c.cpu_events == "self_describing",
+                fa[0] if fa else 0,
+            )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -146,21 +157,29 @@ class SimEngine:
         if not prompt:
             raise ValueError("prompt must not be empty")
         if len(prompt) >= c.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt)} tokens, max_model_len is {c.max_model_len}")
+            raise ValueError(f"prompt has {len(prompt)} tokens, max_model_len is {c.max_model_len}")
         if self.kv.blocks_for_tokens(len(prompt)) > c.num_gpu_blocks - 1:
             raise ValueError("prompt does not fit in the KV cache")
         # Clamp so that prompt + output always fit the pool: a lone request can then never
         # preempt itself forever (vLLM bounds this through max_model_len vs. capacity).
         cap_tokens = self._cap_tokens
-        max_tokens = max(1, min(int(max_tokens), c.max_model_len - len(prompt),
-                                cap_tokens - len(prompt)))
+        max_tokens = max(
+            1, min(int(max_tokens), c.max_model_len - len(prompt), cap_tokens - len(prompt))
+        )
         lora_id = None
         if lora_name is not None:
             lora_id = c.loras.index(lora_name) + 1
         req = Request(
-            request_id, prompt, max_tokens, arrival_s, len(c.group_specs), c.block_size,
-            lora_name, lora_id, cache_salt, session_id,
+            request_id,
+            prompt,
+            max_tokens,
+            arrival_s,
+            len(c.group_specs),
+            c.block_size,
+            lora_name,
+            lora_id,
+            cache_salt,
+            session_id,
             RequestHasher(self.kv.hbs, lora_name, cache_salt),
         )
         req.report_full = report_full
@@ -406,4 +425,3 @@ class SimEngine:
         """Deterministic 'generated' token: depends on request id and position only."""
         h = xxhash.xxh64_intdigest(f"{req.request_id}:{len(req.all_token_ids)}".encode())
         return 100 + h % max(1, self.config.vocab_size - 100)
-

@@ -122,8 +122,16 @@ _ENC = msgspec.msgpack.Encoder()
 def _to_old(ev: Event) -> OldBlockStored | OldBlockRemoved | OldAllBlocksCleared:
     if isinstance(ev, BlockStored):
         return OldBlockStored(
-            ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id,
-            ev.medium, ev.lora_name, ev.extra_keys, ev.group_idx, ev.kv_cache_spec_kind,
+            ev.block_hashes,
+            ev.parent_block_hash,
+            ev.token_ids,
+            ev.block_size,
+            ev.lora_id,
+            ev.medium,
+            ev.lora_name,
+            ev.extra_keys,
+            ev.group_idx,
+            ev.kv_cache_spec_kind,
             ev.kv_cache_spec_sliding_window,
         )
     if isinstance(ev, BlockRemoved):
@@ -140,9 +148,20 @@ class KVEventBatch032(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
 def _to_032(ev: Event) -> BlockStored032 | BlockRemoved | AllBlocksCleared:
     if isinstance(ev, BlockStored):
         return BlockStored032(
-            ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id,
-            ev.medium, ev.lora_name, ev.extra_keys, ev.group_idx, ev.kv_cache_spec_kind,
-            ev.kv_cache_spec_sliding_window, ev.locality, ev.ownership, ev.session_id,
+            ev.block_hashes,
+            ev.parent_block_hash,
+            ev.token_ids,
+            ev.block_size,
+            ev.lora_id,
+            ev.medium,
+            ev.lora_name,
+            ev.extra_keys,
+            ev.group_idx,
+            ev.kv_cache_spec_kind,
+            ev.kv_cache_spec_sliding_window,
+            ev.locality,
+            ev.ownership,
+            ev.session_id,
         )
     return ev
 

@@ -37,8 +37,9 @@ class WorkerLoad:
 
 
 class FastFleet:
-    def __init__(self, n_workers: int, config: EngineConfig, encoding: str = "map",
-                 dp_size: int = 1) -> None:
+    def __init__(
+        self, n_workers: int, config: EngineConfig, encoding: str = "map", dp_size: int = 1
+    ) -> None:
         if n_workers < 1 or dp_size < 1:
             raise ValueError("n_workers and dp_size must be >= 1")
         self.config = config
@@ -73,13 +74,20 @@ class FastFleet:
         if arrival_s <= self.now:
             e = self._pick_rank(worker_idx)
             self.engines[e].add_request(
-                request_id, token_ids, max_tokens, self.now, lora_name, cache_salt)
+                request_id, token_ids, max_tokens, self.now, lora_name, cache_salt
+            )
             self.engines[e].requests[request_id].arrival_s = arrival_s
             return
         self._arrival_counter += 1
-        heapq.heappush(self._pending_arrivals, (
-            arrival_s, self._arrival_counter, worker_idx,
-            (request_id, token_ids, max_tokens, cache_salt, lora_name)))
+        heapq.heappush(
+            self._pending_arrivals,
+            (
+                arrival_s,
+                self._arrival_counter,
+                worker_idx,
+                (request_id, token_ids, max_tokens, cache_salt, lora_name),
+            ),
+        )
 
     def next_event_time(self) -> float:
         t = self._pending_arrivals[0][0] if self._pending_arrivals else math.inf
@@ -112,8 +120,10 @@ class FastFleet:
         base = worker_idx * self.dp_size
         if self.dp_size == 1:
             return base
-        return min(range(base, base + self.dp_size),
-                   key=lambda e: len(self.engines[e].waiting) * 4 + len(self.engines[e].running))
+        return min(
+            range(base, base + self.dp_size),
+            key=lambda e: len(self.engines[e].waiting) * 4 + len(self.engines[e].running),
+        )
 
     def _finish(self, idx: int, e: SimEngine) -> None:
         out = e.finish_step()
@@ -123,10 +133,19 @@ class FastFleet:
             self._events.append((w, rank, self._seq[idx], payload))
             self._seq[idx] += 1
         for r in out.finished:
-            self._completed.append(CompletedRequest(
-                r.request_id, w, r.arrival_s, r.first_token_s or out.end_s,
-                r.finish_s or out.end_s, r.num_prompt, r.cached_tokens,
-                r.cpu_loaded_tokens, r.num_output))
+            self._completed.append(
+                CompletedRequest(
+                    r.request_id,
+                    w,
+                    r.arrival_s,
+                    r.first_token_s or out.end_s,
+                    r.finish_s or out.end_s,
+                    r.num_prompt,
+                    r.cached_tokens,
+                    r.cpu_loaded_tokens,
+                    r.num_output,
+                )
+            )
 
     # ---- outputs ---------------------------------------------------------------------------
     def drain_events(self) -> list[tuple[int, int, int, bytes]]:
@@ -142,9 +161,12 @@ class FastFleet:
     def load(self, worker_idx: int) -> WorkerLoad:
         """Summed over the worker's DP ranks (kv_usage: mean)."""
         es = self.engines[worker_idx * self.dp_size : (worker_idx + 1) * self.dp_size]
-        return WorkerLoad(sum(len(e.running) for e in es), sum(len(e.waiting) for e in es),
-                          sum(e.queued_prefill_tokens() for e in es),
-                          sum(e.kv_usage() for e in es) / len(es))
+        return WorkerLoad(
+            sum(len(e.running) for e in es),
+            sum(len(e.waiting) for e in es),
+            sum(e.queued_prefill_tokens() for e in es),
+            sum(e.kv_usage() for e in es) / len(es),
+        )
 
     def reset_prefix_cache(self, worker_idx: int) -> bool:
         es = self.engines[worker_idx * self.dp_size : (worker_idx + 1) * self.dp_size]

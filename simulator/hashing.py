@@ -61,8 +61,15 @@ class RequestHasher:
     appended by ``get_request_block_hasher`` L953 as tokens arrive); never rehash.
     """
 
-    __slots__ = ("block_size", "digests", "event_hashes", "lora_name", "none_hash", "salt",
-                 "tokens_ref")
+    __slots__ = (
+        "block_size",
+        "digests",
+        "event_hashes",
+        "lora_name",
+        "none_hash",
+        "salt",
+        "tokens_ref",
+    )
 
     def __init__(
         self,
@@ -126,7 +133,6 @@ class RequestHasher:
             parent = d
             i += 1
         return i
-
 
     def _adopt_shared_prefix(self, tokens: Sequence[int], n_full: int) -> int:
         """Copy the digests of the longest block-aligned prefix shared with the most recent

@@ -310,14 +310,22 @@ class KVCacheManager:
         for g, spec in enumerate(self.groups):
             bs, s = self.gbs[g], self.scale[g]
             n = hit_tokens // bs
-            self.pool.events.append(BlockStored(
-                block_hashes=[h.event_hashes[(i + 1) * s - 1] for i in range(n)],
-                parent_block_hash=None, token_ids=req.all_token_ids[: n * bs],
-                block_size=self.event_bs or bs, lora_id=req.lora_id, medium=MEDIUM_GPU,
-                lora_name=req.lora_name,
-                extra_keys=[h.event_extra_keys(i * s) for i in range(n)], group_idx=g,
-                kv_cache_spec_kind=spec.kind, kv_cache_spec_sliding_window=spec.sliding_window,
-                session_id=req.session_id))
+            self.pool.events.append(
+                BlockStored(
+                    block_hashes=[h.event_hashes[(i + 1) * s - 1] for i in range(n)],
+                    parent_block_hash=None,
+                    token_ids=req.all_token_ids[: n * bs],
+                    block_size=self.event_bs or bs,
+                    lora_id=req.lora_id,
+                    medium=MEDIUM_GPU,
+                    lora_name=req.lora_name,
+                    extra_keys=[h.event_extra_keys(i * s) for i in range(n)],
+                    group_idx=g,
+                    kv_cache_spec_kind=spec.kind,
+                    kv_cache_spec_sliding_window=spec.sliding_window,
+                    session_id=req.session_id,
+                )
+            )
 
     def free(self, req: Request) -> None:
         for g in range(len(self.groups)):

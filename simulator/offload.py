@@ -29,8 +29,9 @@ from simulator.request import Request
 class _Chunk:
     __slots__ = ("block_hashes", "key", "parent", "ready", "tail", "tokens")
 
-    def __init__(self, key: bytes, tail: int, block_hashes: list[int], parent: int | None,
-                 tokens: list[int]) -> None:
+    def __init__(
+        self, key: bytes, tail: int, block_hashes: list[int], parent: int | None, tokens: list[int]
+    ) -> None:
         self.key = key
         self.tail = tail
         self.block_hashes = block_hashes
@@ -40,8 +41,14 @@ class _Chunk:
 
 
 class CpuTier:
-    def __init__(self, capacity_chunks: int, chunk_tokens: int, block_size: int,
-                 self_describing: bool, group_idx: int = 0) -> None:
+    def __init__(
+        self,
+        capacity_chunks: int,
+        chunk_tokens: int,
+        block_size: int,
+        self_describing: bool,
+        group_idx: int = 0,
+    ) -> None:
         if chunk_tokens % block_size:
             raise ValueError("cpu chunk tokens must be a multiple of the GPU block size")
         self.capacity = capacity_chunks
@@ -112,8 +119,18 @@ class CpuTier:
             key = digests[hi - 1]
             if key in self.lru:
                 continue
-            new.append((key, _Chunk(key, ev[hi - 1], ev[lo:hi], ev[lo - 1] if lo else None,
-                                    req.all_token_ids[k * c : (k + 1) * c])))
+            new.append(
+                (
+                    key,
+                    _Chunk(
+                        key,
+                        ev[hi - 1],
+                        ev[lo:hi],
+                        ev[lo - 1] if lo else None,
+                        req.all_token_ids[k * c : (k + 1) * c],
+                    ),
+                )
+            )
         req.offloaded_chunks = n_chunks
         if not new or self.capacity <= 0:
             return
@@ -140,16 +157,32 @@ class CpuTier:
                 continue  # evicted before its store completed: never announced
             ch.ready = True
             if self.self_describing:
-                self.events.append(BlockStored(
-                    block_hashes=ch.block_hashes, parent_block_hash=ch.parent,
-                    token_ids=ch.tokens, block_size=self.bs, lora_id=None,
-                    medium=MEDIUM_CPU, lora_name=None, group_idx=self.group_idx,
-                    kv_cache_spec_kind="full_attention"))
+                self.events.append(
+                    BlockStored(
+                        block_hashes=ch.block_hashes,
+                        parent_block_hash=ch.parent,
+                        token_ids=ch.tokens,
+                        block_size=self.bs,
+                        lora_id=None,
+                        medium=MEDIUM_CPU,
+                        lora_name=None,
+                        group_idx=self.group_idx,
+                        kv_cache_spec_kind="full_attention",
+                    )
+                )
             else:
-                self.events.append(BlockStored(
-                    block_hashes=[ch.tail], parent_block_hash=None, token_ids=[],
-                    block_size=0, lora_id=None, medium=MEDIUM_CPU, lora_name=None,
-                    group_idx=self.group_idx))
+                self.events.append(
+                    BlockStored(
+                        block_hashes=[ch.tail],
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=0,
+                        lora_id=None,
+                        medium=MEDIUM_CPU,
+                        lora_name=None,
+                        group_idx=self.group_idx,
+                    )
+                )
 
     def take_events(self) -> list[Event]:
         ev, self.events = self.events, []

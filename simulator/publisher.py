@@ -181,6 +181,7 @@ class ZmqPublisher:
             return
         for seq, payload in list(self._buffer):
             if seq >= start:
-                sock.send_multipart((identity, b"", self.topic_bytes, seq.to_bytes(8, "big"),
-                                     payload))
+                sock.send_multipart(
+                    (identity, b"", self.topic_bytes, seq.to_bytes(8, "big"), payload)
+                )
         sock.send_multipart((identity, b"", b"", END_SEQ, b""))

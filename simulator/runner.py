@@ -31,8 +31,9 @@ class TokenOut:
 
 
 class EngineRunner:
-    def __init__(self, engine: SimEngine, dp_rank: int, publisher: ZmqPublisher | None,
-                 encoding: str = "map") -> None:
+    def __init__(
+        self, engine: SimEngine, dp_rank: int, publisher: ZmqPublisher | None, encoding: str = "map"
+    ) -> None:
         self.engine = engine
         self.dp_rank = dp_rank
         self.publisher = publisher
@@ -61,13 +62,27 @@ class EngineRunner:
             await asyncio.to_thread(self.publisher.close)
 
     # ---- requests -------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt: list[int], max_tokens: int,
-               lora_name: str | None, cache_salt: str | None,
-               session_id: str | None = None,
-               report_full: bool = False) -> asyncio.Queue[TokenOut]:
+    def submit(
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        lora_name: str | None,
+        cache_salt: str | None,
+        session_id: str | None = None,
+        report_full: bool = False,
+    ) -> asyncio.Queue[TokenOut]:
         q: asyncio.Queue[TokenOut] = asyncio.Queue()
-        self.engine.add_request(request_id, prompt, max_tokens, self.now(), lora_name,
-                                cache_salt, session_id, report_full)
+        self.engine.add_request(
+            request_id,
+            prompt,
+            max_tokens,
+            self.now(),
+            lora_name,
+            cache_salt,
+            session_id,
+            report_full,
+        )
         self._streams[request_id] = q
         self._wake.set()
         return q
@@ -123,7 +138,8 @@ class EngineRunner:
             self.steps += 1
             if out.events and self.events_enabled and eng.events_enabled and self.publisher:
                 self.publisher.publish(
-                    encode_batch(time.time(), out.events, self.dp_rank, self.encoding))
+                    encode_batch(time.time(), out.events, self.dp_rank, self.encoding)
+                )
                 self.published += 1
             for rid, tok in out.new_tokens.items():
                 q = self._streams.get(rid)
@@ -133,8 +149,15 @@ class EngineRunner:
                 fin = req is None
                 src = next((r for r in out.finished if r.request_id == rid), req)
                 assert src is not None
-                q.put_nowait(TokenOut(tok, fin, src.cached_tokens + src.cpu_loaded_tokens,
-                                      src.num_prompt, src.num_output))
+                q.put_nowait(
+                    TokenOut(
+                        tok,
+                        fin,
+                        src.cached_tokens + src.cpu_loaded_tokens,
+                        src.num_prompt,
+                        src.num_output,
+                    )
+                )
                 if fin:
                     self._streams.pop(rid, None)
             for rid in list(self._to_abort):

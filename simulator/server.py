@@ -56,17 +56,20 @@ class WorkerSettings:
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "BadRequestError",
-                 param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
 
 
-def _err(status: int, message: str, type_: str = "BadRequestError",
-         param: str | None = None) -> JSONResponse:
+def _err(
+    status: int, message: str, type_: str = "BadRequestError", param: str | None = None
+) -> JSONResponse:
     return JSONResponse(
         {"error": {"message": message, "type": type_, "param": param, "code": status}},
-        status_code=status)
+        status_code=status,
+    )
 
 
 class Faults:
@@ -78,8 +81,12 @@ class Faults:
         self.unstall = asyncio.Event()
 
     def as_dict(self) -> dict[str, Any]:
-        return {"drop_event_fraction": self.drop_event_fraction, "stall_http": self.stall_http,
-                "slowdown": self.slowdown, "events_enabled": self.events_enabled}
+        return {
+            "drop_event_fraction": self.drop_event_fraction,
+            "stall_http": self.stall_http,
+            "slowdown": self.slowdown,
+            "events_enabled": self.events_enabled,
+        }
 
 
 class Worker:
@@ -100,9 +107,13 @@ class Worker:
         return ZmqPublisher(
             offset_endpoint_port(s.events_endpoint, rank),
             offset_endpoint_port(s.replay_endpoint, rank) if s.replay_endpoint else None,
-            s.topic, s.buffer_steps, s.hwm, s.max_queue_size,
+            s.topic,
+            s.buffer_steps,
+            s.hwm,
+            s.max_queue_size,
             legacy_replay=s.legacy_replay,
-            bind_retry_s=10.0 if restart else 0.0)  # the old socket may linger briefly
+            bind_retry_s=10.0 if restart else 0.0,
+        )  # the old socket may linger briefly
 
     async def start(self) -> None:
         for rank in range(self.s.dp_size):
@@ -135,7 +146,8 @@ class Worker:
                 "publisher": "zmq",
                 "endpoint": offset_endpoint_port(s.events_endpoint, rank),
                 "replay_endpoint": offset_endpoint_port(s.replay_endpoint, rank)
-                if s.replay_endpoint else None,
+                if s.replay_endpoint
+                else None,
                 "buffer_steps": s.buffer_steps,
                 "hwm": s.hwm,
                 "max_queue_size": s.max_queue_size,
@@ -180,7 +192,8 @@ class Worker:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
             if any(t < 0 or t >= vocab for t in prompt):
                 raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt")
             ids = list(prompt)
@@ -205,16 +218,24 @@ class Worker:
         mt = data.get(key)
         limit = self.s.engine.max_model_len - prompt_len
         if limit <= 0:
-            raise ApiError(400, f"This model's maximum context length is "
-                           f"{self.s.engine.max_model_len} tokens. However, you requested "
-                           f"{prompt_len} tokens in the messages.", param="messages")
+            raise ApiError(
+                400,
+                f"This model's maximum context length is "
+                f"{self.s.engine.max_model_len} tokens. However, you requested "
+                f"{prompt_len} tokens in the messages.",
+                param="messages",
+            )
         if mt is None:
             return min(limit, self.s.default_max_tokens)
         if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
             raise ApiError(400, f"{key} must be a positive integer", param=key)
         if mt > limit:
-            raise ApiError(400, f"{key}={mt} is too large: prompt has {prompt_len} tokens and "
-                           f"max_model_len is {self.s.engine.max_model_len}", param=key)
+            raise ApiError(
+                400,
+                f"{key}={mt} is too large: prompt has {prompt_len} tokens and "
+                f"max_model_len is {self.s.engine.max_model_len}",
+                param=key,
+            )
         return mt
 
     @staticmethod
@@ -242,22 +263,26 @@ class Worker:
             raise ApiError(400, "session_id must be a string", param="session_id")
         report_full = xargs.get("kv_cache_report_mode") == "full"
         explicit = (data.get("max_completion_tokens") if chat else None) is not None or (
-            data.get("max_tokens") is not None)
+            data.get("max_tokens") is not None
+        )
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         runner = self.pick_runner()
         try:
             q = runner.submit(rid, ids, max_tokens, lora, salt, session, report_full)
         except QueueFull:
-            raise ApiError(503, "server is overloaded, request queue full",
-                           "ServiceUnavailableError") from None
+            raise ApiError(
+                503, "server is overloaded, request queue full", "ServiceUnavailableError"
+            ) from None
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         model = data.get("model") or self.s.engine.model
         if stream:
             return StreamingResponse(
-                self._sse(runner, q, rid, model, chat, include_usage,
-                          "length" if explicit else "stop"),
-                media_type="text/event-stream")
+                self._sse(
+                    runner, q, rid, model, chat, include_usage, "length" if explicit else "stop"
+                ),
+                media_type="text/event-stream",
+            )
         toks: list[int] = []
         last = TokenOut(None, True)
         try:
@@ -277,42 +302,88 @@ class Worker:
         # Without max_tokens the fake model "emits EOS" after default_max_tokens.
         finish = "length" if explicit else "stop"
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text,
-                                               "refusal": None, "tool_calls": []},
-                      "logprobs": None, "finish_reason": finish, "stop_reason": None}
+            choice = {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "refusal": None,
+                    "tool_calls": [],
+                },
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+            }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                      "stop_reason": None, "prompt_logprobs": None}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+                "prompt_logprobs": None,
+            }
             obj = "text_completion"
-        return JSONResponse({"id": rid, "object": obj, "created": int(time.time()),
-                             "model": model, "choices": [choice], "usage": usage})
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": obj,
+                "created": int(time.time()),
+                "model": model,
+                "choices": [choice],
+                "usage": usage,
+            }
+        )
 
     @staticmethod
     def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-        return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-                "completion_tokens": completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        return {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
-    async def _sse(self, runner: EngineRunner, q: asyncio.Queue[TokenOut], rid: str,
-                   model: str, chat: bool, include_usage: bool,
-                   finish: str = "length") -> AsyncIterator[bytes]:
+    async def _sse(
+        self,
+        runner: EngineRunner,
+        q: asyncio.Queue[TokenOut],
+        rid: str,
+        model: str,
+        chat: bool,
+        include_usage: bool,
+        finish: str = "length",
+    ) -> AsyncIterator[bytes]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         n_out = 0
         prompt_tokens = cached = 0
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-            d: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model,
-                                 "choices": choices}
+            d: dict[str, Any] = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": model,
+                "choices": choices,
+            }
             if usage is not None:
                 d["usage"] = usage
             return b"data: " + json.dumps(d, separators=(",", ":")).encode() + b"\n\n"
 
         try:
             if chat:
-                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
+                yield chunk(
+                    [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
             while True:
                 out = await asyncio.wait_for(q.get(), self.s.request_timeout_s)
                 prompt_tokens, cached = out.prompt_tokens, out.cached_tokens
@@ -322,11 +393,28 @@ class Worker:
                 n_out += 1
                 text = self.tokenizer.decode([out.token])
                 if chat:
-                    yield chunk([{"index": 0, "delta": {"content": text}, "logprobs": None,
-                                  "finish_reason": fin}])
+                    yield chunk(
+                        [
+                            {
+                                "index": 0,
+                                "delta": {"content": text},
+                                "logprobs": None,
+                                "finish_reason": fin,
+                            }
+                        ]
+                    )
                 else:
-                    yield chunk([{"index": 0, "text": text, "logprobs": None,
-                                  "finish_reason": fin, "stop_reason": None}])
+                    yield chunk(
+                        [
+                            {
+                                "index": 0,
+                                "text": text,
+                                "logprobs": None,
+                                "finish_reason": fin,
+                                "stop_reason": None,
+                            }
+                        ]
+                    )
                 if out.finished:
                     break
             if include_usage:
@@ -351,24 +439,48 @@ class Worker:
                 lines.append(f'{name}{{engine="{rank}",model_name="{m}"}} {v}')
 
         rs = self.runners
-        fam("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
-            [(r.dp_rank, float(len(r.engine.running))) for r in rs])
-        fam("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
-            [(r.dp_rank, float(len(r.engine.waiting))) for r in rs])
-        fam("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
-            [(r.dp_rank, r.engine.kv_usage()) for r in rs])
-        fam("vllm:prefix_cache_queries_total", "counter",
+        fam(
+            "vllm:num_requests_running",
+            "gauge",
+            "Number of requests in model execution batches.",
+            [(r.dp_rank, float(len(r.engine.running))) for r in rs],
+        )
+        fam(
+            "vllm:num_requests_waiting",
+            "gauge",
+            "Number of requests waiting to be processed.",
+            [(r.dp_rank, float(len(r.engine.waiting))) for r in rs],
+        )
+        fam(
+            "vllm:kv_cache_usage_perc",
+            "gauge",
+            "KV-cache usage. 1 means 100 percent usage.",
+            [(r.dp_rank, r.engine.kv_usage()) for r in rs],
+        )
+        fam(
+            "vllm:prefix_cache_queries_total",
+            "counter",
             "Prefix cache queries, in terms of number of queried tokens.",
-            [(r.dp_rank, float(r.engine.prefix_queries)) for r in rs])
-        fam("vllm:prefix_cache_hits_total", "counter",
+            [(r.dp_rank, float(r.engine.prefix_queries)) for r in rs],
+        )
+        fam(
+            "vllm:prefix_cache_hits_total",
+            "counter",
             "Prefix cache hits, in terms of number of cached tokens.",
-            [(r.dp_rank, float(r.engine.prefix_hits)) for r in rs])
-        fam("vllm:external_prefix_cache_queries_total", "counter",
+            [(r.dp_rank, float(r.engine.prefix_hits)) for r in rs],
+        )
+        fam(
+            "vllm:external_prefix_cache_queries_total",
+            "counter",
             "External prefix cache queries from KV connector, in terms of number of tokens.",
-            [(r.dp_rank, float(r.engine.external_queries)) for r in rs])
-        fam("vllm:external_prefix_cache_hits_total", "counter",
+            [(r.dp_rank, float(r.engine.external_queries)) for r in rs],
+        )
+        fam(
+            "vllm:external_prefix_cache_hits_total",
+            "counter",
             "External prefix cache hits from KV connector, in terms of number of tokens.",
-            [(r.dp_rank, float(r.engine.external_hits)) for r in rs])
+            [(r.dp_rank, float(r.engine.external_hits)) for r in rs],
+        )
         return "\n".join(lines) + "\n"
 
     # ---- app -------------------------------------------------------------------------------------
@@ -410,9 +522,11 @@ class Worker:
             w._check_model(data)
             if "messages" in data:
                 ids = w._chat_ids(data)
-                text = w.tokenizer.render_chat(data["messages"],
-                                               data.get("add_generation_prompt", True),
-                                               data.get("continue_final_message", False))
+                text = w.tokenizer.render_chat(
+                    data["messages"],
+                    data.get("add_generation_prompt", True),
+                    data.get("continue_final_message", False),
+                )
             elif isinstance(data.get("prompt"), str):
                 text = data["prompt"]
                 ids = w.tokenizer.encode(text)
@@ -420,8 +534,14 @@ class Worker:
                 raise ApiError(400, "need 'prompt' (string) or 'messages'", param="prompt")
             strs = w.tokenizer.token_strs(text) if data.get("return_token_strs") else None
             # msgspec: encoding tens of thousands of ids with json.dumps costs milliseconds.
-            body = _json_encode({"count": len(ids), "max_model_len": w.s.engine.max_model_len,
-                                 "tokens": ids, "token_strs": strs})
+            body = _json_encode(
+                {
+                    "count": len(ids),
+                    "max_model_len": w.s.engine.max_model_len,
+                    "tokens": ids,
+                    "token_strs": strs,
+                }
+            )
             return Response(body, media_type="application/json")
 
         @app.post("/detokenize")
@@ -430,17 +550,25 @@ class Worker:
             w._check_model(data)
             toks = data.get("tokens")
             if not isinstance(toks, list) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in toks):
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in toks
+            ):
                 raise ApiError(400, "tokens must be a list of non-negative ints", param="tokens")
             return JSONResponse({"prompt": w.tokenizer.decode(toks)})
 
         @app.get("/v1/models")
         async def models() -> Response:
             def card(mid: str, parent: str | None) -> dict[str, Any]:
-                return {"id": mid, "object": "model", "created": w.created, "owned_by": "vllm",
-                        "root": mid if parent is None else f"/sim/lora/{mid}",
-                        "parent": parent, "max_model_len": w.s.engine.max_model_len,
-                        "permission": []}
+                return {
+                    "id": mid,
+                    "object": "model",
+                    "created": w.created,
+                    "owned_by": "vllm",
+                    "root": mid if parent is None else f"/sim/lora/{mid}",
+                    "parent": parent,
+                    "max_model_len": w.s.engine.max_model_len,
+                    "permission": [],
+                }
+
             data = [card(w.s.engine.model, None)]
             data += [card(name, w.s.engine.model) for name in w.s.loras]
             return JSONResponse({"object": "list", "data": data})
@@ -460,8 +588,9 @@ class Worker:
 
         @app.get("/metrics")
         async def metrics() -> Response:
-            return PlainTextResponse(w.metrics_text(),
-                                     media_type="text/plain; version=0.0.4; charset=utf-8")
+            return PlainTextResponse(
+                w.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8"
+            )
 
         @app.get("/kv_event_sources")
         async def kv_event_sources() -> Response:
@@ -484,8 +613,13 @@ class Worker:
         async def set_faults(request: Request) -> Response:
             data = await w._json(request)
             f = w.faults
-            known = {"drop_event_fraction", "stall_http", "slowdown", "events_enabled",
-                     "unannounced_reset"}
+            known = {
+                "drop_event_fraction",
+                "stall_http",
+                "slowdown",
+                "events_enabled",
+                "unannounced_reset",
+            }
             bad = set(data) - known
             if bad:
                 raise ApiError(400, f"unknown fault keys: {sorted(bad)}")
@@ -533,15 +667,23 @@ class Worker:
 
         @app.get("/sim/state")
         async def state() -> Response:
-            return JSONResponse({
-                "engines": [{
-                    "dp_rank": r.dp_rank, "running": len(r.engine.running),
-                    "waiting": len(r.engine.waiting), "kv_usage": r.engine.kv_usage(),
-                    "steps": r.steps,
-                    "next_seq": r.publisher.next_seq if r.publisher else None,
-                    "published": r.published,
-                    "cached_blocks": r.engine.kv.pool.num_cached_blocks(),
-                } for r in w.runners],
-                "faults": w.faults.as_dict()})
+            return JSONResponse(
+                {
+                    "engines": [
+                        {
+                            "dp_rank": r.dp_rank,
+                            "running": len(r.engine.running),
+                            "waiting": len(r.engine.waiting),
+                            "kv_usage": r.engine.kv_usage(),
+                            "steps": r.steps,
+                            "next_seq": r.publisher.next_seq if r.publisher else None,
+                            "published": r.published,
+                            "cached_blocks": r.engine.kv.pool.num_cached_blocks(),
+                        }
+                        for r in w.runners
+                    ],
+                    "faults": w.faults.as_dict(),
+                }
+            )
 
         return app

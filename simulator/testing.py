@@ -36,9 +36,11 @@ class WorkerInfo:
 
     def rank_endpoints(self, rank: int) -> tuple[str, str]:
         """(events, replay) of DP rank ``rank`` (ports + rank, as vLLM)."""
+
         def off(ep: str) -> str:
             host, _, port = ep.rpartition(":")
             return f"{host}:{int(port) + rank}"
+
         return off(self.events_endpoint), off(self.replay_endpoint)
 
 
@@ -84,8 +86,9 @@ def _flags(kw: dict[str, Any]) -> list[str]:
 
 
 @contextlib.contextmanager
-def running_fleet(n: int = 1, *, timeout: float = 20.0, attempts: int = 3,
-                  **flags: Any) -> Iterator[list[WorkerInfo]]:
+def running_fleet(
+    n: int = 1, *, timeout: float = 20.0, attempts: int = 3, **flags: Any
+) -> Iterator[list[WorkerInfo]]:
     """Run ``n`` simulated workers in one ``kvrouter-sim`` subprocess; yields their info."""
     dp = int(flags.get("dp_size", 1) or 1)
     last_err = ""
@@ -93,20 +96,40 @@ def running_fleet(n: int = 1, *, timeout: float = 20.0, attempts: int = 3,
         span = n * dp
         base = find_port_block(n + 2 * span)
         ev_base, rp_base = base + n, base + n + span
-        cmd = [sys.executable, "-m", "simulator.cli", "--workers", str(n), "--host", "127.0.0.1",
-               "--base-port", str(base), "--event-base-port", str(ev_base),
-               "--replay-base-port", str(rp_base), *_flags(flags)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                start_new_session=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "simulator.cli",
+            "--workers",
+            str(n),
+            "--host",
+            "127.0.0.1",
+            "--base-port",
+            str(base),
+            "--event-base-port",
+            str(ev_base),
+            "--replay-base-port",
+            str(rp_base),
+            *_flags(flags),
+        ]
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        )
         try:
             ok = _wait_healthy(proc, [base + i for i in range(n)], timeout)
             if not ok:
                 last_err = _stop(proc)
                 continue
-            infos = [WorkerInfo(f"http://127.0.0.1:{base + i}",
-                                f"tcp://127.0.0.1:{ev_base + i * dp}",
-                                f"tcp://127.0.0.1:{rp_base + i * dp}", base + i, dp)
-                     for i in range(n)]
+            infos = [
+                WorkerInfo(
+                    f"http://127.0.0.1:{base + i}",
+                    f"tcp://127.0.0.1:{ev_base + i * dp}",
+                    f"tcp://127.0.0.1:{rp_base + i * dp}",
+                    base + i,
+                    dp,
+                )
+                for i in range(n)
+            ]
             yield infos
             return
         finally:

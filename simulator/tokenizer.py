@@ -108,8 +108,10 @@ class Tokenizer:
         return ids  # type: ignore[return-value]
 
     def token_strs(self, text: str) -> list[str]:
-        return [p if p in SPECIALS else p.replace(" ", "\u0120").replace("\n", "\u010a")
-                for p in self.pieces(text)]
+        return [
+            p if p in SPECIALS else p.replace(" ", "\u0120").replace("\n", "\u010a")
+            for p in self.pieces(text)
+        ]
 
     def id_to_piece(self, tid: int) -> str:
         p = self._id_to_piece.get(tid)
@@ -139,21 +141,29 @@ class Tokenizer:
         if isinstance(c, list):
             parts = []
             for p in c:
-                if isinstance(p, dict) and p.get("type") == "text" and isinstance(
-                        p.get("text"), str):
+                if (
+                    isinstance(p, dict)
+                    and p.get("type") == "text"
+                    and isinstance(p.get("text"), str)
+                ):
                     parts.append(p["text"])
                 else:
                     raise ChatTemplateError("only text content parts are supported")
             return "".join(parts)
         raise ChatTemplateError("message content must be a string or a list of parts")
 
-    def render_chat(self, messages: Any, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> str:
+    def render_chat(
+        self,
+        messages: Any,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
         if not isinstance(messages, list) or not messages:
             raise ChatTemplateError("'messages' must be a non-empty list")
         if add_generation_prompt and continue_final_message:
             raise ChatTemplateError(
-                "cannot set both add_generation_prompt and continue_final_message")
+                "cannot set both add_generation_prompt and continue_final_message"
+            )
         out = [] if self.template == "alt" else ["<s>"]
         last = len(messages) - 1
         for i, m in enumerate(messages):
@@ -168,7 +178,12 @@ class Tokenizer:
             out.append("<|im_start|>assistant\n" if self.template == "alt" else "<|assistant|>\n")
         return "".join(out)
 
-    def encode_chat(self, messages: Any, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt,
-                                            continue_final_message))
+    def encode_chat(
+        self,
+        messages: Any,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        return self.encode(
+            self.render_chat(messages, add_generation_prompt, continue_final_message)
+        )

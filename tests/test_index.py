@@ -437,6 +437,7 @@ def test_snapshot_round_trip_restores_exact_state() -> None:
     for q in ([*p, 1], p[:200], p[:180] + [3] * 20):
         assert other.match(q, other.root(MODEL))[W0] == index.match(q, index.root(MODEL))[W0]
     assert other.engine_stats(W0).resident == index.engine_stats(W0).resident
+
     # Events continue to apply on the imported state, duplicates included: block 13 has two
     # copies, so one removal keeps the full-attention run at 224 (the SWA tail caps the hit).
     def full_run(ix: PrefixIndex) -> int:

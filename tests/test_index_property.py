@@ -313,9 +313,13 @@ def rand_tokens(rng: random.Random, n: int) -> tuple[int, ...]:
 
 def draw_cut(data: st.DataObject, length: int) -> int:
     """A length in [0, length], biased to block and chunk boundaries +-1."""
-    boundaries = sorted({min(max(b + d, 0), length)
-                         for b in (0, 16, 32, 48, 64, 96, 256, 272, 512, length)
-                         for d in (-1, 0, 1)})
+    boundaries = sorted(
+        {
+            min(max(b + d, 0), length)
+            for b in (0, 16, 32, 48, 64, 96, 256, 272, 512, length)
+            for d in (-1, 0, 1)
+        }
+    )
     return data.draw(st.one_of(st.integers(0, length), st.sampled_from(boundaries)))
 
 
@@ -358,8 +362,14 @@ def engine_cfgs(draw: st.DrawFn, n: int) -> list[EngineCfg]:
     return out
 
 
-def stored(cfg: EngineCfg, g: Group, seq: tuple[int, ...], s: int, t: int,
-           hashes_mask: list[bool] | None = None) -> BlockStored:
+def stored(
+    cfg: EngineCfg,
+    g: Group,
+    seq: tuple[int, ...],
+    s: int,
+    t: int,
+    hashes_mask: list[bool] | None = None,
+) -> BlockStored:
     """vLLM's BlockStored for blocks [s, t) of group g of the sequence seq."""
     bs = g.bs
     hashes = [cfg.h(seq[: (j + 1) * bs]) for j in range(s, t)]
@@ -436,8 +446,9 @@ class IndexVsReference(RuleBasedStateMachine):
             if ref is not None and not ref.count(g.idx, GPU, (cfg.model, tail)):
                 break
             if cfg.cpu_mode == "ph":
-                out.append(BlockStored([cfg.h(tail)], None, [], 0, None, CPU, None,
-                                       group_idx=g.idx))
+                out.append(
+                    BlockStored([cfg.h(tail)], None, [], 0, None, CPU, None, group_idx=g.idx)
+                )
             else:
                 hashes = [cfg.h(seq[: k * CHUNK + (j + 1) * g.bs]) for j in range(CHUNK // g.bs)]
                 out.append(
@@ -445,8 +456,12 @@ class IndexVsReference(RuleBasedStateMachine):
                         hashes,
                         cfg.h(seq[: k * CHUNK]) if k else None,
                         list(seq[k * CHUNK : (k + 1) * CHUNK]),
-                        g.bs, None, CPU, None,
-                        group_idx=g.idx, kv_cache_spec_kind=FA,
+                        g.bs,
+                        None,
+                        CPU,
+                        None,
+                        group_idx=g.idx,
+                        kv_cache_spec_kind=FA,
                     )
                 )
                 self.chunks[cfg.eid].append(hashes)
@@ -585,13 +600,17 @@ class IndexVsReference(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self.seqs))
         ref = self.refs[cfg.eid]
         swa = next(g for g in cfg.groups if g.kind == SWA)
-        live = [j for j in range(len(seq) // swa.bs)
-                if ref.count(swa.idx, GPU, (cfg.model, seq[: (j + 1) * swa.bs]))]
+        live = [
+            j
+            for j in range(len(seq) // swa.bs)
+            if ref.count(swa.idx, GPU, (cfg.model, seq[: (j + 1) * swa.bs]))
+        ]
         if not live:
             return
         picks = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=3, unique=True))
-        self._apply(cfg, [BlockRemoved([cfg.h(seq[: (j + 1) * swa.bs])], GPU, swa.idx)
-                          for j in picks])
+        self._apply(
+            cfg, [BlockRemoved([cfg.h(seq[: (j + 1) * swa.bs])], GPU, swa.idx) for j in picks]
+        )
 
     @rule(data=st.data())
     def restart(self, data: st.DataObject) -> None:
@@ -740,8 +759,10 @@ def test_eviction_on_one_engine_never_changes_another(
 
     def b_view() -> list[tuple[int, int]]:
         root = idx.root(MODEL)
-        return [(m.gpu_tokens, m.cpu_tokens)
-                for m in (idx.match(list(p), root, [b.eid])[b.eid] for p in prompts)]
+        return [
+            (m.gpu_tokens, m.cpu_tokens)
+            for m in (idx.match(list(p), root, [b.eid])[b.eid] for p in prompts)
+        ]
 
     before = b_view()
     assert any(x != (0, 0) for x in before)
@@ -780,8 +801,9 @@ def test_group_learned_from_empty_sparse_event() -> None:
     prompt, where no block of the chunk lies at a semantic boundary. Its kind, block size and
     window are still facts about the group (design.md: learn them from BlockStored)."""
     idx = make_index()
-    cfg = EngineCfg(("w0", 0), MODEL, [Group(0, FA, 16), Group(1, SWA, 16, 32)], True, None, 0,
-                    False)
+    cfg = EngineCfg(
+        ("w0", 0), MODEL, [Group(0, FA, 16), Group(1, SWA, 16, 32)], True, None, 0, False
+    )
     idx.add_engine(cfg.eid, MODEL)
     seq = tuple(range(1, 66))
     fa, swa = cfg.groups

@@ -32,8 +32,11 @@ def load_batches(name: str) -> list[list[dict[str, Any]]]:
 def fa_roots(batches: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """GPU full-attention BlockStored events in order (prompt material)."""
     return [
-        e for b in batches for e in b
-        if e["type"] == "BlockStored" and e["medium"] == "GPU"
+        e
+        for b in batches
+        for e in b
+        if e["type"] == "BlockStored"
+        and e["medium"] == "GPU"
         and e.get("kv_cache_spec_kind") == "full_attention"
     ]
 
@@ -72,18 +75,25 @@ def run_engine(cfg: EngineConfig, script: list[tuple]) -> list[list[dict[str, An
             assert eng.reset_prefix_cache(reset_external=True)
         else:
             _, rid, toks, mt, session = item[:5]
-            eng.add_request(rid, toks, mt, now, session_id=session,
-                            report_full=len(item) > 5 and item[5])
+            eng.add_request(
+                rid, toks, mt, now, session_id=session, report_full=len(item) > 5 and item[5]
+            )
             drain()
     return batches
 
 
 def norm(batch: list[dict[str, Any]]) -> list[Any]:
     """Comparable form: CPU stores of one batch are order-free (vLLM iterates a set)."""
-    gpu = [json.dumps(e, sort_keys=True) for e in batch
-           if not (e["type"] == "BlockStored" and e.get("medium") == "CPU")]
-    cpu = sorted(json.dumps(e, sort_keys=True) for e in batch
-                 if e["type"] == "BlockStored" and e.get("medium") == "CPU")
+    gpu = [
+        json.dumps(e, sort_keys=True)
+        for e in batch
+        if not (e["type"] == "BlockStored" and e.get("medium") == "CPU")
+    ]
+    cpu = sorted(
+        json.dumps(e, sort_keys=True)
+        for e in batch
+        if e["type"] == "BlockStored" and e.get("medium") == "CPU"
+    )
     return gpu + cpu
 
 
@@ -112,9 +122,12 @@ def test_llama_b32_matches_capture() -> None:
     fa = filler(18)
     script = _common(a, c1, c1[:128] + c2c, fa)
     script += [("req", f"L{i}", longs[i] + filler(12), 4, None) for i in range(5)]
-    script += [("reset",), ("req", "A3", a + fa, 4, None),
-               ("req", "A4", a + fa, 4, "sess-demo", True),
-               ("req", "D", d + filler(4), 4, "sess-demo")]
+    script += [
+        ("reset",),
+        ("req", "A3", a + fa, 4, None),
+        ("req", "A4", a + fa, 4, "sess-demo", True),
+        ("req", "D", d + filler(4), 4, "sess-demo"),
+    ]
     sim = run_engine(EngineConfig(block_size=32, num_gpu_blocks=40, max_model_len=1024), script)
     _show(sim, cap)
 
@@ -133,10 +146,17 @@ def test_gemma3_swa_matches_capture(name: str) -> None:
     script += [("req", f"L{i}", r[3 + i]["token_ids"] + filler(16), 4, None) for i in range(nlong)]
     script += [("reset",), ("req", "A3", a + fa, 4, None)]
     if sparse:
-        script += [("req", "A4", a + fa, 4, "sess-demo", True),
-                   ("req", "D", r[-1]["token_ids"] + filler(4), 4, "sess-demo")]
-    cfg = EngineConfig(block_size=32, num_gpu_blocks=72, max_model_len=1024,
-                       groups="swa:64,full", retention_interval=0 if sparse else None)
+        script += [
+            ("req", "A4", a + fa, 4, "sess-demo", True),
+            ("req", "D", r[-1]["token_ids"] + filler(4), 4, "sess-demo"),
+        ]
+    cfg = EngineConfig(
+        block_size=32,
+        num_gpu_blocks=72,
+        max_model_len=1024,
+        groups="swa:64,full",
+        retention_interval=0 if sparse else None,
+    )
     sim = run_engine(cfg, script)
     _show(sim, cap)
 
@@ -166,8 +186,14 @@ def test_cpu_offload_matches_capture(name: str, mode: str) -> None:
     script += [("req", f"L{i}", longs[i], 4, None) for i in range(6)]
     # long3-resend: GPU hit 6 blocks + CPU load of 2 chunks, then the rest
     script += [("req", "L3b", longs[3], 4, None), ("reset",), ("req", "A3", a + fa, 4, None)]
-    cfg = EngineConfig(block_size=32, num_gpu_blocks=40, max_model_len=1024, cpu_chunks=6,
-                       cpu_chunk_tokens=256, cpu_events=mode)
+    cfg = EngineConfig(
+        block_size=32,
+        num_gpu_blocks=40,
+        max_model_len=1024,
+        cpu_chunks=6,
+        cpu_chunk_tokens=256,
+        cpu_events=mode,
+    )
     _show(run_engine(cfg, script), cap)
 
 

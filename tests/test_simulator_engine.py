@@ -47,8 +47,11 @@ def test_hash_test_vectors() -> None:
 
 def test_salt_and_lora_change_hashes() -> None:
     toks = list(range(64))
-    plain, salted, lora = RequestHasher(16), RequestHasher(16, cache_salt="s"), RequestHasher(
-        16, lora_name="ad")
+    plain, salted, lora = (
+        RequestHasher(16),
+        RequestHasher(16, cache_salt="s"),
+        RequestHasher(16, lora_name="ad"),
+    )
     for h in (plain, salted, lora):
         h.extend(toks)
     assert salted.event_hashes[0] != plain.event_hashes[0]
@@ -60,17 +63,20 @@ def test_salt_and_lora_change_hashes() -> None:
 
 def test_tokenizer_matches_capture_template_shape() -> None:
     t = Tokenizer()
-    ids = t.encode_chat([{"role": "system", "content": "be brief"},
-                         {"role": "user", "content": "hello router"}])
+    ids = t.encode_chat(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello router"}]
+    )
     nl = t.encode("\n")[0]
     assert ids[:3] == [2, 4, nl] and ids[-4:] == [7, nl, 6, nl]
-    assert t.encode_chat([{"role": "user", "content": "hello router"}],
-                         add_generation_prompt=False)[-2:] == [7, nl]
+    assert t.encode_chat(
+        [{"role": "user", "content": "hello router"}], add_generation_prompt=False
+    )[-2:] == [7, nl]
     assert t.token_strs("hello router") == ["hello", "\u0120router"]
     assert t.encode("hello router") == Tokenizer().encode("hello router")  # stable
     alt = Tokenizer(template="alt")
     assert alt.encode_chat([{"role": "user", "content": "x"}]) != t.encode_chat(
-        [{"role": "user", "content": "x"}])
+        [{"role": "user", "content": "x"}]
+    )
     assert t.decode(t.encode("hello router, cache!")) == "hello router, cache!"
 
 
@@ -103,12 +109,20 @@ def test_pool_lru_and_reset_rules() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 120), st.integers(1, 6)),
-                min_size=1, max_size=25))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 5), st.integers(1, 120), st.integers(1, 6)),
+        min_size=1,
+        max_size=25,
+    )
+)
 def test_engine_accounting_invariants(reqs: list[tuple[int, int, int]]) -> None:
     """Whatever the traffic: blocks are conserved, stores and removes balance per key."""
-    eng = SimEngine(EngineConfig(block_size=8, num_gpu_blocks=40, groups="full,swa:16",
-                                 max_num_batched_tokens=64))
+    eng = SimEngine(
+        EngineConfig(
+            block_size=8, num_gpu_blocks=40, groups="full,swa:16", max_num_batched_tokens=64
+        )
+    )
     live: dict[tuple[int, int], int] = {}
     now = 0.0
     for i, (prefix, n, mt) in enumerate(reqs):
@@ -134,8 +148,9 @@ def test_engine_accounting_invariants(reqs: list[tuple[int, int, int]]) -> None:
 
 # ---- hybrid hit rules ----------------------------------------------------------------------
 def test_swa_hit_survives_head_eviction_and_mamba_needs_boundary_state() -> None:
-    cfg = EngineConfig(block_size=16, num_gpu_blocks=200, groups="full,swa:32",
-                       retention_interval=None)
+    cfg = EngineConfig(
+        block_size=16, num_gpu_blocks=200, groups="full,swa:32", retention_interval=None
+    )
     eng = SimEngine(cfg)
     toks = list(range(100, 100 + 161))  # 10 full blocks + 1
     eng.add_request("a", toks, 1, 0.0)
@@ -172,8 +187,11 @@ def test_sparse_swa_lists_only_reachable_blocks() -> None:
 def test_mixed_group_block_sizes() -> None:
     """full@16 + mamba@64: hashes at gcd=16, group blocks take the tail hash at their
     boundary, hits align to lcm=64 (vLLM resolve_kv_cache_block_sizes)."""
-    eng = SimEngine(EngineConfig(block_size=16, num_gpu_blocks=300, groups="full@16,mamba@64",
-                                 retention_interval=None))
+    eng = SimEngine(
+        EngineConfig(
+            block_size=16, num_gpu_blocks=300, groups="full@16,mamba@64", retention_interval=None
+        )
+    )
     toks = list(range(1000, 1000 + 300))
     eng.add_request("a", toks, 1, 0.0)
     now, batches = _drain(eng)
@@ -189,15 +207,20 @@ def test_mixed_group_block_sizes() -> None:
 
 # ---- CPU tier ----------------------------------------------------------------------------------
 def test_cpu_tier_extends_hit_and_costs_load_time() -> None:
-    cfg = EngineConfig(block_size=16, num_gpu_blocks=40, cpu_chunks=16, cpu_chunk_tokens=64,
-                       cpu_events="self_describing", cpu_load_tokens_per_s=1000.0)
+    cfg = EngineConfig(
+        block_size=16,
+        num_gpu_blocks=40,
+        cpu_chunks=16,
+        cpu_chunk_tokens=64,
+        cpu_events="self_describing",
+        cpu_load_tokens_per_s=1000.0,
+    )
     eng = SimEngine(cfg)
     base = list(range(300, 300 + 257))
     eng.add_request("a", base, 1, 0.0)
     now, b1 = _drain(eng)
     cpu = [e for b in b1 for e in b if e.get("medium") == "CPU"]
-    assert len(cpu) == 4 and all(e["block_size"] == 16 and len(e["token_ids"]) == 64
-                                 for e in cpu)
+    assert len(cpu) == 4 and all(e["block_size"] == 16 and len(e["token_ids"]) == 64 for e in cpu)
     for i in range(3):  # flush the GPU with other prompts
         eng.add_request(f"x{i}", [5000 + i] * 200 + list(range(i, i + 57)), 1, now)
         now, _ = _drain(eng, now)
@@ -211,8 +234,9 @@ def test_cpu_tier_extends_hit_and_costs_load_time() -> None:
 
 # ---- fast fleet --------------------------------------------------------------------------------
 def test_fleet_api_and_timing() -> None:
-    cfg = EngineConfig(block_size=16, num_gpu_blocks=2000, prefill_tokens_per_s=10000.0,
-                       decode_s_per_token=0.01)
+    cfg = EngineConfig(
+        block_size=16, num_gpu_blocks=2000, prefill_tokens_per_s=10000.0, decode_s_per_token=0.01
+    )
     fleet = FastFleet(2, cfg)
     prompt = list(range(1000, 3000))
     fleet.submit(0, "cold", prompt, 4, 0.0)
@@ -238,7 +262,7 @@ def test_fleet_events_are_vllm_payloads() -> None:
     fleet = FastFleet(1, EngineConfig(block_size=16, num_gpu_blocks=64))
     fleet.submit(0, "a", list(range(40)), 1, 0.0)
     fleet.run_until(10.0)
-    (w, rank, seq, payload), = fleet.drain_events()
+    ((w, rank, seq, payload),) = fleet.drain_events()
     assert (w, rank, seq) == (0, 0, 0)
     ts, events, dp = msgspec.msgpack.decode(payload)
     assert dp == 0 and events[0]["type"] == "BlockStored"
@@ -247,8 +271,12 @@ def test_fleet_events_are_vllm_payloads() -> None:
 
 
 def test_fleet_queueing_shows_in_ttft_and_load() -> None:
-    cfg = EngineConfig(block_size=16, num_gpu_blocks=5000, prefill_tokens_per_s=10000.0,
-                       max_num_batched_tokens=2048)
+    cfg = EngineConfig(
+        block_size=16,
+        num_gpu_blocks=5000,
+        prefill_tokens_per_s=10000.0,
+        max_num_batched_tokens=2048,
+    )
     fleet = FastFleet(1, cfg)
     for i in range(5):
         fleet.submit(0, f"r{i}", [10000 + i] * 4000, 2, 0.0)
@@ -263,17 +291,20 @@ def test_fleet_queueing_shows_in_ttft_and_load() -> None:
 def test_fleet_replay_speed() -> None:
     """10,000 requests with shared prefixes replay in seconds."""
     rng = random.Random(1)
-    prefixes = [[rng.randrange(100, 30000) for _ in range(rng.choice([256, 1024, 2048]))]
-                for _ in range(30)]
-    fleet = FastFleet(4, EngineConfig(block_size=32, num_gpu_blocks=20000,
-                                      max_num_batched_tokens=8192))
+    prefixes = [
+        [rng.randrange(100, 30000) for _ in range(rng.choice([256, 1024, 2048]))] for _ in range(30)
+    ]
+    fleet = FastFleet(
+        4, EngineConfig(block_size=32, num_gpu_blocks=20000, max_num_batched_tokens=8192)
+    )
     t0 = time.perf_counter()
     t = 0.0
     n = 10_000
     for i in range(n):
         t += rng.expovariate(200.0)
-        toks = prefixes[rng.randrange(30)] + [rng.randrange(100, 30000)
-                                              for _ in range(rng.randrange(20, 200))]
+        toks = prefixes[rng.randrange(30)] + [
+            rng.randrange(100, 30000) for _ in range(rng.randrange(20, 200))
+        ]
         fleet.run_until(t)
         fleet.submit(i % 4, f"r{i}", toks, 8, t)
         fleet.drain_events()
@@ -287,21 +318,33 @@ def test_fleet_replay_speed() -> None:
 
 @settings(max_examples=30, deadline=None)
 @given(
-    groups=st.sampled_from(["full", "full,swa:16", "swa:24,full", "full,mamba",
-                            "full,mamba@16", "swa:24@16,full"]),
+    groups=st.sampled_from(
+        ["full", "full,swa:16", "swa:24,full", "full,mamba", "full,mamba@16", "swa:24@16,full"]
+    ),
     cpu=st.sampled_from([0, 4]),
-    reqs=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 150), st.integers(1, 12),
-                            st.floats(0, 0.05)), min_size=1, max_size=30),
+    reqs=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 150), st.integers(1, 12), st.floats(0, 0.05)),
+        min_size=1,
+        max_size=30,
+    ),
 )
-def test_fleet_concurrent_invariants(groups: str, cpu: int,
-                                     reqs: list[tuple[int, int, int, float]]) -> None:
+def test_fleet_concurrent_invariants(
+    groups: str, cpu: int, reqs: list[tuple[int, int, int, float]]
+) -> None:
     """Concurrent traffic on a tiny pool (preemption, chunked prefill, early SWA frees,
     CPU tier): every request completes, stores/removes balance, the pool drains."""
     if "@" in groups:
         cpu = 0  # a CPU tier needs one block size for all groups
-    cfg = EngineConfig(block_size=8, num_gpu_blocks=48, groups=groups,
-                       max_num_batched_tokens=48, max_num_seqs=6, cpu_chunks=cpu,
-                       cpu_chunk_tokens=16, prefill_tokens_per_s=5000.0)
+    cfg = EngineConfig(
+        block_size=8,
+        num_gpu_blocks=48,
+        groups=groups,
+        max_num_batched_tokens=48,
+        max_num_seqs=6,
+        cpu_chunks=cpu,
+        cpu_chunk_tokens=16,
+        prefill_tokens_per_s=5000.0,
+    )
     fleet = FastFleet(1, cfg)
     t = 0.0
     n = 0
@@ -346,14 +389,18 @@ def test_fleet_dp_ranks() -> None:
     assert {(w, r) for w, r, _, _ in ev} == {(1, 0), (1, 1)}
     for _, r, _, payload in ev:
         assert msgspec.msgpack.decode(payload)[2] == r
-    assert sorted(s for w, r, s, _ in ev if r == 1) == list(range(sum(1 for e in ev
-                                                                      if e[1] == 1)))
+    assert sorted(s for w, r, s, _ in ev if r == 1) == list(range(sum(1 for e in ev if e[1] == 1)))
     assert len(fleet.completed()) == 4 and fleet.load(1).running == 0
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 80), st.sampled_from([None, "s"])),
-                min_size=1, max_size=8))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2), st.integers(0, 80), st.sampled_from([None, "s"])),
+        min_size=1,
+        max_size=8,
+    )
+)
 def test_hasher_memos_never_change_hashes(specs: list[tuple[int, int, str | None]]) -> None:
     """Shared-prefix adoption and the block memo give exactly the plain chain."""
     bases = [[7] * 40 + list(range(100)), [7] * 40 + list(range(50, 150)), list(range(300))]
@@ -372,8 +419,14 @@ def test_hasher_memos_never_change_hashes(specs: list[tuple[int, int, str | None
 def test_cpu_lookup_follows_offloading_connector_rules() -> None:
     """vLLM: whole chunks of the request (n // chunk), contiguous from gpu_hit // chunk, at least
     one whole chunk gained; a load reaching the prompt's end recomputes the last token."""
-    cfg = EngineConfig(block_size=16, num_gpu_blocks=40, cpu_chunks=16, cpu_chunk_tokens=64,
-                       cpu_events="self_describing", cpu_load_tokens_per_s=1e6)
+    cfg = EngineConfig(
+        block_size=16,
+        num_gpu_blocks=40,
+        cpu_chunks=16,
+        cpu_chunk_tokens=64,
+        cpu_events="self_describing",
+        cpu_load_tokens_per_s=1e6,
+    )
     eng = SimEngine(cfg)
     base = list(range(300, 300 + 256))  # exactly 4 chunks
     eng.add_request("a", [*base, 7], 1, 0.0)

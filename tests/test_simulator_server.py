@@ -31,8 +31,9 @@ def toks(n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[list[WorkerInfo]]:
-    with running_fleet(2, block_size=16, num_gpu_blocks=64, decode_ms=1, topic="kv",
-                       lora=["ad1"]) as ws:
+    with running_fleet(
+        2, block_size=16, num_gpu_blocks=64, decode_ms=1, topic="kv", lora=["ad1"]
+    ) as ws:
         yield ws
 
 
@@ -44,8 +45,11 @@ def ctx() -> Iterator[zmq.Context]:
 
 
 def complete(w: WorkerInfo, prompt: Any, max_tokens: int = 2, **extra: Any) -> dict[str, Any]:
-    r = httpx.post(f"{w.url}/v1/completions", timeout=DEADLINE,
-                   json={"prompt": prompt, "max_tokens": max_tokens, **extra})
+    r = httpx.post(
+        f"{w.url}/v1/completions",
+        timeout=DEADLINE,
+        json={"prompt": prompt, "max_tokens": max_tokens, **extra},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -150,9 +154,14 @@ def test_http_endpoints(fleet: list[WorkerInfo]) -> None:
         nogen = c.post("/tokenize", json={"messages": msgs, "add_generation_prompt": False})
         assert nogen.json()["count"] == tk["count"] - 2
         text = c.get("/metrics").text
-        for name in ("vllm:num_requests_running{", "vllm:num_requests_waiting{",
-                     "vllm:kv_cache_usage_perc{", "vllm:prefix_cache_queries_total{",
-                     "vllm:prefix_cache_hits_total{", "# TYPE vllm:prefix_cache_hits counter"):
+        for name in (
+            "vllm:num_requests_running{",
+            "vllm:num_requests_waiting{",
+            "vllm:kv_cache_usage_perc{",
+            "vllm:prefix_cache_queries_total{",
+            "vllm:prefix_cache_hits_total{",
+            "# TYPE vllm:prefix_cache_hits counter",
+        ):
             assert name in text
         assert 'engine="0",model_name="sim-model"' in text
 
@@ -162,12 +171,15 @@ def test_cached_tokens_in_usage_and_stream(fleet: list[WorkerInfo]) -> None:
     p = toks(100)
     assert complete(w, p)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert complete(w, p)["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
-    body = {"messages": [{"role": "user", "content": "tell me a long story " * 10}],
-            "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [{"role": "user", "content": "tell me a long story " * 10}],
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     for _ in range(2):
         chunks = []
-        with httpx.stream("POST", f"{w.url}/v1/chat/completions", json=body,
-                          timeout=DEADLINE) as r:
+        with httpx.stream("POST", f"{w.url}/v1/chat/completions", json=body, timeout=DEADLINE) as r:
             assert r.status_code == 200
             assert r.headers["content-type"].startswith("text/event-stream")
             for line in r.iter_lines():
@@ -183,36 +195,48 @@ def test_cached_tokens_in_usage_and_stream(fleet: list[WorkerInfo]) -> None:
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0
 
 
-@pytest.mark.parametrize("path,body,status", [
-    ("/v1/completions", b"{not json", 400),
-    ("/v1/completions", b"[1,2]", 400),
-    ("/v1/completions", b'{"prompt": 5}', 400),
-    ("/v1/completions", b'{"prompt": []}', 400),
-    ("/v1/completions", b'{"prompt": [1, -2]}', 400),
-    ("/v1/completions", b'{"prompt": "x", "max_tokens": -1}', 400),
-    ("/v1/completions", b'{"prompt": "x", "max_tokens": 999999999}', 400),
-    ("/v1/completions", b'{"prompt": "x", "model": "nope"}', 404),
-    ("/v1/completions", b'{"prompt": "x", "cache_salt": 3}', 400),
-    ("/v1/chat/completions", b'{"messages": "hi"}', 400),
-    ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', 400),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}],'
-                             b' "continue_final_message": true}', 400),
-    ("/tokenize", b"{}", 400),
-    ("/detokenize", b'{"tokens": "abc"}', 400),
-    ("/sim/faults", b'{"bogus": 1}', 400),
-])
-def test_bad_input_gets_openai_error(fleet: list[WorkerInfo], path: str, body: bytes,
-                                     status: int) -> None:
-    r = httpx.post(fleet[0].url + path, content=body, timeout=DEADLINE,
-                   headers={"content-type": "application/json"})
+@pytest.mark.parametrize(
+    "path,body,status",
+    [
+        ("/v1/completions", b"{not json", 400),
+        ("/v1/completions", b"[1,2]", 400),
+        ("/v1/completions", b'{"prompt": 5}', 400),
+        ("/v1/completions", b'{"prompt": []}', 400),
+        ("/v1/completions", b'{"prompt": [1, -2]}', 400),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": -1}', 400),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 999999999}', 400),
+        ("/v1/completions", b'{"prompt": "x", "model": "nope"}', 404),
+        ("/v1/completions", b'{"prompt": "x", "cache_salt": 3}', 400),
+        ("/v1/chat/completions", b'{"messages": "hi"}', 400),
+        ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', 400),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], "continue_final_message": true}',
+            400,
+        ),
+        ("/tokenize", b"{}", 400),
+        ("/detokenize", b'{"tokens": "abc"}', 400),
+        ("/sim/faults", b'{"bogus": 1}', 400),
+    ],
+)
+def test_bad_input_gets_openai_error(
+    fleet: list[WorkerInfo], path: str, body: bytes, status: int
+) -> None:
+    r = httpx.post(
+        fleet[0].url + path,
+        content=body,
+        timeout=DEADLINE,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["code"] == status and err["message"] and "type" in err
 
 
 def test_body_too_large(fleet: list[WorkerInfo]) -> None:
-    r = httpx.post(fleet[0].url + "/v1/completions", content=b"x" * (9 * 1024 * 1024),
-                   timeout=DEADLINE)
+    r = httpx.post(
+        fleet[0].url + "/v1/completions", content=b"x" * (9 * 1024 * 1024), timeout=DEADLINE
+    )
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
 
 
@@ -264,8 +288,10 @@ def test_eviction_and_reset(fleet: list[WorkerInfo], ctx: zmq.Context) -> None:
                 rem = [e for e in events if e["type"] == "BlockRemoved"]
                 if rem:
                     seen_removed = True
-                    assert all(len(e["block_hashes"]) == 1 and e["group_idx"] == 0
-                               and e["medium"] == "GPU" for e in rem)
+                    assert all(
+                        len(e["block_hashes"]) == 1 and e["group_idx"] == 0 and e["medium"] == "GPU"
+                        for e in rem
+                    )
                     assert events.index(rem[0]) < len(events) - 1  # before the BlockStored
         assert seen_removed
         n = sub.sync()
@@ -281,8 +307,7 @@ def test_eviction_and_reset(fleet: list[WorkerInfo], ctx: zmq.Context) -> None:
         sub.close()
 
 
-def test_restart_publisher_resets_seq_and_buffer(fleet: list[WorkerInfo],
-                                                 ctx: zmq.Context) -> None:
+def test_restart_publisher_resets_seq_and_buffer(fleet: list[WorkerInfo], ctx: zmq.Context) -> None:
     w = fleet[0]
     complete(w, toks(40), 1)
     assert replay(ctx, w.replay_endpoint, 0)
@@ -342,8 +367,16 @@ def test_faults(fleet: list[WorkerInfo], ctx: zmq.Context) -> None:
         assert slow > 0.5  # 500 tokens at 20k tok/s = 25 ms, x50
         assert httpx.get(faults, timeout=DEADLINE).json()["slowdown"] == 1.0
     finally:
-        httpx.post(faults, json={"stall_http": False, "drop_event_fraction": 0.0,
-                                 "events_enabled": True, "slowdown": 1.0}, timeout=DEADLINE)
+        httpx.post(
+            faults,
+            json={
+                "stall_http": False,
+                "drop_event_fraction": 0.0,
+                "events_enabled": True,
+                "slowdown": 1.0,
+            },
+            timeout=DEADLINE,
+        )
         sub.close()
 
 
@@ -359,15 +392,25 @@ def test_restart_engine_clears_cache(fleet: list[WorkerInfo]) -> None:
 # ---- flags ---------------------------------------------------------------------------------------
 def test_misconfiguration_flags(ctx: zmq.Context) -> None:
     msgs = [{"role": "user", "content": "hello router"}]
-    with running_fleet(1, no_events=True) as (a,), running_fleet(
-            1, chat_template="alt", event_block_size_lie=32, event_encoding="array",
-            groups="full,swa:32") as (b,):
+    with (
+        running_fleet(1, no_events=True) as (a,),
+        running_fleet(
+            1,
+            chat_template="alt",
+            event_block_size_lie=32,
+            event_encoding="array",
+            groups="full,swa:32",
+        ) as (b,),
+    ):
         assert httpx.get(a.url + "/kv_event_sources", timeout=DEADLINE).json() == {}
         ta = httpx.post(a.url + "/tokenize", json={"messages": msgs}, timeout=DEADLINE).json()
         tb = httpx.post(b.url + "/tokenize", json={"messages": msgs}, timeout=DEADLINE).json()
         assert ta["tokens"] != tb["tokens"]
-        chat = httpx.post(b.url + "/v1/chat/completions", json={"messages": msgs,
-                          "max_tokens": 1}, timeout=DEADLINE).json()
+        chat = httpx.post(
+            b.url + "/v1/chat/completions",
+            json={"messages": msgs, "max_tokens": 1},
+            timeout=DEADLINE,
+        ).json()
         assert chat["usage"]["prompt_tokens"] == tb["count"]
         sub = Sub(ctx, b)
         try:
@@ -412,14 +455,18 @@ def test_concurrent_load_with_preemption_completes() -> None:
 
     async def main(w: WorkerInfo) -> list[int]:
         async with httpx.AsyncClient(base_url=w.url, timeout=30.0) as c:
+
             async def one(i: int) -> int:
-                r = await c.post("/v1/completions", json={"prompt": toks(150 + i),
-                                                          "max_tokens": 20})
+                r = await c.post(
+                    "/v1/completions", json={"prompt": toks(150 + i), "max_tokens": 20}
+                )
                 return r.status_code
+
             return await asyncio.gather(*(one(i) for i in range(30)))
 
-    with running_fleet(1, block_size=16, num_gpu_blocks=40, decode_ms=1,
-                       max_num_batched_tokens=256) as (w,):
+    with running_fleet(
+        1, block_size=16, num_gpu_blocks=40, decode_ms=1, max_num_batched_tokens=256
+    ) as (w,):
         codes = asyncio.run(main(w))
         assert codes == [200] * 30
         r = httpx.post(w.url + "/v1/completions", json={"prompt": "hi there"}, timeout=DEADLINE)
@@ -450,11 +497,13 @@ def test_bounded_queue_returns_503() -> None:
 
     async def main(w: WorkerInfo) -> list[int]:
         async with httpx.AsyncClient(base_url=w.url, timeout=30.0) as c:
+
             async def one() -> int:
                 r = await c.post("/v1/completions", json={"prompt": toks(20), "max_tokens": 4})
                 if r.status_code != 200:
                     assert r.json()["error"]["code"] == r.status_code
                 return r.status_code
+
             return await asyncio.gather(*(one() for _ in range(4)))
 
     with running_fleet(1, max_num_seqs=1, max_waiting=1, decode_ms=800) as (w,):
@@ -465,8 +514,7 @@ def test_bounded_queue_returns_503() -> None:
 def test_client_disconnect_mid_stream_frees_blocks() -> None:
     with running_fleet(1, block_size=16, num_gpu_blocks=128, decode_ms=50) as (w,):
         body = {"prompt": toks(200), "max_tokens": 500, "stream": True}
-        with httpx.stream("POST", f"{w.url}/v1/completions", json=body,
-                          timeout=DEADLINE) as r:
+        with httpx.stream("POST", f"{w.url}/v1/completions", json=body, timeout=DEADLINE) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     break  # leave after the first token
@@ -511,10 +559,13 @@ def test_legacy_replay_format(ctx: zmq.Context) -> None:
 
 
 def test_completions_sse(fleet: list[WorkerInfo]) -> None:
-    body = {"prompt": toks(30), "max_tokens": 3, "stream": True,
-            "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", f"{fleet[0].url}/v1/completions", json=body,
-                      timeout=DEADLINE) as r:
+    body = {
+        "prompt": toks(30),
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream("POST", f"{fleet[0].url}/v1/completions", json=body, timeout=DEADLINE) as r:
         data = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
     assert data[-1] == "[DONE]"
     objs = [json.loads(x) for x in data[:-1]]
@@ -527,12 +578,15 @@ def test_tokenize_gives_the_engine_tokens(fleet: list[WorkerInfo]) -> None:
     """/tokenize (chat form) returns exactly what /v1/chat/completions feeds the engine:
     replaying those ids as a completion hits every full block of the chat prompt."""
     w = fleet[1]
-    msgs = [{"role": "system", "content": "you are a router test " * 8},
-            {"role": "user", "content": [{"type": "text", "text": "question number 7"}]}]
+    msgs = [
+        {"role": "system", "content": "you are a router test " * 8},
+        {"role": "user", "content": [{"type": "text", "text": "question number 7"}]},
+    ]
     with httpx.Client(base_url=w.url, timeout=DEADLINE) as c:
         ids = c.post("/tokenize", json={"messages": msgs}).json()["tokens"]
         chat = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}).json()
         assert chat["usage"]["prompt_tokens"] == len(ids)
         again = c.post("/v1/completions", json={"prompt": ids, "max_tokens": 1}).json()
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (
-            (len(ids) - 1) // 16 * 16)
+            (len(ids) - 1) // 16 * 16
+        )

@@ -101,8 +101,14 @@ def assert_well_typed(batch: Any) -> None:
             assert isinstance(ev.token_ids, list) and all(map(_is_int, ev.token_ids))
             assert _is_int(ev.block_size)
             assert _opt(ev.lora_id, _is_int)
-            for name in ("medium", "lora_name", "kv_cache_spec_kind", "locality", "ownership",
-                         "session_id"):
+            for name in (
+                "medium",
+                "lora_name",
+                "kv_cache_spec_kind",
+                "locality",
+                "ownership",
+                "session_id",
+            ):
                 assert _opt(getattr(ev, name), _is_str), name
             assert _opt(ev.extra_keys, lambda x: isinstance(x, list))
             assert _opt(ev.group_idx, _is_int)
@@ -160,8 +166,18 @@ def stored_fields(draw: st.DrawFn, new_fields: bool = True) -> dict[str, Any]:
         "lora_id": draw(OPT_INT),
         "medium": draw(st.sampled_from([None, "GPU", "CPU", "STORAGE"])),
         "lora_name": draw(OPT_STR),
-        "extra_keys": draw(st.one_of(st.none(), st.lists(st.one_of(st.none(), st.lists(
-            st.one_of(st.text(max_size=5), st.integers(0, 99)), max_size=3)), max_size=n))),
+        "extra_keys": draw(
+            st.one_of(
+                st.none(),
+                st.lists(
+                    st.one_of(
+                        st.none(),
+                        st.lists(st.one_of(st.text(max_size=5), st.integers(0, 99)), max_size=3),
+                    ),
+                    max_size=n,
+                ),
+            )
+        ),
         "group_idx": draw(st.one_of(st.none(), st.integers(0, 3))),
         "kv_cache_spec_kind": draw(st.sampled_from([None, "full_attention", "sliding_window"])),
         "kv_cache_spec_sliding_window": draw(st.one_of(st.none(), st.sampled_from([32, 4096]))),
@@ -217,8 +233,10 @@ def events(draw: st.DrawFn) -> tuple[Any, Any]:
     kind = draw(st.sampled_from(["stored", "removed", "cleared"]))
     arrayform = draw(st.booleans())
     if kind == "cleared":
-        return (["AllBlocksCleared"] if arrayform else {"type": "AllBlocksCleared"},
-                AllBlocksCleared())
+        return (
+            ["AllBlocksCleared"] if arrayform else {"type": "AllBlocksCleared"},
+            AllBlocksCleared(),
+        )
     if kind == "stored":
         f = draw(stored_fields(new_fields=not arrayform))
         want = BlockStored(**f)
@@ -266,8 +284,17 @@ def test_random_msgpack_structures_decode_or_decode_error(obj: Any) -> None:
 @FUZZ
 @given(
     st.lists(ANY, max_size=4),
-    st.lists(st.one_of(ANY, st.dictionaries(st.just("type"), st.sampled_from(
-        ["BlockStored", "BlockRemoved", "AllBlocksCleared", "Nope"]), min_size=1)), max_size=4),
+    st.lists(
+        st.one_of(
+            ANY,
+            st.dictionaries(
+                st.just("type"),
+                st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "Nope"]),
+                min_size=1,
+            ),
+        ),
+        max_size=4,
+    ),
 )
 def test_batch_shaped_garbage_decode_or_decode_error(head: list, evs: list) -> None:
     """Batch-shaped payloads whose parts are random: [ts?, events?, ...]."""
@@ -277,8 +304,9 @@ def test_batch_shaped_garbage_decode_or_decode_error(head: list, evs: list) -> N
 
 @FUZZ
 @given(batches(), st.data())
-def test_byte_mutations_of_valid_payloads(batch: tuple[list, DecodedBatch],
-                                          data: st.DataObject) -> None:
+def test_byte_mutations_of_valid_payloads(
+    batch: tuple[list, DecodedBatch], data: st.DataObject
+) -> None:
     payload = bytearray(enc(batch[0]))
     op = data.draw(st.sampled_from(["truncate", "flip", "insert", "delete", "splice"]))
     i = data.draw(st.integers(0, max(len(payload) - 1, 0)))
@@ -297,8 +325,9 @@ def test_byte_mutations_of_valid_payloads(batch: tuple[list, DecodedBatch],
 
 @FUZZ
 @given(batches(), st.data())
-def test_structural_mutations_of_valid_payloads(batch: tuple[list, DecodedBatch],
-                                                data: st.DataObject) -> None:
+def test_structural_mutations_of_valid_payloads(
+    batch: tuple[list, DecodedBatch], data: st.DataObject
+) -> None:
     """Drop or replace a field (with a value of any type), or replace a whole part."""
     raw = batch[0]
     evs = raw[1]
@@ -364,8 +393,7 @@ def test_valid_batches_of_either_era_decode_exactly(batch: tuple[list, DecodedBa
 
 
 @FUZZ
-@given(st.lists(st.tuples(stored_fields(new_fields=False), st.booleans()), min_size=1,
-                max_size=4))
+@given(st.lists(st.tuples(stored_fields(new_fields=False), st.booleans()), min_size=1, max_size=4))
 def test_fast_and_generic_paths_agree(items: list[tuple[dict, bool]]) -> None:
     """The typed fast path (known map keys only) and the generic path (taken when any event
     has an unknown key or is an array) must produce the same events."""
@@ -416,8 +444,14 @@ def test_every_033_field_round_trips() -> None:
     for k, v in STORED_033.items():
         if k != "type":
             assert getattr(ev, k) == v, k
-    removed = {"type": "BlockRemoved", "block_hashes": [H_BIG], "medium": "CPU",
-               "group_idx": 2, "locality": "REMOTE", "ownership": "o"}
+    removed = {
+        "type": "BlockRemoved",
+        "block_hashes": [H_BIG],
+        "medium": "CPU",
+        "group_idx": 2,
+        "locality": "REMOTE",
+        "ownership": "o",
+    }
     batch = decode_or_error(enc([1.25, [removed], 0]))
     assert batch is not None
     assert batch.events == [BlockRemoved([H_BIG], "CPU", 2, "REMOTE", "o")]
@@ -425,8 +459,11 @@ def test_every_033_field_round_trips() -> None:
 
 def _same_events_both_eras() -> tuple[list, list, list]:
     stored = {k: STORED_033[k] for k in ("type", *STORED_ARRAY_ORDER)}
-    maps = [stored, {"type": "BlockRemoved", "block_hashes": [H_HI], "medium": "GPU",
-                     "group_idx": 1}, {"type": "AllBlocksCleared"}]
+    maps = [
+        stored,
+        {"type": "BlockRemoved", "block_hashes": [H_HI], "medium": "GPU", "group_idx": 1},
+        {"type": "AllBlocksCleared"},
+    ]
     arrays = [
         ["BlockStored", *(stored[k] for k in STORED_ARRAY_ORDER)],
         ["BlockRemoved", [H_HI], "GPU", 1],
@@ -466,8 +503,20 @@ def test_dp_rank_nil_and_integer_ts() -> None:
 @pytest.mark.parametrize("n", range(4, 12))
 def test_old_arrays_with_trailing_fields_trimmed(n: int) -> None:
     """Each older vLLM wrote fewer trailing fields; missing ones take their defaults."""
-    full = ["BlockStored", [H_HI], None, list(range(16)), 16, None, "GPU", None, None, 0,
-            "full_attention", None]
+    full = [
+        "BlockStored",
+        [H_HI],
+        None,
+        list(range(16)),
+        16,
+        None,
+        "GPU",
+        None,
+        None,
+        0,
+        "full_attention",
+        None,
+    ]
     batch = decode_or_error(enc([0.0, [full[: n + 1]]]))
     assert batch is not None
     (ev,) = batch.events
@@ -514,9 +563,16 @@ def test_unknown_keys_and_event_types_are_skipped_and_counted() -> None:
 @pytest.mark.parametrize("h", [0, 2**63 - 1, 2**63, H_HI, H_BIG, H_BYTES, bytes(16)])
 def test_hash_values_accepted_as_they_arrive(h: int | bytes) -> None:
     for ev in (
-        {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": h,
-         "token_ids": [1] * 16, "block_size": 16, "lora_id": None, "medium": "GPU",
-         "lora_name": None},
+        {
+            "type": "BlockStored",
+            "block_hashes": [h],
+            "parent_block_hash": h,
+            "token_ids": [1] * 16,
+            "block_size": 16,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+        },
         ["BlockStored", [h], h, [1] * 16, 16, None, "GPU"],
         {"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"},
         ["BlockRemoved", [h], "GPU", 0],
@@ -551,12 +607,48 @@ def test_hash_values_accepted_as_they_arrive(h: int | bytes) -> None:
         enc([1.0, [{"type": "BlockRemoved", "block_hashes": [True], "medium": "GPU"}]]),
         enc([1.0, [{"type": "BlockRemoved", "block_hashes": [1.5], "medium": "GPU"}]]),
         enc([1.0, [{"type": "BlockRemoved", "block_hashes": ["ab"], "medium": "GPU"}]]),
-        enc([1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
-                    "token_ids": [1], "block_size": 16.0}]]),
-        enc([1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
-                    "token_ids": [1], "block_size": True}]]),
-        enc([1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
-                    "token_ids": ["a"], "block_size": 16}]]),
+        enc(
+            [
+                1.0,
+                [
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [1],
+                        "parent_block_hash": None,
+                        "token_ids": [1],
+                        "block_size": 16.0,
+                    }
+                ],
+            ]
+        ),
+        enc(
+            [
+                1.0,
+                [
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [1],
+                        "parent_block_hash": None,
+                        "token_ids": [1],
+                        "block_size": True,
+                    }
+                ],
+            ]
+        ),
+        enc(
+            [
+                1.0,
+                [
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [1],
+                        "parent_block_hash": None,
+                        "token_ids": ["a"],
+                        "block_size": 16,
+                    }
+                ],
+            ]
+        ),
         msgspec.msgpack.encode([1.0, [msgspec.msgpack.Ext(5, b"x")]]),
         b"\x92\xd6\xff\x00\x00\x00\x01\x90",  # ts is a msgpack timestamp (a datetime)
         b"\x92\xd7\xff" + b"\xff" * 8 + b"\x90",  # an invalid timestamp
@@ -576,10 +668,26 @@ def test_malformed_payloads_raise_decode_error(payload: bytes) -> None:
     [
         b"\x91" * 5000 + b"\x90",  # the whole batch nested
         b"\x92\x00" + b"\x91" * 5000 + b"\x90",  # the events list nested
-        enc([0.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
-                    "token_ids": [], "block_size": 16, "lora_id": None, "medium": "GPU",
-                    "lora_name": None, "extra_keys": [None]}]])[:-2]
-        + b"\x91" * 5000 + b"\x90",  # a valid event whose extra_keys entry is nested
+        enc(
+            [
+                0.0,
+                [
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [1],
+                        "parent_block_hash": None,
+                        "token_ids": [],
+                        "block_size": 16,
+                        "lora_id": None,
+                        "medium": "GPU",
+                        "lora_name": None,
+                        "extra_keys": [None],
+                    }
+                ],
+            ]
+        )[:-2]
+        + b"\x91" * 5000
+        + b"\x90",  # a valid event whose extra_keys entry is nested
     ],
     ids=["batch", "events", "extra_keys"],
 )
@@ -607,9 +715,24 @@ def test_any_decoded_batch_applies_without_raising(batch: tuple[list, DecodedBat
 
 @pytest.mark.parametrize("token", [-1, 2**32, 2**64 - 1])
 def test_out_of_range_token_ids_are_rejected_or_counted(token: int) -> None:
-    payload = enc([0.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
-                          "token_ids": [token] * 16, "block_size": 16, "lora_id": None,
-                          "medium": "GPU", "lora_name": None}], 0])
+    payload = enc(
+        [
+            0.0,
+            [
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [1],
+                    "parent_block_hash": None,
+                    "token_ids": [token] * 16,
+                    "block_size": 16,
+                    "lora_id": None,
+                    "medium": "GPU",
+                    "lora_name": None,
+                }
+            ],
+            0,
+        ]
+    )
     batch = decode_or_error(payload)
     if batch is None:
         return  # rejected by the decoder: fine
