@@ -191,10 +191,9 @@ class Worker:
             prompt = prompt[0]
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            if any(t < 0 or t >= vocab for t in prompt):
+        elif isinstance(prompt, list) and set(map(type, prompt)) <= {int}:
+            # C-level checks (type set, min, max): a router forwards 100k-token id lists.
+            if prompt and (min(prompt) < 0 or max(prompt) >= vocab):
                 raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt")
             ids = list(prompt)
         else:
