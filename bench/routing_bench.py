@@ -78,7 +78,10 @@ from simulator.fleet import FastFleet
 
 MODEL = "sim-model"
 POLICIES = ("random", "round_robin", "least_loaded", "approx_prefix", "kvrouter", "pooled_ideal")
-DEFAULT_TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
+# ../shared beside the checkout holds the trace (see shared/traces/README.md).
+DEFAULT_TRACE = str(
+    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+)
 CAPACITY_REQUESTS = 2000
 OUT_DIR = Path(__file__).resolve().parent / "out"
 

@@ -18,7 +18,8 @@ import pytest
 
 from simulator.engine import EngineConfig, SimEngine
 
-CAPTURES = Path("/work/shared/fixtures/vllm-captures")
+# ../shared beside the checkout (as CI lays it out), like tests/test_captures.py.
+CAPTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "vllm-captures"
 
 
 def load_batches(name: str) -> list[list[dict[str, Any]]]:
