@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import msgspec
 import zmq
+from index_bench import stored_event  # the same vLLM 0.33 BlockStored map (bench/ is on path)
 
 from indexer.index import PrefixIndex
 from indexer.subscriber import Subscriber
@@ -49,21 +50,6 @@ CHUNKS_PER_REQUEST = 4
 ACTIVE = 4  # requests in flight per publisher (one chunk each per step)
 GPU_BLOCKS = 32_768  # per publisher (a realistic GPU); beyond it the oldest request is evicted
 REQ_TOKENS = BLOCK * CHUNK_BLOCKS * CHUNKS_PER_REQUEST
-
-
-def _stored(hashes: list[int], parent: int | None, tokens: list[int]) -> dict[str, Any]:
-    return {
-        "type": "BlockStored",
-        "block_hashes": hashes,
-        "parent_block_hash": parent,
-        "token_ids": tokens,
-        "block_size": BLOCK,
-        "lora_id": None,
-        "medium": "GPU",
-        "lora_name": None,
-        "group_idx": 0,
-        "kv_cache_spec_kind": "full_attention",
-    }
 
 
 def _removed(hashes: list[int]) -> dict[str, Any]:
@@ -122,7 +108,9 @@ def publisher(
             c = req["chunk"]
             hs = [rng.getrandbits(64) for _ in range(CHUNK_BLOCKS)]
             lo = c * CHUNK_BLOCKS * BLOCK
-            batch.append(_stored(hs, req["parent"], req["tokens"][lo : lo + CHUNK_BLOCKS * BLOCK]))
+            batch.append(
+                stored_event(hs, req["parent"], req["tokens"][lo : lo + CHUNK_BLOCKS * BLOCK])
+            )
             req["parent"] = hs[-1]
             req["hashes"].extend(hs)
             req["chunk"] = c + 1
