@@ -243,6 +243,9 @@ class PrefixIndex:
     def engines(self) -> list[EngineId]:
         return list(self._engines)
 
+    def has_engine(self, engine: EngineId) -> bool:
+        return engine in self._engines
+
     # ------------------------------------------------------------------ apply
 
     def apply(self, engine: EngineId, events: Sequence[Event]) -> None:
