@@ -206,24 +206,31 @@ def test_mixed_group_block_sizes() -> None:
 
 
 # ---- CPU tier ----------------------------------------------------------------------------------
-def test_cpu_tier_extends_hit_and_costs_load_time() -> None:
+def _offloaded(prompt: list[int], load_tps: float) -> tuple[SimEngine, float, list]:
+    """An engine with a small GPU and a 16-chunk CPU tier (64-token chunks) that computed
+    ``prompt`` (so its chunks were offloaded), then had it flushed off the GPU by others."""
     cfg = EngineConfig(
         block_size=16,
         num_gpu_blocks=40,
         cpu_chunks=16,
         cpu_chunk_tokens=64,
         cpu_events="self_describing",
-        cpu_load_tokens_per_s=1000.0,
+        cpu_load_tokens_per_s=load_tps,
     )
     eng = SimEngine(cfg)
-    base = list(range(300, 300 + 257))
-    eng.add_request("a", base, 1, 0.0)
-    now, b1 = _drain(eng)
-    cpu = [e for b in b1 for e in b if e.get("medium") == "CPU"]
-    assert len(cpu) == 4 and all(e["block_size"] == 16 and len(e["token_ids"]) == 64 for e in cpu)
+    eng.add_request("a", prompt, 1, 0.0)
+    now, first = _drain(eng)
     for i in range(3):  # flush the GPU with other prompts
         eng.add_request(f"x{i}", [5000 + i] * 200 + list(range(i, i + 57)), 1, now)
         now, _ = _drain(eng, now)
+    return eng, now, first
+
+
+def test_cpu_tier_extends_hit_and_costs_load_time() -> None:
+    base = list(range(300, 300 + 257))
+    eng, now, b1 = _offloaded(base, 1000.0)
+    cpu = [e for b in b1 for e in b if e.get("medium") == "CPU"]
+    assert len(cpu) == 4 and all(e["block_size"] == 16 and len(e["token_ids"]) == 64 for e in cpu)
     eng.add_request("again", base, 1, now)
     t0 = now
     r = eng.requests["again"]
@@ -419,21 +426,8 @@ def test_hasher_memos_never_change_hashes(specs: list[tuple[int, int, str | None
 def test_cpu_lookup_follows_offloading_connector_rules() -> None:
     """vLLM: whole chunks of the request (n // chunk), contiguous from gpu_hit // chunk, at least
     one whole chunk gained; a load reaching the prompt's end recomputes the last token."""
-    cfg = EngineConfig(
-        block_size=16,
-        num_gpu_blocks=40,
-        cpu_chunks=16,
-        cpu_chunk_tokens=64,
-        cpu_events="self_describing",
-        cpu_load_tokens_per_s=1e6,
-    )
-    eng = SimEngine(cfg)
     base = list(range(300, 300 + 256))  # exactly 4 chunks
-    eng.add_request("a", [*base, 7], 1, 0.0)
-    now, _ = _drain(eng)
-    for i in range(3):  # flush the GPU with other prompts
-        eng.add_request(f"x{i}", [5000 + i] * 200 + list(range(i, i + 57)), 1, now)
-        now, _ = _drain(eng, now)
+    eng, now, _ = _offloaded([*base, 7], 1e6)
     eng.add_request("again", base, 1, now)
     req = eng.requests["again"]
     req.hasher.extend(req.all_token_ids)  # what the engine does at the first schedule
