@@ -317,13 +317,7 @@ class PrefixIndex:
                     break
             rest = tuple(items) or None
         model = ev.lora_name if ev.lora_name is not None else e.model
-        key = (model, salt)
-        root = self._roots.get(key)
-        if root is None:
-            if len(self._roots) > 4096:  # bounded: namespaces are few, salts may be many
-                self._roots.clear()
-            root = self._roots[key] = namespace_root(model, salt)
-        return root, rest
+        return self.root(model, salt), rest
 
     def _block_keys(self, e: _Engine, ev: BlockStored) -> list[int] | None:
         """Content key at the end of every block of ``ev``'s token range, or None (counted)."""
@@ -477,11 +471,7 @@ class PrefixIndex:
                 continue
             if parent is not None and parent not in e.hashes:
                 # Chain from a parent learned earlier in this look-ahead.
-                tmp = BlockStored(
-                    ev.block_hashes, None, ev.token_ids, ev.block_size, lora_name=ev.lora_name
-                )
-                seed_key = learned[parent]
-                keys = self._chain_from(seed_key, tmp)
+                keys = self._chain_from(learned[parent], ev)
             else:
                 keys = self._block_keys(e, ev)
             if keys:
@@ -724,7 +714,7 @@ class PrefixIndex:
         key = (model, cache_salt)
         root = self._roots.get(key)
         if root is None:
-            if len(self._roots) > 4096:
+            if len(self._roots) > 4096:  # bounded: namespaces are few, salts may be many
                 self._roots.clear()
             root = self._roots[key] = namespace_root(model, cache_salt)
         return root
