@@ -527,9 +527,16 @@ class PrefixIndex:
         """
         if not e.groups or not e.resident or not keys:
             return False
-        # One decision per prefix per batch, keyed by the event's end key (the groups' events
-        # of one step cover the same range when their block sizes agree).
-        verdict = decided.get(keys[-1])
+        align = math.lcm(*(spec.block_size for spec in e.groups.values()))
+        point = (len(ev.token_ids) // align) * align
+        if point == 0 or align % ev.block_size:
+            return False
+        # One decision per prefix per batch, keyed by K(point): every group's event of the same
+        # request step reaches the same LCM-aligned point even when their ranges differ (a
+        # 16-token group may cover 48 tokens where a 32-token group covers 32), so storing the
+        # first cannot make the next look like a hit. K(point) is one of this event's block keys.
+        decision_key = keys[point // ev.block_size - 1]
+        verdict = decided.get(decision_key)
         if verdict is not None:
             return verdict
         # Fast rejection, exact: a full hit from token 0 needs block 0 of every full-attention
@@ -539,16 +546,11 @@ class PrefixIndex:
             if spec.kind == FULL and spec.block_size == ev.block_size:
                 res = self._residency.get((g, GPU))
                 if not res or not res.get(keys[0], 0) & bit:
-                    decided[keys[-1]] = False
+                    decided[decision_key] = False
                     return False
-        align = math.lcm(*(spec.block_size for spec in e.groups.values()))
-        point = (len(ev.token_ids) // align) * align
-        if point == 0:
-            decided[keys[-1]] = False
-            return False
         seed, _ = self._root(e, ev, ev.extra_keys[0] if ev.extra_keys else None)
         unit_keys = chain_keys(seed, ev.token_ids[:point], self.unit)
-        verdict = decided[keys[-1]] = all(
+        verdict = decided[decision_key] = all(
             self._group_ok(e, g, spec, unit_keys, point) for g, spec in e.groups.items()
         )
         return verdict

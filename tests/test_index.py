@@ -452,3 +452,18 @@ def test_snapshot_round_trip_restores_exact_state() -> None:
     with pytest.raises(ValueError):
         other.import_engine(W0, b"\x00garbage")
     assert other.resident_blocks(W0) == 0
+
+
+def test_one_reannounce_decision_per_step_across_block_sizes() -> None:
+    """A recompute from token 0 sends one event per group; with block sizes 16 and 32 they cover
+    48 and 32 tokens. Storing the full-attention event first must not make the sliding-window
+    event look like a re-announced hit: its still-resident block gets a second reference."""
+    index, eng, p = PrefixIndex(), Engine(), prompt(64)
+    index.add_engine(W0, MODEL)
+    swa = {"group": 1, "kind": "sliding_window", "window": 32}
+    index.apply(W0, [eng.stored(p, 0, 4, 16), eng.stored(p, 0, 2, 32, **swa)])
+    index.apply(W0, eng.removed(p, [3, 2, 1, 0], 16))  # full attention evicted, SWA kept
+    index.apply(W0, [eng.stored(p, 0, 3, 16), eng.stored(p, 0, 1, 32, **swa)])  # recompute
+    assert index.engine_stats(W0).counters["reannounced"] == 0
+    index.apply(W0, eng.removed(p, [0], 32, group=1))  # one of block 0's two SWA copies
+    assert gpu(index, [*p[:32], 7]) == 32
