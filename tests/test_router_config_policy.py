@@ -229,3 +229,72 @@ def test_simple_policies():
     assert ll.choose([cand("a", inflight_requests=2), cand("b")], 10, 0).worker == "b"
     rnd = make_policy("random", seed=0)
     assert {rnd.choose([cand("a"), cand("b")], 10, 0).worker for _ in range(30)} == {"a", "b"}
+
+
+def test_queued_prefill_drains_in_time_at_the_learned_rate() -> None:
+    """A worker part-way through a long prefill looks busier to the raw count (held in full
+    until the first token) than it is: once the policy has seen the worker release queued
+    tokens at ~10k tokens/s while backlogged, it decays the count at that rate, never below
+    zero, never above the count, and not at all before it has evidence (or with
+    ``queue_drain=0``)."""
+
+    def run(drain: float) -> tuple[KvRouterPolicy, list[float]]:
+        p = KvRouterPolicy(PolicyParams(near_tie_tokens=0, queue_drain=drain), seed=0)
+        seen = []
+        t = 0.0
+        q = 0
+        for _ in range(6):  # 6 s of a worker releasing 10,000 tokens each second
+            q += 10_000
+            seen.append(p.choose([cand("a", queued_prefill_tokens=q)], 100, t).costs[0])
+            t += 1.0
+            q -= 10_000
+            p.choose([cand("a", queued_prefill_tokens=q)], 100, t - 1e-9)
+        return p, [c.queued_tokens for c in seen]
+
+    p, _ = run(1.0)
+    # The raw count says 40k tokens, sent 2 s ago. The rate is the released tokens over the
+    # backlogged time seen so far, these 2 s included (60k / 8 s), so 15k of them count as done:
+    # less than the true 10k/s would have drained, the safe side.
+    p.choose([cand("a", queued_prefill_tokens=40_000)], 100, 10.0)
+    c = p.choose([cand("a", queued_prefill_tokens=40_000)], 100, 12.0).costs[0]
+    assert c.queued_tokens == pytest.approx(40_000 - 2 * 60_000 / 8, rel=1e-6)
+    assert c.cost_tokens == pytest.approx(c.queued_tokens + 100)
+    c = p.choose([cand("a", queued_prefill_tokens=40_000)], 100, 30.0).costs[0]
+    assert c.queued_tokens == 0
+    # New work shows up in full however long the worker has been draining.
+    c = p.choose([cand("a", queued_prefill_tokens=45_000)], 100, 30.0).costs[0]
+    assert c.queued_tokens == 5_000
+    # No drain before evidence (a fresh policy) or when switched off.
+    fresh = KvRouterPolicy(PolicyParams(near_tie_tokens=0), seed=0)
+    fresh.choose([cand("a", queued_prefill_tokens=40_000)], 100, 0.0)
+    assert (
+        fresh.choose([cand("a", queued_prefill_tokens=40_000)], 100, 5.0).costs[0].queued_tokens
+        == 40_000
+    )
+    off, _ = run(0.0)
+    off.choose([cand("a", queued_prefill_tokens=40_000)], 100, 10.0)
+    assert (
+        off.choose([cand("a", queued_prefill_tokens=40_000)], 100, 12.0).costs[0].queued_tokens
+        == 40_000
+    )
+
+
+def test_drained_worker_wins_over_an_equal_raw_count() -> None:
+    """Two workers report the same queued tokens; one has held them for 3 s (its long prefill
+    is mostly done), the other just received them: the drained one is chosen."""
+    p = KvRouterPolicy(PolicyParams(near_tie_tokens=0), seed=0)
+    for k in range(5):  # both workers seen releasing ~10k tokens/s while backlogged
+        t = 2.0 * k
+        p.choose(
+            [cand("a", queued_prefill_tokens=20_000), cand("b", queued_prefill_tokens=20_000)], 1, t
+        )
+        p.choose([cand("a"), cand("b")], 1, t + 2.0 - 1e-9)
+    p.choose([cand("a", queued_prefill_tokens=30_000), cand("b")], 100, 20.0)
+    d = p.choose(
+        [cand("a", queued_prefill_tokens=30_000), cand("b", queued_prefill_tokens=30_000)],
+        100,
+        23.0,
+    )
+    assert d.worker == "a"
+    costs = {c.worker: c.queued_tokens for c in d.costs}
+    assert costs["b"] == 30_000 and costs["a"] < 10_000
