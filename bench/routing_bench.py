@@ -39,15 +39,19 @@ uncached prefill tokens per worker, released at first token), corrected by the w
 Offered load: arrival times are divided by a speed-up chosen so the offered request rate is
 ``--load`` (default 0.8) times the fleet's *round-robin capacity*, measured first by a
 saturation run: the same requests replayed with round robin at ~2x an analytic no-cache
-estimate of capacity (so the queue never drains); capacity = first tokens per second between
-the 10th and 90th percentile first-token times.
+estimate of capacity (so the queue never drains); capacity = prompt tokens per second of the
+requests whose first token falls between the 10th and 90th percentile first-token times,
+divided by the workload's mean prompt for requests per second (see ``measure_capacity``).
 
 Metrics per policy: ``hit_rate`` = (GPU cached + CPU loaded prompt tokens, as the simulator
 reports them) / prompt tokens; TTFT mean and percentiles (first token time - arrival);
-``throughput_rps`` = requests / (last finish - first arrival); ``imbalance`` = busiest worker's
-busy time (sum of its step durations) / mean busy time; ``decision_ms_p50`` = wall time of
-one routing decision (content keys + index match + speculative lookup + policy for kvrouter;
-keys + policy for approx_prefix; policy only for the baselines).
+``ttft_floor_s`` = mean TTFT the policy would have with no queueing at all at the hits it got
+(each request's own uncached prefill in full-budget chunks, each step carrying a decode, on the
+engine that served it; ``prefill_steps_with_decode`` is the measured share of prefill steps that
+did carry one); ``throughput_rps`` = requests / (last finish - first arrival); ``imbalance`` =
+busiest worker's busy time (sum of its step durations) / mean busy time; ``decision_ms_p50`` =
+wall time of one routing decision (content keys + index match + speculative lookup + policy for
+kvrouter; keys + policy for approx_prefix; policy only for the baselines).
 """
 
 from __future__ import annotations
@@ -73,8 +77,8 @@ from router.config import WorkerSpec
 from router.policy import Candidate, PolicyParams, SpeculativeCache, make_policy
 from router.proxy import Ticket
 from router.workers import Worker
-from simulator.engine import EngineConfig
-from simulator.fleet import FastFleet
+from simulator.engine import EngineConfig, SimEngine
+from simulator.fleet import CompletedRequest, FastFleet
 
 MODEL = "sim-model"
 POLICIES = ("random", "round_robin", "least_loaded", "approx_prefix", "kvrouter", "pooled_ideal")
@@ -147,6 +151,9 @@ class RunResult:
     decision_ms: list[float]
     completed: int
     preemptions: int = 0
+    ttft_floor: list[float] = field(default_factory=list)
+    prefill_steps: int = 0
+    prefill_steps_with_decode: int = 0
 
     def summary(self) -> dict[str, float]:
         t = sorted(self.ttft)
@@ -162,6 +169,12 @@ class RunResult:
             "decision_ms_p50": round(pct(d, 50), 4),
             "completed": self.completed,
             "preemptions": self.preemptions,
+            "ttft_floor_s": round(statistics.fmean(self.ttft_floor), 4)
+            if self.ttft_floor
+            else math.nan,
+            "prefill_steps_with_decode": round(
+                self.prefill_steps_with_decode / max(self.prefill_steps, 1), 4
+            ),
         }
 
 
@@ -209,8 +222,9 @@ def run_policy(
     fleet = FastFleet(n, fs.engine(pooled=pooled, events=use_events))
     busy = [0.0] * n
     preempted = [0]
+    mixed = [0, 0]  # steps with prefill, of which also carrying a decode
     for w, e in enumerate(fleet.engines):
-        e.schedule = _timed_schedule(e.schedule, busy, w)  # busy time = sum of step durations
+        e.schedule = _timed_schedule(e, busy, w, mixed)  # busy time = sum of step durations
         e._preempt = _counted(e._preempt, preempted)
     unit = keys.index.unit
     index = PrefixIndex(unit=unit, cpu_chunk_tokens=fs.cpu_chunk_tokens)
@@ -242,6 +256,8 @@ def run_policy(
     n_done = 0
     hit_tokens = prompt_tokens = 0
     ttfts: list[float] = []
+    floors: list[float] = []
+    ecfg = fleet.config
     last_finish = 0.0
 
     def ingest() -> None:
@@ -257,6 +273,7 @@ def run_policy(
             hit_tokens += c.cached_tokens + c.cpu_loaded_tokens
             prompt_tokens += c.prompt_tokens
             ttfts.append(c.first_token_s - c.arrival_s)
+            floors.append(_prefill_floor(c, ecfg))
             last_finish = max(last_finish, c.finish_s)
             t = tickets.pop(c.request_id, None)
             if t is not None:
@@ -357,6 +374,25 @@ def run_policy(
         decision_ms=decisions,
         completed=n_done,
         preemptions=preempted[0],
+        ttft_floor=floors,
+        prefill_steps=mixed[0],
+        prefill_steps_with_decode=mixed[1],
+    )
+
+
+def _prefill_floor(c: CompletedRequest, cfg: EngineConfig) -> float:
+    """The TTFT this request would have had with no queueing at all: its own uncached tokens in
+    full-budget chunks on the engine that served it, each chunk's step also carrying a decode
+    (``prefill_steps_with_decode`` shows that nearly every prefill step does at these loads),
+    plus loading its CPU hits. No routing decision can bring a request below this at the hit
+    it got, so ``ttft_floor_s`` bounds what a policy can reach at its hit rate."""
+    u = max(c.prompt_tokens - c.cached_tokens - c.cpu_loaded_tokens, 1)
+    chunks = math.ceil(u / cfg.max_num_batched_tokens)
+    step = cfg.step_overhead_s + cfg.decode_s_per_token
+    return (
+        u / cfg.prefill_tokens_per_s
+        + chunks * step
+        + c.cpu_loaded_tokens / (cfg.cpu_load_tokens_per_s)
     )
 
 
@@ -368,10 +404,16 @@ def _counted(orig, counter: list[int]):
     return preempt
 
 
-def _timed_schedule(orig, busy: list[float], w: int):
+def _timed_schedule(engine: SimEngine, busy: list[float], w: int, mixed: list[int]):
+    orig = engine.schedule
+
     def schedule(now: float) -> float:
         end = orig(now)
         busy[w] += end - now
+        batch = engine._inflight[2] if engine._inflight else []
+        if any(r.num_computed < r.num_prompt for r, _ in batch):
+            mixed[0] += 1
+            mixed[1] += any(r.num_computed >= r.num_prompt for r, _ in batch)
         return end
 
     return schedule
@@ -478,7 +520,7 @@ def _log(name: str, s: dict[str, float], dt: float) -> None:
     print(
         f"  {name:14s} hit {s['hit_rate']:.3f}  ttft mean {s['ttft_mean_s']:8.3f}s "
         f"p50 {s['ttft_p50_s']:7.3f} p90 {s['ttft_p90_s']:7.3f} "
-        f"p99 {s['ttft_p99_s']:8.3f}  rps {s['throughput_rps']:.3f}  "
+        f"p99 {s['ttft_p99_s']:8.3f} floor {s['ttft_floor_s']:.3f}  rps {s['throughput_rps']:.3f}  "
         f"imb {s['imbalance']:.2f} pre {s['preemptions']} "
         f"dec {s['decision_ms_p50']:.3f}ms  ({dt:.1f}s)",
         file=sys.stderr,
