@@ -64,11 +64,15 @@ def test_shared_prefix_workload_ranks_policies(tmp_path, capsys):
         ):
             assert key in s, (name, key)
         assert s["preemptions"] == 0, name
+        assert s["ttft_floor_s"] > 0 and 0 <= s["prefill_steps_with_decode"] <= 1, name
     assert pol["kvrouter"]["hit_rate"] > pol["round_robin"]["hit_rate"] + 0.1
     assert pol["kvrouter"]["hit_rate"] > pol["least_loaded"]["hit_rate"]
     assert pol["kvrouter"]["hit_rate"] <= pol["pooled_ideal"]["hit_rate"] + 1e-9
     assert pol["kvrouter"]["ttft_mean_s"] < pol["round_robin"]["ttft_mean_s"]
     assert pol["pooled_ideal"]["imbalance"] == 1.0
+    # The no-queueing floor is priced on the engine that served the request: the pooled engine
+    # prefills 4x faster than one worker, so its floor is far below round robin's.
+    assert pol["pooled_ideal"]["ttft_floor_s"] < pol["round_robin"]["ttft_floor_s"] / 3
     assert png.stat().st_size > 10_000
 
 
