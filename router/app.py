@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -389,6 +389,13 @@ class Router:
             )
         return {"workers": workers}
 
+    def same_tokenizer(self, urls: Iterable[str]) -> bool:
+        """False when the self-check found any of these workers tokenizing differently from the
+        rest of the fleet: ids from another worker's ``/tokenize`` would then be the wrong ids."""
+        if self.selfcheck is None:
+            return True
+        return all(self.selfcheck.tokenizer_status(u) != "mismatch" for u in urls)
+
     def _tokenizer_mismatch(self, url: str) -> str | None:
         return self.selfcheck.tokenizer_detail(url) if self.selfcheck is not None else None
 
@@ -557,6 +564,9 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
+_upstream_enc = msgspec.json.Encoder()
+
+
 def parse_json_object(data: bytes) -> dict[str, Any]:
     if not data:
         raise BodyError(400, "request body is empty; expected a JSON object")
@@ -707,6 +717,7 @@ def _add_api_routes(app: FastAPI, router: Router) -> None:
     keys = set(cfg.server.api_keys)
     m = router.metrics
     policy_name = router.policy.name
+    forward_ids = cfg.tokenizer.forward_ids
 
     def check_key(request: Request) -> None:
         if keys and _bearer(request) not in keys:
@@ -757,6 +768,11 @@ def _add_api_routes(app: FastAPI, router: Router) -> None:
             elif o.cached_tokens is not None and tok is not None:
                 m.prediction_error.observe(abs(predicted - o.cached_tokens))
 
+        if forward_ids and tok is not None and not chat:
+            ids = router.tokenizer.upstream_ids(body, tok)
+            if ids is not None and router.same_tokenizer(a.engine[0] for a in attempts):
+                body = {**body, "prompt": ids}
+                data = _upstream_enc.encode(body)
         headers = proxy.request_headers(request.scope["headers"], cfg.server.forward_authorization)
         stream = bool(body.get("stream"))
         strip = False

@@ -69,6 +69,9 @@ class TokenizerConfig:
     path: str | None = None
     cache_entries: int = 4096
     cache_tokens: int = 32_000_000  # token budget of that cache (issue 8; reported)
+    # Completions: send the worker the ids its /tokenize returned instead of the text, so the
+    # prompt is tokenized once per request, not twice (router/tokenize.py: upstream_ids).
+    forward_ids: bool = True
 
 
 @dataclass
@@ -199,6 +202,7 @@ _TYPES: dict[str, dict[str, tuple[type, ...]]] = {
         "path": (str, type(None)),
         "cache_entries": (int,),
         "cache_tokens": (int,),
+        "forward_ids": (bool,),
     },
     "policy": {
         "name": (str,),

@@ -280,6 +280,34 @@ class PromptTokenizer:
         self._store(ckey, _Entry(data, karr, root), conv_hashes[-1] if conv_hashes else None)
         return Tokenized(n, data, karr, root, source, reused)
 
+    # ---------------------------------------------------------------- upstream body
+
+    def upstream_ids(self, body: dict[str, Any], tok: Tokenized) -> list[int] | None:
+        """The token ids to send the worker in place of a completion's text prompt, or None when
+        the text must go as it came.
+
+        Why: the router has just had a worker tokenize the prompt (or found that result in its
+        cache); sending the text would make the chosen worker tokenize it again, a second full
+        tokenization on the request path (milliseconds for long prompts). vLLM serves a
+        ``prompt`` given as token ids exactly as the same prompt given as text that tokenizes to
+        them (``add_special_tokens`` was applied by ``/tokenize``). NVIDIA Dynamo's frontend sends
+        token ids the same way.
+
+        Only ids that came from a worker's ``/tokenize`` qualify: a local tokenizer is checked
+        on a few probes only, and a difference must not change what the model sees. ``echo``
+        keeps the text, so the echoed prompt is byte for byte the client's; batches (several
+        prompts) and prompts already given as ids pass through unchanged.
+        """
+        if self.local is not None or tok.source == "ids" or body.get("echo"):
+            return None
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1:
+            p = p[0]
+        if not isinstance(p, str):
+            return None
+        ids: list[int] = np.frombuffer(tok.data, dtype="<u4").tolist()
+        return ids
+
     # ---------------------------------------------------------------- keys
 
     def _keys(self, data: bytes, n: int, root: int) -> list[int]:

@@ -95,6 +95,8 @@ class Worker:
         self.tokenizer = Tokenizer(settings.engine.vocab_size, settings.chat_template)
         self.runners: list[EngineRunner] = []
         self.faults = Faults()
+        # Requests by prompt form, for /sim/state: a router that forwards token ids is seen here.
+        self.prompt_forms: dict[str, int] = {"text": 0, "ids": 0, "chat": 0}
         self._rr = itertools.count()
         self.created = int(time.time())
         self.app = self._make_app()
@@ -248,6 +250,14 @@ class Worker:
     async def _generate(self, data: dict[str, Any], chat: bool) -> Response:
         lora = self._check_model(data)
         ids = self._chat_ids(data) if chat else self._prompt_ids(data.get("prompt"))
+        p = data.get("prompt")
+        if chat:
+            form = "chat"
+        elif isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], str)):
+            form = "text"
+        else:
+            form = "ids"
+        self.prompt_forms[form] += 1
         max_tokens = self._max_tokens(data, len(ids), chat)
         salt = self._salt(data)
         stream = data.get("stream", False)
@@ -682,6 +692,7 @@ class Worker:
                         for r in w.runners
                     ],
                     "faults": w.faults.as_dict(),
+                    "prompt_forms": dict(w.prompt_forms),
                 }
             )
 

@@ -401,3 +401,42 @@ async def test_multi_turn_chat_reuses_keys_exactly(fleet):
         assert cached.source.endswith("+prefix")
         assert list(cached.keys[: len(fresh) - 2]) == fresh[: len(fresh) - 2]
         assert list(res.keys) == fresh
+
+
+async def test_completion_goes_to_the_worker_as_the_ids_its_tokenize_returned(fleet):
+    """The router tokenized the prompt through /tokenize; the worker gets those ids, not the text
+    to tokenize a second time, and answers exactly as it does for the text. ``echo`` keeps the
+    text (the echoed prompt must be the client's), chat and ``forward_ids: false`` too."""
+    w = fleet[:1]
+    prompt = words(300, "fwd")
+
+    async def forms(c: httpx.AsyncClient) -> dict[str, int]:
+        return (await c.get(w[0].url + "/sim/state")).json()["prompt_forms"]
+
+    async def delta(c, base, body) -> tuple[dict[str, int], dict[str, Any]]:
+        before = await forms(c)
+        r = await c.post(base + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        after = await forms(c)
+        return {k: after[k] - before[k] for k in after}, r.json()
+
+    body = {"model": "sim-model", "prompt": prompt, "max_tokens": 2}
+    async with httpx.AsyncClient(timeout=30) as c:
+        direct = (await c.post(w[0].url + "/v1/completions", json=body)).json()
+        async with serve_router(config_for(w)) as (base, _r):
+            await until(lambda: c.get(base + "/ready"), 20)
+            d, routed = await delta(c, base, body)
+            assert d == {"text": 0, "ids": 1, "chat": 0}
+            assert routed["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
+            assert routed["usage"]["prompt_tokens_details"]["cached_tokens"] >= 288  # same ids
+            d, _ = await delta(c, base, {**body, "echo": True})  # (the simulator does not echo)
+            assert d["text"] == 1
+            d, _ = await delta(c, base, {**body, "prompt": [prompt]})
+            assert d["ids"] == 1
+            chat = {"model": "sim-model", "messages": [{"role": "user", "content": prompt}]}
+            r = await c.post(base + "/v1/chat/completions", json={**chat, "max_tokens": 2})
+            assert r.status_code == 200
+        async with serve_router(config_for(w, tokenizer={"forward_ids": False})) as (base, _r):
+            await until(lambda: c.get(base + "/ready"), 20)
+            d, _ = await delta(c, base, body)
+            assert d == {"text": 1, "ids": 0, "chat": 0}

@@ -186,6 +186,14 @@ def test_speculative_refresh_keeps_entries_and_bounds():
     for i in range(20):
         spec.record("b", list(range(1000 + 10 * i, 1010 + 10 * i)), now=2.0)
     assert len(spec) <= 50
+    # past the bound the oldest records go first; the newest stays usable
+    spec = SpeculativeCache(ttl_s=10.0, max_keys=50)
+    for i in range(20):
+        spec.record("b", list(range(1000 + 10 * i, 1010 + 10 * i)), now=0.01 * i)
+        assert len(spec) <= 50
+    newest = list(range(1190, 1200))
+    assert spec.hit_tokens("b", newest, 16, now=0.3) == 160
+    assert spec.hit_tokens("b", list(range(1000, 1010)), 16, now=0.3) == 0
 
 
 @pytest.mark.parametrize("weight", [1.0, 4.0])

@@ -314,6 +314,9 @@ async def test_tokens_differ_prompt_tokens_mismatch_is_diagnosed():
             cfg.workers = [
                 WorkerSpec(url=front, events=sim.events_endpoint, replay=sim.replay_endpoint)
             ]
+            # Forwarded ids would make the engine see the BOS too (no mismatch left to find):
+            # the text must reach the engine for its own tokenization to differ.
+            cfg.tokenizer.forward_ids = False
             async with serve_router(cfg) as (base, _r), httpx.AsyncClient(timeout=30) as c:
                 await until(lambda: c.get(base + "/debug/index"), 10)
                 await repeat_prompts(c, base, 14, "bos")
