@@ -43,8 +43,10 @@ estimate of capacity (so the queue never drains); capacity = prompt tokens per s
 requests whose first token falls between the 10th and 90th percentile first-token times,
 divided by the workload's mean prompt for requests per second (see ``measure_capacity``).
 
-Metrics per policy: ``hit_rate`` = (GPU cached + CPU loaded prompt tokens, as the simulator
-reports them) / prompt tokens; TTFT mean and percentiles (first token time - arrival);
+Metrics per policy: ``hit_rate`` = (GPU cached + CPU loaded prompt tokens at each request's
+first admission, as vLLM's ``num_cached_tokens``: a preempted request's re-admission would
+otherwise count its own recomputed blocks) / prompt tokens; TTFT mean and percentiles (first
+token time - arrival);
 ``ttft_floor_s`` = mean TTFT the policy would have with no queueing at all at the hits it got
 (each request's own uncached prefill in full-budget chunks, each step carrying a decode, on the
 engine that served it; ``prefill_steps_with_decode`` is the measured share of prefill steps that
@@ -78,7 +80,8 @@ from router.policy import Candidate, PolicyParams, SpeculativeCache, make_policy
 from router.proxy import Ticket
 from router.workers import Worker
 from simulator.engine import EngineConfig, SimEngine
-from simulator.fleet import CompletedRequest, FastFleet
+from simulator.fleet import FastFleet
+from simulator.request import Request
 
 MODEL = "sim-model"
 POLICIES = ("random", "round_robin", "least_loaded", "approx_prefix", "kvrouter", "pooled_ideal")
@@ -222,10 +225,11 @@ def run_policy(
     fleet = FastFleet(n, fs.engine(pooled=pooled, events=use_events))
     busy = [0.0] * n
     preempted = [0]
+    first_hit: dict[str, tuple[int, int]] = {}  # request id -> hit of its first admission
     mixed = [0, 0]  # steps with prefill, of which also carrying a decode
     for w, e in enumerate(fleet.engines):
         e.schedule = _timed_schedule(e, busy, w, mixed)  # busy time = sum of step durations
-        e._preempt = _counted(e._preempt, preempted)
+        e._preempt = _counted(e._preempt, preempted, first_hit)
     unit = keys.index.unit
     index = PrefixIndex(unit=unit, cpu_chunk_tokens=fs.cpu_chunk_tokens)
     workers = [Worker(spec=WorkerSpec(url=f"sim://w{i}"), client=None) for i in range(n)]
@@ -270,10 +274,11 @@ def run_policy(
             index.apply((workers[w].url, rank), batch.events)
         for c in fleet.completed():
             n_done += 1
-            hit_tokens += c.cached_tokens + c.cpu_loaded_tokens
+            gpu_hit, cpu_hit = first_hit.pop(c.request_id, (c.cached_tokens, c.cpu_loaded_tokens))
+            hit_tokens += gpu_hit + cpu_hit
             prompt_tokens += c.prompt_tokens
             ttfts.append(c.first_token_s - c.arrival_s)
-            floors.append(_prefill_floor(c, ecfg))
+            floors.append(_prefill_floor(c.prompt_tokens, gpu_hit, cpu_hit, ecfg))
             last_finish = max(last_finish, c.finish_s)
             t = tickets.pop(c.request_id, None)
             if t is not None:
@@ -380,25 +385,24 @@ def run_policy(
     )
 
 
-def _prefill_floor(c: CompletedRequest, cfg: EngineConfig) -> float:
+def _prefill_floor(prompt: int, gpu_hit: int, cpu_hit: int, cfg: EngineConfig) -> float:
     """The TTFT this request would have had with no queueing at all: its own uncached tokens in
     full-budget chunks on the engine that served it, each chunk's step also carrying a decode
     (``prefill_steps_with_decode`` shows that nearly every prefill step does at these loads),
     plus loading its CPU hits. No routing decision can bring a request below this at the hit
     it got, so ``ttft_floor_s`` bounds what a policy can reach at its hit rate."""
-    u = max(c.prompt_tokens - c.cached_tokens - c.cpu_loaded_tokens, 1)
+    u = max(prompt - gpu_hit - cpu_hit, 1)
     chunks = math.ceil(u / cfg.max_num_batched_tokens)
     step = cfg.step_overhead_s + cfg.decode_s_per_token
-    return (
-        u / cfg.prefill_tokens_per_s
-        + chunks * step
-        + c.cpu_loaded_tokens / (cfg.cpu_load_tokens_per_s)
-    )
+    return u / cfg.prefill_tokens_per_s + chunks * step + cpu_hit / cfg.cpu_load_tokens_per_s
 
 
-def _counted(orig, counter: list[int]):
-    def preempt(req: object) -> None:
+def _counted(orig, counter: list[int], first_hit: dict[str, tuple[int, int]]):
+    def preempt(req: Request) -> None:
         counter[0] += 1
+        # A preempted request is re-admitted and finds its own just-freed blocks cached; vLLM's
+        # num_cached_tokens keeps the first admission's hit, and so does the hit rate here.
+        first_hit.setdefault(req.request_id, (req.cached_tokens, req.cpu_loaded_tokens))
         orig(req)
 
     return preempt

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import routing_bench
 from bench.approx import ApproxPrefixPolicy
-from bench.workloads import TokenSource, chat, mooncake
+from bench.workloads import Req, TokenSource, chat, mooncake
 from router.policy import Candidate, WorkerLoad
 
 
@@ -165,3 +165,17 @@ def test_approx_prefix_follows_history_and_forgets_after_ttl():
     assert p.choose(cands, 960, now=1.0).worker == first
     late = p.choose(cands, 960, now=30.0)
     assert late.worker != first  # entries expired: least loaded
+
+
+def test_hit_rate_counts_the_first_admission_not_a_preempted_requests_own_blocks():
+    """Two unique prompts whose decodes outgrow a tiny KV cache: one is preempted and, when
+    re-admitted, finds its own just-freed blocks cached. vLLM's ``num_cached_tokens`` keeps the
+    first admission's hit (none here), and so must the benchmark's hit rate."""
+    reqs = [Req(f"r{i}", 0.01 * i, ((1_000_000 + i, 400),), 400, 400) for i in range(2)]
+    fs = routing_bench.FleetSpec(workers=1, gpu_blocks=64, max_num_batched_tokens=512)
+    rs = routing_bench.RouterSpec()
+    res = routing_bench.run_policy(
+        "round_robin", reqs, 1.0, fs, rs, TokenSource(), routing_bench.KeyCache(16)
+    )
+    assert res.completed == 2 and res.preemptions >= 1
+    assert res.hit_rate == 0.0
