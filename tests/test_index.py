@@ -467,3 +467,22 @@ def test_one_reannounce_decision_per_step_across_block_sizes() -> None:
     assert index.engine_stats(W0).counters["reannounced"] == 0
     index.apply(W0, eng.removed(p, [0], 32, group=1))  # one of block 0's two SWA copies
     assert gpu(index, [*p[:32], 7]) == 32
+
+
+def test_residency_is_split_into_staggered_shards():
+    """No residency dict holds more than a small share of the blocks, and the shares differ
+    (about 1:2 smallest to largest), so the dicts do not all grow -- a stop of the event loop
+    proportional to their size in CPython -- at the same moment. Matching is unaffected."""
+    from indexer.index import _shards
+
+    idx = PrefixIndex()
+    idx.add_engine(W0, MODEL)
+    eng = Engine()
+    prompts = [prompt(16 * 64, start=100_000 * i) for i in range(100)]  # 6,400 blocks
+    for p in prompts:
+        idx.apply(W0, [eng.stored(p, 0, 64, 16)])
+    sizes = sorted(len(d) for d in _shards(idx._residency[(0, "GPU")]))
+    assert sum(sizes) == 6400 == idx.total_entries
+    assert sizes[-1] <= 0.12 * 6400
+    assert 1.5 <= sizes[-1] / sizes[0] <= 2.6
+    assert all(gpu(idx, p) == 16 * 63 for p in prompts)
