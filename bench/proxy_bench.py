@@ -106,6 +106,12 @@ async def latency(router: str, worker: str) -> dict[str, float]:
         assert st == 200, st
         return (time.perf_counter() - t) * 1000
 
+    async def pair(i: int, b: bytes, routed: list[float], direct: list[float]) -> None:
+        """One routed and one direct request, taking turns going first."""
+        first, second = ((wc, direct), (rc, routed)) if i % 2 else ((rc, routed), (wc, direct))
+        for c, out in (first, second):
+            out.append(await timed(c, "/v1/completions", b))
+
     # warm-up
     for _ in range(3):
         b = body(prompt(rng, PROMPT_TOKENS))
@@ -117,28 +123,17 @@ async def latency(router: str, worker: str) -> dict[str, float]:
         # The worker sees each prompt once first, so both measured requests hit its cache
         # equally. That first completion stores 512 blocks: the worker then publishes their
         # events and the router applies them while the next request runs, so router and direct
-        # take turns going first and share that cost (the comment said "alternating" and the
-        # code did not: the router always went first and paid it alone).
+        # take turns going first and share that cost.
         tok.append(
             await timed(wc, "/tokenize", json.dumps({"prompt": json.loads(b)["prompt"]}).encode())
         )
         await timed(wc, "/v1/completions", b)
-        if i % 2:
-            direct.append(await timed(wc, "/v1/completions", b))
-            routed.append(await timed(rc, "/v1/completions", b))
-        else:
-            routed.append(await timed(rc, "/v1/completions", b))
-            direct.append(await timed(wc, "/v1/completions", b))
+        await pair(i, b, routed, direct)
     same = body(prompt(rng, PROMPT_TOKENS))
     await timed(rc, "/v1/completions", same)
     cdirect, crouted = [], []
     for i in range(LAT_N):
-        if i % 2:
-            crouted.append(await timed(rc, "/v1/completions", same))
-            cdirect.append(await timed(wc, "/v1/completions", same))
-        else:
-            cdirect.append(await timed(wc, "/v1/completions", same))
-            crouted.append(await timed(rc, "/v1/completions", same))
+        await pair(i, same, crouted, cdirect)
     rc.close()
     wc.close()
     return {
