@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -389,12 +389,10 @@ class Router:
             )
         return {"workers": workers}
 
-    def same_tokenizer(self, urls: Iterable[str]) -> bool:
-        """False when the self-check found any of these workers tokenizing differently from the
-        rest of the fleet: ids from another worker's ``/tokenize`` would then be the wrong ids."""
-        if self.selfcheck is None:
-            return True
-        return all(self.selfcheck.tokenizer_status(u) != "mismatch" for u in urls)
+    def ids_portable(self) -> bool:
+        """False when the self-check found workers tokenizing a prompt differently: ids from one
+        worker's ``/tokenize`` (any worker may answer it) could then be wrong for another."""
+        return self.selfcheck is None or self.selfcheck.prompt_tokenizers_agree()
 
     def _tokenizer_mismatch(self, url: str) -> str | None:
         return self.selfcheck.tokenizer_detail(url) if self.selfcheck is not None else None
@@ -770,7 +768,7 @@ def _add_api_routes(app: FastAPI, router: Router) -> None:
 
         if forward_ids and tok is not None and not chat:
             ids = router.tokenizer.upstream_ids(body, tok)
-            if ids is not None and router.same_tokenizer(a.engine[0] for a in attempts):
+            if ids is not None and router.ids_portable():
                 body = {**body, "prompt": ids}
                 data = _upstream_enc.encode(body)
         headers = proxy.request_headers(request.scope["headers"], cfg.server.forward_authorization)

@@ -380,6 +380,11 @@ class SelfCheck:
             return "remote"
         return "mismatch"
 
+    def prompt_tokenizers_agree(self) -> bool:
+        """Whether every self-checked worker tokenizes the probe prompt (not chat) the same way:
+        only then may one worker's ``/tokenize`` ids be sent to another (router/tokenize.py)."""
+        return len({fp[0] for fp in self.fingerprints.values()}) <= 1
+
     def tokenizer_detail(self, url: str) -> str | None:
         fp = self.fingerprints.get(url)
         if fp is None or self.tokenizer_status(url) != "mismatch":

@@ -439,3 +439,41 @@ async def test_unannounced_reset_clears_the_index_for_that_worker():
             m = (await c.get(base + "/metrics")).text
             assert re.search(r'kvrouter_index_resets_total\{[^}]*reason="unannounced_reset"', m)
             assert router.verifier is not None and not router.verifier.is_unverified((url, 0))
+
+
+async def test_fleet_tokenizing_prompts_differently_gets_text_not_ids():
+    """A worker whose tokenizer differs (another vocabulary) fails the prompt probe; then no
+    worker's /tokenize ids are sent to any worker (another may answer /tokenize), only text."""
+    with (
+        running_fleet(1, num_gpu_blocks=256, **FAST) as good,
+        running_fleet(1, vocab_size=50000, num_gpu_blocks=256, **FAST) as other,
+    ):
+        async with (
+            serve_router(cfg_with([*good, *other])) as (base, router),
+            httpx.AsyncClient(timeout=30) as c,
+        ):
+
+            async def both_checked() -> bool:
+                for w in (*good, *other):
+                    sc = (await debug_worker(c, base, w.url)).get("selfcheck") or {}
+                    if sc.get("tokenizer") not in ("remote", "mismatch"):
+                        return False
+                return len(router.selfcheck.fingerprints) == 2  # type: ignore[union-attr]
+
+            await until(both_checked, 20, "both workers self-checked")
+            assert not router.ids_portable()
+
+            async def forms() -> list[dict[str, int]]:
+                return [
+                    (await c.get(w.url + "/sim/state")).json()["prompt_forms"]
+                    for w in (*good, *other)
+                ]
+
+            before = await forms()  # (the self-check's own probes are sent as ids)
+            body = {"model": "sim-model", "prompt": words(100, "vocab"), "max_tokens": 1}
+            for _ in range(4):
+                r = await c.post(base + "/v1/completions", json=body)
+                assert r.status_code == 200
+            after = await forms()
+            assert sum(a["ids"] - b["ids"] for a, b in zip(after, before, strict=True)) == 0
+            assert sum(a["text"] - b["text"] for a, b in zip(after, before, strict=True)) == 4
