@@ -4,7 +4,9 @@ Default (``tokenizer.mode: remote``): ask a worker's ``POST /tokenize`` -- chat 
 requests (the worker's own chat template renders ``messages`` with the request's
 ``add_generation_prompt`` / ``continue_final_message`` / ``chat_template_kwargs`` / ``tools``),
 prompt form for completions (``add_special_tokens`` defaults to true). A completion whose
-``prompt`` is already token ids is not tokenized at all.
+``prompt`` is already token ids is not tokenized at all; one whose text prompt was tokenized
+here goes to the worker as those ids (:meth:`PromptTokenizer.upstream_ids`), so each prompt is
+tokenized once per request.
 
 Optional ``tokenizer.mode: local``: a ``tokenizers`` tokenizer from ``tokenizer.path``
 (``tokenizer.json``; chat template from ``tokenizer_config.json`` rendered with jinja2), checked
