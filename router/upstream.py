@@ -16,7 +16,11 @@ the proxy needs, with the parsing in C (``httptools``, the parser uvicorn alread
   while more than ``_HIGH_WATER`` bytes wait for the consumer;
 * closing a response before its end closes the connection: that is how an upstream request is
   cancelled (vLLM aborts a request whose client disconnected);
-* errors are httpx's exception types, so callers handle one family.
+* errors are httpx's exception types, so callers handle one family;
+* waits are bounded with ``asyncio.timeout`` rather than ``asyncio.wait_for``, which wraps a
+  coroutine in a new task and costs an extra event-loop turn even when the awaited thing is
+  ready (a free pool slot, a response head already parsed): four to six such waits per proxied
+  request.
 
 It mirrors the small slice of httpx's API the proxy uses (``build_request``, ``send``,
 ``post``, ``get``, ``Response.status_code/headers.raw/aiter_raw/aread/aclose/json``).
@@ -221,7 +225,8 @@ class UpstreamResponse:
                 self._wake = asyncio.get_running_loop().create_future()
                 try:
                     # Like httpx's read timeout: a bound on each wait for more of the body.
-                    await asyncio.wait_for(self._wake, self._pool.first_byte_timeout)
+                    async with asyncio.timeout(self._pool.first_byte_timeout):
+                        await self._wake
                 except TimeoutError:
                     self._exc = httpx.ReadTimeout(
                         f"worker sent nothing for {self._pool.first_byte_timeout}s mid-response"
@@ -304,7 +309,8 @@ class UpstreamClient:
         if self._closed:
             raise httpx.ConnectError("upstream client is closed")
         try:
-            await asyncio.wait_for(self._slots.acquire(), self.pool_timeout)
+            async with asyncio.timeout(self.pool_timeout):
+                await self._slots.acquire()
         except TimeoutError:
             raise httpx.PoolTimeout(
                 f"no free connection to {self.host}:{self.port} within {self.pool_timeout}s "
@@ -337,7 +343,8 @@ class UpstreamClient:
         conn.response = resp
         try:
             conn.write_request(request, self._host_header)
-            await asyncio.wait_for(asyncio.shield(resp.head), wait)
+            async with asyncio.timeout(wait):
+                await asyncio.shield(resp.head)
         except TimeoutError:
             resp._released = True
             self._release(conn, False)
@@ -379,7 +386,8 @@ class UpstreamClient:
         if timeout is None:
             return await self.send(req, stream=False)
         try:
-            return await asyncio.wait_for(self.send(req, stream=False, timeout=timeout), timeout)
+            async with asyncio.timeout(timeout):
+                return await self.send(req, stream=False, timeout=timeout)
         except TimeoutError:
             raise httpx.ReadTimeout(f"worker {self.host}:{self.port} timed out") from None
 
