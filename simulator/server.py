@@ -33,6 +33,7 @@ from simulator.runner import EngineRunner, TokenOut
 from simulator.tokenizer import ChatTemplateError, Tokenizer
 
 _json_encode = msgspec.json.Encoder().encode
+_json_decode = msgspec.json.Decoder().decode
 
 
 @dataclass
@@ -202,9 +203,15 @@ class Worker:
         if len(body) > self.s.max_body_bytes:
             raise ApiError(413, "request body too large", "RequestEntityTooLarge")
         try:
-            data = json.loads(body or b"null")
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"invalid JSON body: {e}") from None
+            # msgspec first: stdlib json takes ~0.3 ms on a body of 8k token ids (a router that
+            # forwards ids sends those), several times what vLLM's pydantic-core parser takes.
+            # Anything msgspec refuses (NaN literals, huge ints) is parsed exactly as before.
+            data = _json_decode(body or b"null")
+        except msgspec.MsgspecError:  # DecodeError, or ValidationError for e.g. 1e400
+            try:
+                data = json.loads(body)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ApiError(400, f"invalid JSON body: {e}") from None
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object")
         return data
