@@ -71,6 +71,8 @@ class Tokenized:
     source: str
     """"cache", "remote", "local", "ids", or "remote+prefix" (keys partly reused)."""
     reused_keys: int = 0
+    ids: list[int] | None = None
+    """The token ids as a list when this request just received them (not kept in the cache)."""
 
 
 class _TokResp(msgspec.Struct):
@@ -280,7 +282,7 @@ class PromptTokenizer:
             keys = self._keys(data, n, root)
         karr = keys if isinstance(keys, array) else array("Q", keys)
         self._store(ckey, _Entry(data, karr, root), conv_hashes[-1] if conv_hashes else None)
-        return Tokenized(n, data, karr, root, source, reused)
+        return Tokenized(n, data, karr, root, source, reused, tokens)
 
     # ---------------------------------------------------------------- upstream body
 
@@ -307,6 +309,8 @@ class PromptTokenizer:
             p = p[0]
         if not isinstance(p, str):
             return None
+        if tok.ids is not None:
+            return tok.ids
         ids: list[int] = np.frombuffer(tok.data, dtype="<u4").tolist()
         return ids
 
