@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -77,11 +78,23 @@ async def serve(cfg: Config, *, started: asyncio.Event | None = None) -> None:
             )
         )
     tasks = [asyncio.create_task(s.serve()) for s in servers]
+
+    async def freeze_startup_objects() -> None:
+        # Everything built at start-up (modules, the app, config, clients) lives as long as the
+        # process: move it out of the cyclic GC's reach, so full collections scan only what came
+        # after (a full collection of the started router took ~20 ms, measured).
+        while not all(s.started for s in servers) and not any(t.done() for t in tasks):
+            await asyncio.sleep(0.05)
+        gc.collect()
+        gc.freeze()
+
+    freezer = asyncio.create_task(freeze_startup_objects())
     if started is not None:
         while not all(s.started for s in servers) and not any(t.done() for t in tasks):
             await asyncio.sleep(0.02)
         started.set()
     done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    freezer.cancel()
     for s in servers:
         s.should_exit = True
     await asyncio.gather(*tasks, return_exceptions=True)
