@@ -12,6 +12,9 @@ HTTP/1.1 client on asyncio streams, so the client costs little CPU).
     the router's own work plus one more worker round trip. ``tokenize_direct_p50_ms`` is a
     first ``/tokenize`` of a prompt measured alone (the simulator's tokenizer is pure Python).
   - ``added_cached_*_ms``: the same prompt repeated (tokenization cache hit).
+* The router's own cost, the same new-prompt loop against ``bench/instant_worker.py`` (answers
+  at once, no tokenization or engine time): ``router_self_added_p50_ms`` and the router's
+  ``router_cpu_ms_per_request`` (its process CPU time over that loop).
 * Throughput: 32 connections for a bounded duration, 64-token prompts (unique per request, so
   every request also costs a /tokenize call), ``requests_per_s`` through the router.
 
@@ -208,7 +211,76 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(10)
+    out.update(router_self())
     print(json.dumps(out))
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def router_self() -> dict[str, float]:
+    """The router's own cost: the same new-8k-prompt latency loop against a worker that answers
+    at once (bench/instant_worker.py, no events), and the router's CPU time per request."""
+    wport = find_port_block(2)
+    rport = wport + 1
+    here = os.path.dirname(os.path.abspath(__file__))
+    worker = subprocess.Popen([sys.executable, os.path.join(here, "instant_worker.py"), str(wport)])
+    env = dict(os.environ, KVROUTER_VERIFY_SELFCHECK="false", KVROUTER_VERIFY_ENABLED="false")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1", "--port", str(rport),
+         "--worker", f"http://127.0.0.1:{wport};events=tcp://127.0.0.1:9", "--log-level", "error"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )  # fmt: skip
+    body = json.dumps({"model": "sim-model", "prompt": "x", "max_tokens": 1}).encode()
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # no events, so never "ready": wait for a served completion instead
+            try:
+                r = httpx.post(f"http://127.0.0.1:{rport}/v1/completions", content=body, timeout=1)
+                if r.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("router (instant worker) did not start")
+            time.sleep(0.1)
+
+        async def run() -> tuple[list[float], list[float]]:
+            rc, wc = Conn("127.0.0.1", rport), Conn("127.0.0.1", wport)
+            rng = random.Random(2)
+            routed: list[float] = []
+            direct: list[float] = []
+            for i in range(3 * LAT_N):
+                b = json.dumps(
+                    {"model": "sim-model", "prompt": prompt(rng, PROMPT_TOKENS), "max_tokens": 1}
+                ).encode()
+                pairs = ((wc, direct), (rc, routed)) if i % 2 else ((rc, routed), (wc, direct))
+                for c, out in pairs:
+                    t = time.perf_counter()
+                    st, _ = await c.post("/v1/completions", b)
+                    assert st == 200, st
+                    out.append((time.perf_counter() - t) * 1000)
+            rc.close()
+            wc.close()
+            return routed, direct
+
+        cpu0 = _cpu_s(proc.pid)
+        routed, direct = asyncio.run(run())
+        cpu = _cpu_s(proc.pid) - cpu0
+    finally:
+        proc.terminate()
+        worker.terminate()
+        proc.wait(10)
+        worker.wait(10)
+    return {
+        "router_self_added_p50_ms": round(pct(routed, 0.5) - pct(direct, 0.5), 3),
+        "router_cpu_ms_per_request": round(cpu / len(routed) * 1000, 3),
+    }
 
 
 if __name__ == "__main__":
