@@ -108,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="misconfiguration: events report this block size",
     )
     a("--vocab-size", type=int, default=32000)
+    a(
+        "--tokenizer",
+        default=None,
+        help="model dir with tokenizer.json (+ tokenizer_config.json): tokenize with it "
+        "(needs the tokenizers and jinja2 packages; the vocabulary sets --vocab-size)",
+    )
     a("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     a(
         "--default-max-tokens",
@@ -158,6 +164,7 @@ def settings_from_args(ns: argparse.Namespace, worker_idx: int) -> WorkerSetting
         event_encoding=ns.event_encoding,
         legacy_replay=ns.legacy_replay,
         chat_template=ns.chat_template,
+        tokenizer_path=ns.tokenizer,
         max_body_bytes=ns.max_body_bytes,
         loras=tuple(ns.lora),
         default_max_tokens=ns.default_max_tokens,

@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from simulator.engine import EngineConfig, QueueFull, SimEngine
+from simulator.hf_tokenizer import HFTokenizer
 from simulator.publisher import ZmqPublisher, offset_endpoint_port
 from simulator.runner import EngineRunner, TokenOut
 from simulator.tokenizer import ChatTemplateError, Tokenizer
@@ -53,6 +54,7 @@ class WorkerSettings:
     request_timeout_s: float = 600.0
     default_max_tokens: int = 16  # output length when a request sets no max_tokens
     loras: tuple[str, ...] = ()
+    tokenizer_path: str | None = None  # a model dir with tokenizer.json: tokenize as vLLM would
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -124,11 +126,19 @@ class Faults:
 class Worker:
     def __init__(self, settings: WorkerSettings) -> None:
         self.s = settings
-        self.tokenizer = Tokenizer(settings.engine.vocab_size, settings.chat_template)
+        self.tokenizer: Tokenizer | HFTokenizer
+        if settings.tokenizer_path:
+            # The model's own tokenizer files (tokenizers + jinja2): its vocabulary bounds the
+            # token ids the engine accepts and samples.
+            self.tokenizer = HFTokenizer(settings.tokenizer_path)
+            settings.engine.vocab_size = self.tokenizer.vocab_size
+        else:
+            self.tokenizer = Tokenizer(settings.engine.vocab_size, settings.chat_template)
         self.runners: list[EngineRunner] = []
         self.faults = Faults()
         # Requests by prompt form, for /sim/state: a router that forwards token ids is seen here.
         self.prompt_forms: dict[str, int] = {"text": 0, "ids": 0, "chat": 0}
+        self.tokenize_calls = 0  # POST /tokenize answered (a router in local mode makes none)
         self._rr = itertools.count()
         self.created = int(time.time())
         self.app = self._make_app()
@@ -225,12 +235,12 @@ class Worker:
             return model
         raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
-    def _prompt_ids(self, prompt: Any) -> list[int]:
+    def _prompt_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
         vocab = self.s.engine.vocab_size
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens)
         elif isinstance(prompt, list) and set(map(type, prompt)) <= {int}:
             # C-level checks (type set, min, max): a router forwards 100k-token id lists.
             if prompt and (min(prompt) < 0 or max(prompt) >= vocab):
@@ -287,7 +297,11 @@ class Worker:
     # ---- generation --------------------------------------------------------------------------
     async def _generate(self, data: dict[str, Any], chat: bool) -> Response:
         lora = self._check_model(data)
-        ids = self._chat_ids(data) if chat else self._prompt_ids(data.get("prompt"))
+        ids = (
+            self._chat_ids(data)
+            if chat
+            else self._prompt_ids(data.get("prompt"), data.get("add_special_tokens", True) is True)
+        )
         p = data.get("prompt")
         if chat:
             form = "chat"
@@ -557,6 +571,7 @@ class Worker:
         async def tokenize(request: Request) -> Response:
             data = await w._json(request)
             w._check_model(data)
+            w.tokenize_calls += 1
             if "messages" in data:
                 ids = w._chat_ids(data)
                 text = w.tokenizer.render_chat(
@@ -566,7 +581,7 @@ class Worker:
                 )
             elif isinstance(data.get("prompt"), str):
                 text = data["prompt"]
-                ids = w.tokenizer.encode(text)
+                ids = w.tokenizer.encode(text, data.get("add_special_tokens", True) is True)
             else:
                 raise ApiError(400, "need 'prompt' (string) or 'messages'", param="prompt")
             strs = w.tokenizer.token_strs(text) if data.get("return_token_strs") else None
@@ -721,6 +736,7 @@ class Worker:
                     ],
                     "faults": w.faults.as_dict(),
                     "prompt_forms": dict(w.prompt_forms),
+                    "tokenize_calls": w.tokenize_calls,
                 }
             )
 

@@ -79,9 +79,11 @@ class Tokenizer:
                 out.extend(_PIECE_RE.findall(part))
         return out
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # Equal to [id of p for p in self.pieces(text)], by a faster route: prompts of tens of
         # thousands of tokens must tokenize in milliseconds, as vLLM's Rust tokenizers do.
+        # ``add_special_tokens`` changes nothing: this vocabulary adds none to a prompt (the
+        # captures' tokenizer does not either; chats get <s> from the template).
         if "<" not in text:
             return self._encode_plain(text)
         out: list[int] = []

@@ -75,3 +75,46 @@ def words(n: int, seed: int | str) -> str:
     """``n`` distinct-ish words: one simulator token per word."""
     rng = random.Random(seed)
     return " ".join(f"w{rng.randrange(10**9)}" for _ in range(n))
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def write_tokenizer(out: Any, vocab_size: int = 2048, template: str = CHAT_TEMPLATE) -> str:
+    """A small byte-level BPE model directory (tokenizer.json + tokenizer_config.json with a
+    chat template and a BOS added to prompts), trained here with ``tokenizers``: what a model
+    hub would provide, without downloading anything. Returns the directory."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    specials = ["<unk>", "<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+    specials.append("<|end|>")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    rng = random.Random(0)
+    corpus = [
+        " ".join(f"w{rng.randrange(100_000)} alpha beta gamma delta" for _ in range(50))
+        for _ in range(300)
+    ]
+    tok.train_from_iterator(corpus, trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", bos)]
+    )
+    tok.save(str(out / "tokenizer.json"))
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
+    (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    return str(out)

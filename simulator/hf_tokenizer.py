@@ -1,0 +1,95 @@
+"""A Hugging Face ``tokenizers`` tokenizer with the model's chat template, for the simulator.
+
+``kvrouter-sim --tokenizer DIR`` loads ``DIR/tokenizer.json`` (and the chat template and special
+tokens of ``DIR/tokenizer_config.json``) and tokenizes exactly as vLLM does with that model
+directory: prompts with ``add_special_tokens`` (default true), chats rendered by the jinja2
+template and then tokenized without adding special tokens (the template writes them). The
+router's ``tokenizer.mode: local`` can then be tested against a worker that tokenizes with the
+same files, with nothing downloaded.
+
+Same interface as :class:`simulator.tokenizer.Tokenizer`. Optional dependencies: ``tokenizers``
+and ``jinja2`` (both in the ``test`` extra).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from simulator.tokenizer import ChatTemplateError, Tokenizer
+
+
+class HFTokenizer:
+    def __init__(self, path: str) -> None:
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from tokenizers import Tokenizer as _Tok
+
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        self.tok = _Tok.from_file(file)
+        self.vocab_size = self.tok.get_vocab_size()
+        self.special: dict[str, str] = {}
+        self.template: Any = None
+        self._template_error = TemplateError
+        cfg_path = os.path.join(os.path.dirname(file), "tokenizer_config.json")
+        if os.path.exists(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                cfg = json.load(f)
+            for k in ("bos_token", "eos_token", "unk_token", "pad_token"):
+                v = cfg.get(k)
+                v = v.get("content") if isinstance(v, dict) else v
+                if isinstance(v, str):
+                    self.special[k] = v
+            tmpl = cfg.get("chat_template")
+            if isinstance(tmpl, str):
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                env.globals["raise_exception"] = _raise
+                env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False)
+                self.template = env.from_string(tmpl)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        text: str = self.tok.decode(ids, skip_special_tokens=False)
+        return text
+
+    def token_strs(self, text: str) -> list[str]:
+        strs: list[str] = self.tok.encode(text).tokens
+        return strs
+
+    def render_chat(
+        self,
+        messages: Any,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
+        if self.template is None:
+            raise ChatTemplateError("this model has no chat template")
+        if not isinstance(messages, list) or not messages:
+            raise ChatTemplateError("'messages' must be a non-empty list")
+        if continue_final_message:
+            raise ChatTemplateError("continue_final_message is not supported with --tokenizer")
+        msgs = [{**m, "content": Tokenizer._content(m)} for m in messages]
+        try:
+            text: str = self.template.render(
+                messages=msgs, add_generation_prompt=add_generation_prompt, **self.special
+            )
+        except self._template_error as e:
+            raise ChatTemplateError(str(e)) from None
+        return text
+
+    def encode_chat(
+        self,
+        messages: Any,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message)
+        return self.encode(text, add_special_tokens=False)
+
+
+def _raise(msg: str) -> None:
+    raise ChatTemplateError(msg)

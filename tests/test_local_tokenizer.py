@@ -1,0 +1,96 @@
+"""``tokenizer.mode: local``: the router tokenizes with the model's own tokenizer files.
+
+The model directory (byte-level BPE + chat template) is trained here with ``tokenizers``; the
+simulated workers load the same files (``kvrouter-sim --tokenizer``), so they tokenize as vLLM
+would with that model. Real HTTP on loopback, real ZMQ events.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from test_router_support import (
+    CHAT_TEMPLATE,
+    config_for,
+    serve_router,
+    until,
+    words,
+    write_tokenizer,
+)
+
+from simulator.testing import running_fleet
+
+pytestmark = pytest.mark.timeout(120)
+
+FAST = {"decode_ms": 1, "prefill_tps": 400000, "step_overhead_ms": 0.1, "num_gpu_blocks": 512}
+
+
+async def _tokenize(c: httpx.AsyncClient, url: str, payload: dict[str, Any]) -> list[int]:
+    r = await c.post(url + "/tokenize", json=payload)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+async def _tokenize_calls(c: httpx.AsyncClient, workers: list[Any]) -> int:
+    n = 0
+    for w in workers:
+        n += (await c.get(w.url + "/sim/state")).json()["tokenize_calls"]
+    return n
+
+
+async def test_local_tokenizer_agrees_with_the_workers_and_saves_their_tokenize(tmp_path: Path):
+    model = write_tokenizer(tmp_path / "model")
+    with running_fleet(2, tokenizer=model, **FAST) as fleet:
+        cfg = config_for(fleet, tokenizer={"mode": "local", "path": model})
+        prompt = words(300, "local")
+        chat = {"messages": [{"role": "system", "content": words(200, "sys")},
+                             {"role": "user", "content": "What is 2+2?"}]}  # fmt: skip
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
+            await until(lambda: c.get(base + "/ready"), 20)
+            assert router.tokenizer.local is not None  # verified against a worker at start
+            want_prompt = await _tokenize(c, fleet[0].url, {"prompt": prompt})
+            want_chat = await _tokenize(c, fleet[0].url, chat)
+            assert want_prompt[0] == 2  # the worker adds BOS to prompts, as vLLM does
+            before = await _tokenize_calls(c, fleet)
+            e = (await c.post(base + "/debug/route", json={"prompt": prompt})).json()
+            assert (e["tokenization"], e["prompt_tokens"]) == ("local", len(want_prompt))
+            e = (await c.post(base + "/debug/route", json=chat)).json()
+            assert (e["tokenization"], e["prompt_tokens"]) == ("local", len(want_chat))
+            assert await _tokenize_calls(c, fleet) == before  # no worker was asked
+
+            # Routing on local tokens is exact: the prompt's blocks, stored by the worker from
+            # its own tokenization, are found under the router's keys.
+            body = {"model": "sim-model", "prompt": prompt, "max_tokens": 1}
+            first = (await c.post(base + "/v1/completions", json=body)).headers["x-kvrouter-worker"]
+
+            async def indexed() -> Any:
+                e = (await c.post(base + "/debug/route", json=body)).json()
+                w = next(x for x in e["workers"] if x["url"] == first)
+                return e if w["gpu_hit_tokens"] >= len(want_prompt) // 16 * 16 - 16 else None
+
+            e = await until(indexed, 20, "the prompt's blocks in the index")
+            assert e["chosen"] == first
+            r = await c.post(base + "/v1/completions", json=body)
+            assert r.headers["x-kvrouter-worker"] == first
+            usage = r.json()["usage"]
+            assert usage["prompt_tokens"] == len(want_prompt)
+            assert usage["prompt_tokens_details"]["cached_tokens"] == e["predicted_hit_tokens"]
+
+
+async def test_local_tokenizer_that_differs_from_the_workers_is_not_used(tmp_path: Path):
+    """Same vocabulary, another chat template: the start-up check finds the chat probe differs,
+    so the router tokenizes through the workers instead (and says so in the log)."""
+    model = write_tokenizer(tmp_path / "model")
+    other = write_tokenizer(
+        tmp_path / "other", template=CHAT_TEMPLATE.replace("<|end|>", "<|end|><|end|>")
+    )
+    with running_fleet(1, tokenizer=other, **FAST) as fleet:
+        cfg = config_for(fleet, tokenizer={"mode": "local", "path": model})
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
+            await until(lambda: c.get(base + "/ready"), 20)
+            assert router.tokenizer.local is None
+            e = (await c.post(base + "/debug/route", json={"prompt": words(50, "x")})).json()
+            assert e["tokenization"] == "remote"
