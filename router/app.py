@@ -111,7 +111,13 @@ class Router:
         self.policy = make_policy(
             p.name,
             PolicyParams(
-                cpu_transfer_discount=p.cpu_transfer_discount, near_tie_tokens=p.near_tie_tokens
+                cpu_transfer_discount=p.cpu_transfer_discount,
+                near_tie_tokens=p.near_tie_tokens,
+                recompute_weight=p.recompute_weight,
+                running_request_tokens=p.running_request_tokens,
+                kv_pressure_threshold=p.kv_pressure_threshold,
+                kv_pressure_tokens=p.kv_pressure_tokens,
+                queue_drain=p.queue_drain,
             ),
             seed=seed,
         )

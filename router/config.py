@@ -80,6 +80,13 @@ class PolicyConfig:
     cpu_transfer_discount: float = 0.25
     speculative_ttl_s: float = 2.0
     near_tie_tokens: int = 64
+    # The cost model's weights (router/policy.py: PolicyParams, where each default is justified
+    # by bench/routing_bench.py); the defaults here are the same.
+    recompute_weight: float = 4.0
+    running_request_tokens: float = 16.0
+    kv_pressure_threshold: float = 0.9
+    kv_pressure_tokens: float = 2048.0
+    queue_drain: float = 1.0
 
 
 @dataclass
@@ -209,6 +216,11 @@ _TYPES: dict[str, dict[str, tuple[type, ...]]] = {
         "cpu_transfer_discount": (float,),
         "speculative_ttl_s": (float,),
         "near_tie_tokens": (int,),
+        "recompute_weight": (float,),
+        "running_request_tokens": (float,),
+        "kv_pressure_threshold": (float,),
+        "kv_pressure_tokens": (float,),
+        "queue_drain": (float,),
     },
     "events": {
         "bind": (str, type(None)),
@@ -436,6 +448,13 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("policy.speculative_ttl_s: must be >= 0")
     if p.near_tie_tokens < 0:
         raise ConfigError("policy.near_tie_tokens: must be >= 0")
+    if p.recompute_weight < 1:
+        raise ConfigError("policy.recompute_weight: must be >= 1 (uncached tokens count once)")
+    for name in ("running_request_tokens", "kv_pressure_tokens", "queue_drain"):
+        if getattr(p, name) < 0:
+            raise ConfigError(f"policy.{name}: must be >= 0")
+    if not 0.0 <= p.kv_pressure_threshold <= 1.0:
+        raise ConfigError("policy.kv_pressure_threshold: must be within [0, 1]")
     seen: set[str] = set()
     for i, w in enumerate(cfg.workers):
         _check_url(f"workers[{i}].url", w.url, ("http", "https"))

@@ -92,6 +92,24 @@ def test_env_overrides():
     assert cfg.redis.url == "redis://redis:6379/0" and cfg.server.admin_port is None
 
 
+def test_policy_knobs_reach_the_policy_and_default_to_its_own_defaults():
+    from router.app import Router
+    from router.config import PolicyConfig
+
+    knobs = ("recompute_weight", "running_request_tokens", "kv_pressure_threshold")
+    knobs += ("kv_pressure_tokens", "queue_drain", "cpu_transfer_discount", "near_tie_tokens")
+    assert all(getattr(PolicyConfig(), k) == getattr(PolicyParams(), k) for k in knobs)
+    cfg = parse_config(
+        {"workers": [{"url": "http://a:1"}], "policy": {"recompute_weight": 2, "queue_drain": 0}},
+        env={"KVROUTER_POLICY_KV_PRESSURE_TOKENS": "512"},
+    )
+    params = Router(cfg).policy.params  # type: ignore[attr-defined]
+    assert (params.recompute_weight, params.queue_drain) == (2.0, 0.0)
+    assert params.kv_pressure_tokens == 512.0
+    with pytest.raises(ConfigError, match=r"policy\.recompute_weight"):
+        parse_config({"workers": [{"url": "http://a:1"}], "policy": {"recompute_weight": 0.5}})
+
+
 def test_worker_quick_form():
     w = parse_worker_arg("http://h2:8000;events=tcp://h2:5557;replay=tcp://h2:5558;dp_size=2")
     assert (w.url, w.events, w.replay, w.dp_size) == (
