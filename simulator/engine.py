@@ -299,6 +299,8 @@ class SimEngine:
             req.load_ready_s = now + ext / c.cpu_load_tokens_per_s
             return False
         req.cached_tokens = hit
+        if req.first_hit is None:
+            req.first_hit = (hit, 0)
         self._hit_groups = per_group
         self._hit_tokens = hit
         return True
@@ -346,6 +348,8 @@ class SimEngine:
                         req.num_computed = len(req.all_token_ids) - 1
                         req.cpu_loaded_tokens = req.num_computed - req.cached_tokens
                     kv.cache_blocks(req, req.num_computed)
+                    if req.first_hit is None:
+                        req.first_hit = (req.cached_tokens, req.cpu_loaded_tokens)
                     req.status = WAITING
                     new_groups, new_tokens = None, 0
                 elif not req.hit_done:

@@ -141,8 +141,7 @@ class FastFleet:
                     r.first_token_s or out.end_s,
                     r.finish_s or out.end_s,
                     r.num_prompt,
-                    r.cached_tokens,
-                    r.cpu_loaded_tokens,
+                    *r.usage_hit(),
                     r.num_output,
                 )
             )

@@ -18,6 +18,7 @@ class Request:
         "cached_tokens",
         "cpu_loaded_tokens",
         "finish_s",
+        "first_hit",
         "first_token_s",
         "hasher",
         "hit_done",
@@ -72,7 +73,17 @@ class Request:
         self.reachable: set[int] | None = None  # block boundaries that can serve a hit
         self.cached_tokens = 0
         self.cpu_loaded_tokens = 0
+        # (GPU hit, CPU-loaded tokens) of the first admission: what usage reports, as vLLM's
+        # num_cached_tokens is set once (it starts at -1). A preempted request is admitted again
+        # and finds its own freed blocks cached; that second hit must not be reported.
+        self.first_hit: tuple[int, int] | None = None
         self.load_ready_s = 0.0
         self.offloaded_chunks = 0
         self.report_full = False  # vllm_xargs kv_cache_report_mode == "full"
         self.user: object = None  # opaque slot for the HTTP layer
+
+    def usage_hit(self) -> tuple[int, int]:
+        """(GPU prefix-cache hit, CPU-loaded tokens) to report: the first admission's."""
+        if self.first_hit is not None:
+            return self.first_hit
+        return self.cached_tokens, self.cpu_loaded_tokens

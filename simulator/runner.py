@@ -153,7 +153,7 @@ class EngineRunner:
                     TokenOut(
                         tok,
                         fin,
-                        src.cached_tokens + src.cpu_loaded_tokens,
+                        sum(src.usage_hit()),
                         src.num_prompt,
                         src.num_output,
                     )

@@ -437,3 +437,41 @@ def test_cpu_lookup_follows_offloading_connector_rules() -> None:
     assert eng.cpu.lookup(req, 224) == 0, "32 tokens < one chunk: nothing is loaded"
     now, _ = _drain(eng, now)
     assert req.cached_tokens + req.cpu_loaded_tokens == 255  # the last token is recomputed
+
+
+def test_preempted_request_reports_its_first_admission_hit() -> None:
+    """vLLM sets num_cached_tokens once: a request preempted after computing its prompt is
+    re-admitted, finds its own freed blocks cached, and still reports the first hit (0 here)."""
+    cfg = EngineConfig(
+        block_size=8,
+        num_gpu_blocks=10,
+        max_num_batched_tokens=64,
+        max_num_seqs=2,
+        prefill_tokens_per_s=1e6,
+    )
+    fleet = FastFleet(1, cfg)
+    eng = fleet.engines[0]
+    preempted: list[str] = []
+    readmit_hits: list[int] = []
+    orig_preempt, orig_first = eng._preempt, eng._first_schedule
+
+    def preempt(req: Any) -> None:
+        preempted.append(req.request_id)
+        orig_preempt(req)
+
+    def first_schedule(req: Any, now: float) -> bool:
+        ok = orig_first(req, now)
+        if req.request_id in preempted:
+            readmit_hits.append(req.cached_tokens)
+        return ok
+
+    eng._preempt = preempt  # type: ignore[method-assign]
+    eng._first_schedule = first_schedule  # type: ignore[method-assign]
+    fleet.submit(0, "a", list(range(100, 124)), 30, 0.0)
+    fleet.submit(0, "b", list(range(200, 224)), 30, 0.0)
+    fleet.run_until(1e6)
+    done = {c.request_id: c for c in fleet.completed()}
+    assert preempted and readmit_hits and max(readmit_hits) >= 24  # its own prompt, cached
+    victim = preempted[0]
+    assert done[victim].cached_tokens == 0  # what its first admission found
+    assert done[victim].output_tokens == 30
