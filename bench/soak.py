@@ -157,6 +157,9 @@ def main() -> int:
             warm_stats = {"requests": 0, "errors": 0}
             asyncio.run(drive(base, warm, ns.concurrency, churn, warm_stats))
             rss_warm = rss_mb(proc.pid)
+            # The bounded caches may still be filling after warm-up; their fill at both ends
+            # tells that growth (expected, up to the bound) from a leak.
+            idx_warm = httpx.get(base + "/debug/index", timeout=10).json()["totals"]
             stats: dict[str, Any] = {"requests": 0, "errors": 0}
             samples = []
             t0 = time.monotonic()
@@ -194,6 +197,7 @@ def main() -> int:
         "rss_samples_mb": samples,
         "index_entries": idx["totals"]["index_entries"],
         "tokenizer_cache_entries": idx["totals"]["tokenizer_cache_entries"],
+        "tokenizer_cache_entries_after_warmup": idx_warm["tokenizer_cache_entries"],
         "speculative_keys": idx["totals"]["speculative_keys"],
         "error_kinds": stats.get("error_kinds", {}),
         "warmup_s": warm,
