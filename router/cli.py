@@ -45,6 +45,7 @@ def build_config(ns: argparse.Namespace) -> Config:
 
 async def serve(cfg: Config, *, started: asyncio.Event | None = None) -> None:
     from router.app import create_apps
+    from router.heap import trim_heap_forever
     from router.limits import uvicorn_options
 
     app, admin, _router = create_apps(cfg)
@@ -89,12 +90,14 @@ async def serve(cfg: Config, *, started: asyncio.Event | None = None) -> None:
         gc.freeze()
 
     freezer = asyncio.create_task(freeze_startup_objects())
+    trimmer = asyncio.create_task(trim_heap_forever())  # router/heap.py says why
     if started is not None:
         while not all(s.started for s in servers) and not any(t.done() for t in tasks):
             await asyncio.sleep(0.02)
         started.set()
     done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     freezer.cancel()
+    trimmer.cancel()
     for s in servers:
         s.should_exit = True
     await asyncio.gather(*tasks, return_exceptions=True)
