@@ -90,7 +90,7 @@ def _shards(table: Table) -> list[dict[int, int]]:
     return [table[i] for i in _SHARD_FIRST_SLOT]
 
 
-_EMPTY_TABLE: Table = tuple({} for _ in range(1)) * _SLOTS  # never written
+_EMPTY_TABLE: Table = ({},) * _SLOTS  # one shared dict, never written
 _consume = deque(maxlen=0).extend
 
 FULL = "full_attention"
