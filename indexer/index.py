@@ -9,20 +9,16 @@ Data layout (why it is fast and small in pure Python):
 * ``_residency[(group_idx, medium)]`` maps a content key to an int bitmask of the engines holding
   that block. Matching a prompt is then one dict lookup and one ``&`` per block boundary for the
   whole fleet at once, not per engine.
-* That map is a *table*: a tuple of ``_SLOTS`` references to ``_SHARDS`` dicts, indexed by
-  ``key & _SLOT_MASK`` (one subscript more per lookup). Why: CPython grows a dict in one step that
-  re-inserts every entry (about 55 ns each: a 150 ms stop of the event loop at 2.8M blocks,
-  measured), and an index of millions of blocks lives in a few such maps. Split 16 ways, each
-  step is 1/16 of that; and the shards get unequal shares (shard ``i`` about ``2 ** (i / 16)``),
-  so they reach their growth points at different moments instead of all at once (measured on
-  3.6M inserts: worst 100 ms of insert work 171 ms single, 107 ms with equal shards, 43 ms
-  staggered). Batches stay C-level (``map`` over ``dict.get`` / ``dict.__setitem__``).
-* Each engine keeps ``hashes``: engine hash -> content key, and ``extra_refs``: engine hash ->
-  references beyond the first (rare: the same hash stored in several groups or media, or stored
-  again). A hash's references count every (group, medium) residency of it on that engine, so the
-  mapping lives exactly as long as the engine holds the block somewhere -- which is as long as
-  vLLM can name it as a parent or resolve a sparse or placeholder event through it. The common
-  case is then one C-level ``dict.update`` per event with plain 64-bit values.
+* That map is a *table* (indexer/staggered.py): a tuple of 1024 references to 16 dicts of
+  unequal shares, indexed by ``key & SLOT_MASK``, so that CPython's all-at-once dict growth
+  stops the event loop for 1/16 of the map at a time, at staggered moments.
+* Each engine keeps ``hashes``: engine hash -> content key (a :class:`HashMap`, a table too),
+  and ``extra_refs``: engine hash -> references beyond the first (rare: the same hash stored in
+  several groups or media, or stored again). A hash's references count every (group, medium)
+  residency of it on that engine, so the mapping lives exactly as long as the engine holds the
+  block somewhere -- which is as long as vLLM can name it as a parent or resolve a sparse or
+  placeholder event through it. The common case is then C-level ``map`` passes per event with
+  plain 64-bit values.
 * Duplicates (vLLM does not de-duplicate) are rare, so extra copies live in a side dict
   ``_dups[(slot, group, medium, key)]`` instead of a counter on every entry.
 """
@@ -40,6 +36,7 @@ from typing import Any
 import msgspec
 
 from indexer.keys import DEFAULT_UNIT, chain_keys, mix_extra, namespace_root, tokens_to_bytes
+from indexer.staggered import EMPTY_TABLE, SLOT_MASK, HashMap, Table, new_table
 from indexer.vllm_hash import VllmHashLocator
 from indexer.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 
@@ -59,38 +56,6 @@ EngineId = tuple[str, int]
 GPU = "GPU"
 CPU = "CPU"
 
-_SHARDS = 16
-_SLOTS = 1024
-_SLOT_MASK = _SLOTS - 1
-
-
-def _slot_shards() -> tuple[int, ...]:
-    """Slot -> shard, shard ``i`` owning a share of slots proportional to ``2 ** (i / 16)``."""
-    weights = [2 ** (i / _SHARDS) for i in range(_SHARDS)]
-    total = sum(weights)
-    counts = [int(_SLOTS * w / total) for w in weights]
-    for i in range(_SLOTS - sum(counts)):
-        counts[_SHARDS - 1 - i % _SHARDS] += 1
-    return tuple(i for i, c in enumerate(counts) for _ in range(c))
-
-
-_SLOT_SHARD = _slot_shards()
-_SHARD_FIRST_SLOT = tuple(_SLOT_SHARD.index(i) for i in range(_SHARDS))
-
-Table = tuple[dict[int, int], ...]
-"""A residency map: ``table[key & _SLOT_MASK]`` is the dict that holds ``key``."""
-
-
-def _new_table() -> Table:
-    shards = [{} for _ in range(_SHARDS)]
-    return tuple(shards[i] for i in _SLOT_SHARD)
-
-
-def _shards(table: Table) -> list[dict[int, int]]:
-    return [table[i] for i in _SHARD_FIRST_SLOT]
-
-
-_EMPTY_TABLE: Table = ({},) * _SLOTS  # one shared dict, never written
 _consume = deque(maxlen=0).extend
 
 FULL = "full_attention"
@@ -160,7 +125,7 @@ class _Engine:
     engine: EngineId
     slot: int
     model: str
-    hashes: dict[BlockHash, int] = field(default_factory=dict)
+    hashes: HashMap = field(default_factory=HashMap)
     extra_refs: dict[BlockHash, int] = field(default_factory=dict)
     groups: dict[int, GroupSpec] = field(default_factory=dict)
     configured_groups: dict[int, GroupSpec] = field(default_factory=dict)
@@ -452,7 +417,7 @@ class PrefixIndex:
             return False
         res = self._residency.get((g, medium))
         if res is None:
-            res = self._residency[(g, medium)] = _new_table()
+            res = self._residency[(g, medium)] = new_table()
         self._add_many(e, g, medium, res, hashes, keys)
         return False
 
@@ -588,7 +553,7 @@ class PrefixIndex:
         for g, spec in e.groups.items():
             if spec.kind == FULL and spec.block_size == ev.block_size:
                 res = self._residency.get((g, GPU))
-                if res is None or not res[keys[0] & _SLOT_MASK].get(keys[0], 0) & bit:
+                if res is None or not res[keys[0] & SLOT_MASK].get(keys[0], 0) & bit:
                     decided[decision_key] = False
                     return False
         seed, _ = self._root(e, ev, ev.extra_keys[0] if ev.extra_keys else None)
@@ -612,7 +577,7 @@ class PrefixIndex:
         # The whole event in C-level passes (map/update) rather than a Python loop per block:
         # this is what makes ingest fast. Duplicates (a block already resident on this engine,
         # group and medium) are rare and take the slow loop.
-        dicts = list(map(res.__getitem__, map(_SLOT_MASK.__and__, keys)))
+        dicts = list(map(res.__getitem__, map(SLOT_MASK.__and__, keys)))
         before = list(map(dict.get, dicts, keys, repeat(0, len(keys))))
         after = list(map(bit.__or__, before))
         if any(map(eq, after, before)):
@@ -629,15 +594,16 @@ class PrefixIndex:
             _consume(map(dict.__setitem__, dicts, keys, after))
             added = len(keys)
         # One more reference per hash; a hash already mapped keeps its key (first store wins).
-        if hmap.keys().isdisjoint(hashes):
-            hmap.update(zip(hashes, keys, strict=False))
+        hdicts = list(map(hmap.table.__getitem__, map(SLOT_MASK.__and__, map(hash, hashes))))
+        if not any(map(dict.__contains__, hdicts, hashes)):
+            _consume(map(dict.__setitem__, hdicts, hashes, keys))
         else:
             extra = e.extra_refs
-            for h, key in zip(hashes, keys, strict=False):
-                if h in hmap:
+            for d, h, key in zip(hdicts, hashes, keys, strict=False):
+                if h in d:
                     extra[h] = extra.get(h, 0) + 1
                 else:
-                    hmap[h] = key
+                    d[h] = key
         if added:
             gm = (g, medium)
             e.resident[gm] = e.resident.get(gm, 0) + added
@@ -647,7 +613,7 @@ class PrefixIndex:
     def _add(self, e: _Engine, g: int, medium: str, h: BlockHash, key: int) -> None:
         res = self._residency.get((g, medium))
         if res is None:
-            res = self._residency[(g, medium)] = _new_table()
+            res = self._residency[(g, medium)] = new_table()
         self._add_many(e, g, medium, res, [h], [key])
 
     def _remove(self, e: _Engine, block_hashes: list[BlockHash], g: int, medium: str) -> None:
@@ -661,14 +627,16 @@ class PrefixIndex:
         extra_refs = e.extra_refs
         dups = self._dups
         removed = unknown = cleared = 0
+        htable = hmap.table
         for h in block_hashes:
-            key = hmap.get(h)
+            hd = htable[hash(h) & SLOT_MASK]
+            key = hd.get(h)
             if key is None or res is None:
                 unknown += 1
                 if e.pending:
                     e.pending_removed.add(h)
                 continue
-            d = res[key & _SLOT_MASK]
+            d = res[key & SLOT_MASK]
             m = d.get(key, 0)
             if not m & bit:
                 unknown += 1
@@ -691,7 +659,7 @@ class PrefixIndex:
                 cleared += 1
             refs = extra_refs.get(h) if extra_refs else None
             if refs is None:
-                del hmap[h]
+                del hd[h]
             elif refs == 1:
                 del extra_refs[h]
             else:
@@ -712,7 +680,7 @@ class PrefixIndex:
         keys = set(e.hashes.values())
         for res in self._residency.values():
             for key in keys:
-                d = res[key & _SLOT_MASK]
+                d = res[key & SLOT_MASK]
                 m = d.get(key)
                 if m is not None and m & bit:
                     m &= keep
@@ -725,7 +693,7 @@ class PrefixIndex:
                 del self._dups[dk]
         self.total_entries -= sum(e.resident.values())
         e.resident.clear()
-        e.hashes = {}
+        e.hashes = HashMap()
         e.extra_refs = {}
         e.pending.clear()
         e.pending_removed.clear()
@@ -857,7 +825,7 @@ class PrefixIndex:
     def _full_run(
         self, g: int, bs: int, members: list[_Engine], keys: Sequence[int], limit: int
     ) -> dict[int, int]:
-        res = self._residency.get((g, GPU)) or _EMPTY_TABLE
+        res = self._residency.get((g, GPU)) or EMPTY_TABLE
         step = bs // self.unit
         alive = 0
         for e in members:
@@ -866,7 +834,7 @@ class PrefixIndex:
         nblocks = limit // bs
         for b in range(nblocks):
             key = keys[(b + 1) * step - 1]
-            now = alive & res[key & _SLOT_MASK].get(key, 0)
+            now = alive & res[key & SLOT_MASK].get(key, 0)
             if now != alive:
                 dropped = alive & ~now
                 while dropped:
@@ -951,7 +919,7 @@ class PrefixIndex:
         else:
             first = 0
         return all(
-            res[k & _SLOT_MASK].get(k, 0) & bit
+            res[k & SLOT_MASK].get(k, 0) & bit
             for k in (keys[(b + 1) * step - 1] for b in range(first, end_block))
         )
 
@@ -987,7 +955,7 @@ class PrefixIndex:
         k = gpu_hit // chunk
         while k < whole:
             key = keys[(k + 1) * step - 1] if (k + 1) * step <= len(keys) else None
-            if key is None or not all(t[key & _SLOT_MASK].get(key, 0) & bit for t in tables):
+            if key is None or not all(t[key & SLOT_MASK].get(key, 0) & bit for t in tables):
                 break
             k += 1
         loaded = k * chunk - gpu_hit
@@ -1007,7 +975,7 @@ class PrefixIndex:
         resident: list[tuple[int, str, list[int]]] = []
         bit = e.bit
         for (g, medium), res in self._residency.items():
-            keys = [k for k in set(e.hashes.values()) if res[k & _SLOT_MASK].get(k, 0) & bit]
+            keys = [k for k in set(e.hashes.values()) if res[k & SLOT_MASK].get(k, 0) & bit]
             if keys:
                 resident.append((g, medium, keys))
         dups = [(g, m, k, n) for (slot, g, m, k), n in self._dups.items() if slot == e.slot]
@@ -1035,7 +1003,7 @@ class PrefixIndex:
         e = self._engines.get(engine) or self._new_engine(engine, state.model)
         self._drop_state(e)
         e.model = state.model
-        e.hashes = {h: key for h, key, _refs in state.hashes}
+        e.hashes = HashMap(((h, key) for h, key, _refs in state.hashes))
         e.extra_refs = {h: refs - 1 for h, _key, refs in state.hashes if refs > 1}
         e.groups = {
             g: GroupSpec(kind, bs, window, chunk) for g, kind, bs, window, chunk in state.groups
@@ -1045,9 +1013,9 @@ class PrefixIndex:
         for g, medium, keys in state.resident:
             res = self._residency.get((g, medium))
             if res is None:
-                res = self._residency[(g, medium)] = _new_table()
+                res = self._residency[(g, medium)] = new_table()
             for k in keys:
-                d = res[k & _SLOT_MASK]
+                d = res[k & SLOT_MASK]
                 d[k] = d.get(k, 0) | bit
             e.resident[(g, medium)] = e.resident.get((g, medium), 0) + len(keys)
             self.total_entries += len(keys)
@@ -1094,7 +1062,7 @@ class PrefixIndex:
         """Whether ``engine`` holds the block named ``key`` (tests and /debug)."""
         e = self._engines.get(engine)
         res = self._residency.get((group_idx, medium))
-        return bool(e is not None and res and res[key & _SLOT_MASK].get(key, 0) & e.bit)
+        return bool(e is not None and res and res[key & SLOT_MASK].get(key, 0) & e.bit)
 
 
 class _EngineSnapshot(msgspec.Struct, array_like=True, gc=False):

@@ -473,7 +473,7 @@ def test_residency_is_split_into_staggered_shards():
     """No residency dict holds more than a small share of the blocks, and the shares differ
     (about 1:2 smallest to largest), so the dicts do not all grow -- a stop of the event loop
     proportional to their size in CPython -- at the same moment. Matching is unaffected."""
-    from indexer.index import _shards
+    from indexer.staggered import shards
 
     idx = PrefixIndex()
     idx.add_engine(W0, MODEL)
@@ -481,8 +481,26 @@ def test_residency_is_split_into_staggered_shards():
     prompts = [prompt(16 * 64, start=100_000 * i) for i in range(100)]  # 6,400 blocks
     for p in prompts:
         idx.apply(W0, [eng.stored(p, 0, 64, 16)])
-    sizes = sorted(len(d) for d in _shards(idx._residency[(0, "GPU")]))
+    sizes = sorted(len(d) for d in shards(idx._residency[(0, "GPU")]))
     assert sum(sizes) == 6400 == idx.total_entries
     assert sizes[-1] <= 0.12 * 6400
     assert 1.5 <= sizes[-1] / sizes[0] <= 2.6
     assert all(gpu(idx, p) == 16 * 63 for p in prompts)
+
+
+def test_split_engine_hash_maps_change_nothing_stored_or_matched():
+    """Engine hash maps are split into staggered shards (tests/test_staggered.py says why);
+    16 engines storing and evicting the same hashes keep exact, separate state."""
+    idx = PrefixIndex()
+    engines = [(f"http://w{i}", 0) for i in range(16)]
+    eng = Engine()
+    p = prompt(16 * 40)
+    for en in engines:
+        idx.add_engine(en, MODEL)
+        idx.apply(en, [eng.stored(p, 0, 40, 16)])
+    assert all(len(idx._engines[en].hashes) == 40 for en in engines)
+    assert all(gpu(idx, p, en) == 16 * 39 for en in engines)
+    for en in engines[:8]:
+        idx.apply(en, eng.removed(p, list(range(39, 19, -1)), 16))
+    assert [gpu(idx, p, en) for en in engines] == [16 * 20] * 8 + [16 * 39] * 8
+    assert [len(idx._engines[en].hashes) for en in engines] == [20] * 8 + [40] * 8
