@@ -15,13 +15,14 @@ Bad input gets a 4xx OpenAI-style error body ``{"error": {"message", "type", "pa
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -34,6 +35,13 @@ from simulator.runner import EngineRunner, TokenOut
 from simulator.tokenizer import ChatTemplateError, Tokenizer
 
 _json_encode = msgspec.json.Encoder().encode
+
+
+@functools.lru_cache(maxsize=8)
+def _token_ids_type(vocab: int) -> Any:
+    return list[Annotated[int, msgspec.Meta(ge=0, lt=vocab)]]
+
+
 _json_decode = msgspec.json.Decoder().decode
 
 
@@ -241,11 +249,20 @@ class Worker:
             prompt = prompt[0]
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens)
-        elif isinstance(prompt, list) and set(map(type, prompt)) <= {int}:
-            # C-level checks (type set, min, max): a router forwards 100k-token id lists.
-            if prompt and (min(prompt) < 0 or max(prompt) >= vocab):
-                raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt")
-            ids = list(prompt)
+        elif isinstance(prompt, list) and (not prompt or type(prompt[0]) is int):
+            # One C-level pass that checks types and range (msgspec; vLLM validates with
+            # pydantic-core): a router forwards 100k-token id lists, and the Python-level
+            # type-set/min/max checks took 0.26 ms on 8k ids.
+            try:
+                ids = msgspec.convert(prompt, _token_ids_type(vocab))
+            except msgspec.ValidationError:
+                if all(type(t) is int for t in prompt):
+                    raise ApiError(
+                        400, f"token ids must be in [0, {vocab})", param="prompt"
+                    ) from None
+                raise ApiError(
+                    400, "prompt must be a string or a list of token ids", param="prompt"
+                ) from None
         else:
             raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
         if not ids:

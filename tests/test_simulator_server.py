@@ -233,6 +233,32 @@ def test_bad_input_gets_openai_error(
     assert err["code"] == status and err["message"] and "type" in err
 
 
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ([5, 70_000, 6], "token ids must be in [0, "),
+        ([5, -1], "token ids must be in [0, "),
+        ([5, True], "prompt must be a string or a list of token ids"),
+        ([5, "a"], "prompt must be a string or a list of token ids"),
+        ([5, 1.0], "prompt must be a string or a list of token ids"),
+        ([], "prompt must not be empty"),
+    ],
+)
+def test_bad_token_id_prompts_are_refused(
+    fleet: list[WorkerInfo], prompt: list[Any], message: str
+) -> None:
+    """Token-id prompts are checked as vLLM checks them: ints in the vocabulary, nothing else."""
+    r = httpx.post(
+        fleet[0].url + "/v1/completions",
+        json={"prompt": prompt, "max_tokens": 1},
+        timeout=DEADLINE,
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(message)
+    ok = complete(fleet[0], [5, 31_999, 6], 1)
+    assert ok["usage"]["prompt_tokens"] == 3
+
+
 def test_body_too_large(fleet: list[WorkerInfo]) -> None:
     r = httpx.post(
         fleet[0].url + "/v1/completions", content=b"x" * (9 * 1024 * 1024), timeout=DEADLINE
