@@ -43,6 +43,7 @@ import msgspec
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from router.upstream import UpstreamResponse
 from router.verify import StreamUsageFilter
 from router.workers import Worker, WorkerRegistry
 
@@ -495,7 +496,7 @@ def _stream(
 
 
 async def _buffered(
-    resp: httpx.Response,
+    resp: UpstreamResponse,
     w: Worker,
     ticket: Ticket,
     t0: float,
@@ -508,8 +509,10 @@ async def _buffered(
         return b"".join(parts)
 
     ttft = time.perf_counter() - t0
+    data = resp.take_complete()
     try:
-        data = await _race(_within(read(), ctx.deadline), watcher)
+        if data is None:
+            data = await _race(_within(read(), ctx.deadline), watcher)
     except _ClientGone:
         ticket.finish()
         with anyio.CancelScope(shield=True):

@@ -236,6 +236,20 @@ class UpstreamResponse:
             if self._complete and not self._chunks:
                 self._release()
 
+    def take_complete(self) -> bytes | None:
+        """The whole body if it has already arrived (else None, and nothing is consumed).
+
+        A short answer usually comes in the same read as its head; taking it here saves the
+        consumer a wait it would not need (for the proxy, a task and an ``asyncio.wait``)."""
+        if not self._complete or self._exc is not None:
+            return None
+        data = b"".join(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        self.content = data
+        self._release()
+        return data
+
     async def aread(self) -> bytes:
         self.content = b"".join([c async for c in self.aiter_raw()])
         return self.content
