@@ -20,6 +20,7 @@ from simulator.engine import EngineConfig, SimEngine
 
 # ../shared beside the checkout (as CI lays it out), like tests/test_captures.py.
 CAPTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "vllm-captures"
+pytestmark = pytest.mark.skipif(not CAPTURES.is_dir(), reason=f"no captures at {CAPTURES}")
 
 
 def load_batches(name: str) -> list[list[dict[str, Any]]]:
