@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -716,7 +716,10 @@ def explain(router: Router, res: RouteResult, chat: bool, elapsed: float) -> dic
     }
 
 
-def _add_api_routes(app: FastAPI, router: Router) -> None:
+ProxyHandler = Callable[[Request], Awaitable[Response]]
+
+
+def _add_api_routes(app: FastAPI, router: Router) -> dict[str, ProxyHandler]:
     cfg = router.cfg
     keys = set(cfg.server.api_keys)
     m = router.metrics
@@ -828,6 +831,43 @@ def _add_api_routes(app: FastAPI, router: Router) -> None:
         ok, why = router.ready()
         return JSONResponse({"ready": ok, "reason": why}, status_code=200 if ok else 503)
 
+    return {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
+
+
+class _ProxyRoutes:
+    """Pure-ASGI front for the two proxy routes (``POST /v1/completions`` and
+    ``/v1/chat/completions``); everything else goes through FastAPI as before.
+
+    Why: each proxied request otherwise passes FastAPI's exception, exit-stack, routing,
+    dependency and endpoint layers, 0.09 ms per request measured (``GET /health`` 0.178 ms vs
+    0.092 ms for a raw ASGI answer) on a path whose whole budget is ~2 ms. The handlers answer
+    every error themselves (OpenAI-style JSON); this front turns anything unexpected into the
+    same 500 the app's error handler gives. It sits inside FastAPI's ServerErrorMiddleware and
+    inside CORS (added after it), so those still apply.
+    """
+
+    def __init__(self, app: Any, routes: dict[str, ProxyHandler]) -> None:
+        self.app = app
+        self.routes = routes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+            handler = self.routes.get(scope["path"])
+            if handler is not None:
+                try:
+                    response = await handler(Request(scope, receive, send))
+                except BodyError as exc:
+                    etype = "invalid_request_error" if exc.status < 500 else "service_unavailable"
+                    response = proxy.error_response(exc.status, exc.message, etype)
+                except Exception as exc:
+                    log.exception("internal error")
+                    response = proxy.error_response(
+                        500, f"internal error: {type(exc).__name__}", "internal_error"
+                    )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
 
 def create_apps(cfg: Config, *, seed: int | None = None) -> tuple[FastAPI, FastAPI | None, Router]:
     """The API app, the admin app (None unless ``server.admin_port``), and their Router."""
@@ -844,7 +884,8 @@ def create_apps(cfg: Config, *, seed: int | None = None) -> tuple[FastAPI, FastA
     app = FastAPI(title="kvrouter", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = router
     _install_error_handlers(app)
-    _add_api_routes(app, router)
+    proxy_routes = _add_api_routes(app, router)
+    app.add_middleware(_ProxyRoutes, routes=proxy_routes)
     admin: FastAPI | None = None
     if cfg.server.admin_port is not None:
         admin = FastAPI(title="kvrouter-admin", docs_url=None, redoc_url=None, openapi_url=None)

@@ -131,6 +131,15 @@ async def test_cors_off_by_default_and_on_when_configured() -> None:
             assert r.headers.get("access-control-allow-origin") == "https://app.example"
             r = await c.options(base + "/v1/completions", headers=pre)
             assert "access-control-allow-origin" not in r.headers
+            # The proxy routes' own ASGI front sits inside CORS: real answers carry it too.
+            body = {"model": "sim-model", "prompt": "hello", "max_tokens": 1}
+            r = await c.post(
+                base + "/v1/completions", json=body, headers={"origin": "https://app.example"}
+            )
+            assert r.status_code == 200
+            assert r.headers.get("access-control-allow-origin") == "https://app.example"
+            assert r.headers["x-kvrouter-worker"] == ws[0].url
+            assert (await c.get(base + "/v1/completions")).status_code == 405
 
 
 SECRET = "zq-SECRET-PROMPT-7f3a9"
