@@ -331,10 +331,9 @@ async def forward(
             registry, path, body, headers, attempts, stream, watcher, t0, done, ctx
         )
     finally:
-        if not watcher.done():
-            watcher.cancel()
-            with contextlib.suppress(BaseException):
-                await watcher
+        # Not awaited: that took one more loop turn before the answer could be sent. A
+        # disconnect it may still read is not lost (uvicorn repeats http.disconnect).
+        watcher.cancel()
 
 
 @dataclass
