@@ -239,3 +239,41 @@ async def test_a_stream_that_stalls_mid_body_times_out() -> None:
         assert got == [b"first"]
         await resp.aclose()
         assert client.open_connections == 0
+
+
+async def test_take_complete_returns_an_arrived_body_and_frees_the_connection() -> None:
+    """A body that came with its head is taken at once and the connection goes back to the
+    pool; a body still arriving is left alone (None) and read normally."""
+    gate = asyncio.Event()
+
+    async def server(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            head, body = await read_request(r)
+            if head.startswith(b"POST /slow"):
+                w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nfirst")
+                await w.drain()
+                await gate.wait()
+                w.write(b"-half")
+            else:
+                w.write(response(b"whole:" + body))
+            await w.drain()
+
+    async with raw_server(server) as (url, accepted):
+        client = UpstreamClient(url)
+        resp = await client.send(client.build_request("POST", "/fast", content=b"x"))
+        await until_complete(resp)
+        assert resp.take_complete() == b"whole:x" and resp.content == b"whole:x"
+        slow = await client.send(client.build_request("POST", "/slow", content=b"y"))
+        assert slow.take_complete() is None  # half a body: nothing consumed
+        gate.set()
+        assert await slow.aread() == b"first-half"
+        assert len(accepted) == 1  # the first answer's connection was reused
+        await client.aclose()
+
+
+async def until_complete(resp: object, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not resp._complete:  # type: ignore[attr-defined]
+        assert loop.time() < deadline, "the body never arrived"
+        await asyncio.sleep(0.005)
