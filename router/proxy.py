@@ -333,7 +333,11 @@ async def forward(
     finally:
         # Not awaited: that took one more loop turn before the answer could be sent. A
         # disconnect it may still read is not lost (uvicorn repeats http.disconnect).
-        watcher.cancel()
+        if watcher.done():
+            if not watcher.cancelled():
+                watcher.exception()  # retrieved, so asyncio does not log it as lost
+        else:
+            watcher.cancel()
 
 
 @dataclass

@@ -246,6 +246,10 @@ class UpstreamResponse:
         data = b"".join(self._chunks)
         self._chunks.clear()
         self._buffered = 0
+        if self._paused and self._conn.transport:
+            # The last read took the buffer over _HIGH_WATER: a pooled connection must read.
+            self._paused = False
+            self._conn.transport.resume_reading()
         self.content = data
         self._release()
         return data
