@@ -280,8 +280,8 @@ class Router:
 
     # ---------------------------------------------------------------- tokenize + route
 
-    async def _remote_tokenize(self, payload: dict[str, Any]) -> list[int]:
-        body = _enc.encode(payload)
+    async def _remote_tokenize(self, payload: dict[str, Any] | bytes) -> list[int]:
+        body = payload if isinstance(payload, bytes) else _enc.encode(payload)
         last = "no healthy worker"
         for w in self.registry.tokenizer_workers()[:2]:
             try:

@@ -53,7 +53,8 @@ CHAT_FORWARD_KEYS = (
     "chat_template",
 )
 
-RemoteCall = Callable[[dict[str, Any]], Awaitable[list[int]]]
+RemoteCall = Callable[[dict[str, Any] | bytes], Awaitable[list[int]]]
+"""Asks a worker's ``/tokenize``: the payload as a dict, or already JSON-encoded."""
 
 
 class TokenizeError(Exception):
@@ -265,7 +266,7 @@ class PromptTokenizer:
         if tokens is None:
             if remote is None:
                 raise TokenizeError("no worker available for /tokenize")
-            tokens = await remote(payload)
+            tokens = await remote(enc)  # the cache key's bytes are the request body too
         data = tokens_to_bytes(tokens)
         n = len(tokens)
         reused = 0
