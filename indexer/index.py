@@ -1003,7 +1003,7 @@ class PrefixIndex:
         e = self._engines.get(engine) or self._new_engine(engine, state.model)
         self._drop_state(e)
         e.model = state.model
-        e.hashes = HashMap(((h, key) for h, key, _refs in state.hashes))
+        e.hashes = HashMap((h, key) for h, key, _refs in state.hashes)
         e.extra_refs = {h: refs - 1 for h, _key, refs in state.hashes if refs > 1}
         e.groups = {
             g: GroupSpec(kind, bs, window, chunk) for g, kind, bs, window, chunk in state.groups

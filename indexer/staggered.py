@@ -80,9 +80,6 @@ class HashMap:
         for h, key in items:
             table[hash(h) & SLOT_MASK][h] = key
 
-    def shard(self, h: Any) -> dict[Any, int]:
-        return self.table[hash(h) & SLOT_MASK]
-
     def get(self, h: Any, default: int | None = None) -> int | None:
         return self.table[hash(h) & SLOT_MASK].get(h, default)
 

@@ -61,6 +61,16 @@ class BodyError(Exception):
         self.status = status
         self.message = message
 
+    def response(self) -> Response:
+        """The OpenAI-style error answer for this error."""
+        etype = "invalid_request_error" if self.status < 500 else "service_unavailable"
+        return proxy.error_response(self.status, self.message, etype)
+
+
+def _internal_error(exc: Exception) -> Response:
+    log.exception("internal error")
+    return proxy.error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+
 
 class RouteResult(msgspec.Struct):
     decision: Decision
@@ -615,13 +625,11 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(BodyError)
     async def _body_error(_: Request, exc: BodyError) -> Response:
-        etype = "invalid_request_error" if exc.status < 500 else "service_unavailable"
-        return proxy.error_response(exc.status, exc.message, etype)
+        return exc.response()
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> Response:
-        log.exception("internal error")
-        return proxy.error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+        return _internal_error(exc)
 
 
 def _add_admin_routes(app: FastAPI, router: Router) -> None:
@@ -740,8 +748,7 @@ def _add_api_routes(app: FastAPI, router: Router) -> dict[str, ProxyHandler]:
             res = await router.route(body, chat, time.monotonic())
         except BodyError as exc:
             m.requests.labels(policy_name, str(exc.status)).inc()
-            etype = "invalid_request_error" if exc.status < 500 else "service_unavailable"
-            return proxy.error_response(exc.status, exc.message, etype)
+            return exc.response()
         m.route_decision.observe(time.perf_counter() - t0)
         tok = res.tokens
         d = res.decision
@@ -857,13 +864,9 @@ class _ProxyRoutes:
                 try:
                     response = await handler(Request(scope, receive, send))
                 except BodyError as exc:
-                    etype = "invalid_request_error" if exc.status < 500 else "service_unavailable"
-                    response = proxy.error_response(exc.status, exc.message, etype)
+                    response = exc.response()
                 except Exception as exc:
-                    log.exception("internal error")
-                    response = proxy.error_response(
-                        500, f"internal error: {type(exc).__name__}", "internal_error"
-                    )
+                    response = _internal_error(exc)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -214,9 +214,7 @@ class UpstreamResponse:
                 while self._chunks:
                     chunk = self._chunks.popleft()
                     self._buffered -= len(chunk)
-                    if self._paused and self._buffered < _LOW_WATER and self._conn.transport:
-                        self._paused = False
-                        self._conn.transport.resume_reading()
+                    self._resume_if_drained()
                     yield chunk
                 if self._complete:
                     return
@@ -236,6 +234,11 @@ class UpstreamResponse:
             if self._complete and not self._chunks:
                 self._release()
 
+    def _resume_if_drained(self) -> None:
+        if self._paused and self._buffered < _LOW_WATER and self._conn.transport:
+            self._paused = False
+            self._conn.transport.resume_reading()
+
     def take_complete(self) -> bytes | None:
         """The whole body if it has already arrived (else None, and nothing is consumed).
 
@@ -246,10 +249,8 @@ class UpstreamResponse:
         data = b"".join(self._chunks)
         self._chunks.clear()
         self._buffered = 0
-        if self._paused and self._conn.transport:
-            # The last read took the buffer over _HIGH_WATER: a pooled connection must read.
-            self._paused = False
-            self._conn.transport.resume_reading()
+        # The last read may have taken the buffer over _HIGH_WATER: a pooled connection must read.
+        self._resume_if_drained()
         self.content = data
         self._release()
         return data

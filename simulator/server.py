@@ -35,14 +35,12 @@ from simulator.runner import EngineRunner, TokenOut
 from simulator.tokenizer import ChatTemplateError, Tokenizer
 
 _json_encode = msgspec.json.Encoder().encode
+_json_decode = msgspec.json.Decoder().decode
 
 
 @functools.lru_cache(maxsize=8)
 def _token_ids_type(vocab: int) -> Any:
     return list[Annotated[int, msgspec.Meta(ge=0, lt=vocab)]]
-
-
-_json_decode = msgspec.json.Decoder().decode
 
 
 @dataclass
@@ -247,6 +245,7 @@ class Worker:
         vocab = self.s.engine.vocab_size
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
+        ids: list[int] | None = None
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens)
         elif isinstance(prompt, list) and (not prompt or type(prompt[0]) is int):
@@ -260,10 +259,7 @@ class Worker:
                     raise ApiError(
                         400, f"token ids must be in [0, {vocab})", param="prompt"
                     ) from None
-                raise ApiError(
-                    400, "prompt must be a string or a list of token ids", param="prompt"
-                ) from None
-        else:
+        if ids is None:
             raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
         if not ids:
             raise ApiError(400, "prompt must not be empty", param="prompt")
