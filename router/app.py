@@ -749,15 +749,9 @@ def _add_api_routes(app: FastAPI, router: Router) -> dict[str, ProxyHandler]:
         except BodyError as exc:
             m.requests.labels(policy_name, str(exc.status)).inc()
             return exc.response()
-        m.route_decision.observe(time.perf_counter() - t0)
+        decided = time.perf_counter() - t0
         tok = res.tokens
         d = res.decision
-        if tok is None:
-            m.tokenize_failures.inc()
-        else:
-            m.prompt_tokens.inc(tok.n_tokens)
-            m.predicted_hit_tokens.inc(d.predicted_hit_tokens)
-            router.speculative.record(d.worker, tok.keys, time.monotonic())
         n = tok.n_tokens if tok else 0
         costs = {c.worker: c for c in d.costs}
         by_engine = {c.worker: c for c in res.candidates}
@@ -792,6 +786,25 @@ def _add_api_routes(app: FastAPI, router: Router) -> dict[str, ProxyHandler]:
         strip = False
         if stream and router.verifier is not None and cfg.verify.stream_usage:
             data, strip = with_stream_usage(body, data)  # usage for verification, stripped
+        recorded = False
+
+        def sent(engine: tuple[str, int]) -> None:
+            """Runs as the request goes out (see proxy.forward), before any other request can be
+            routed, so that a sibling prompt arriving next finds the speculative entry; while
+            the worker already computes, when a kept-alive connection was idle."""
+            nonlocal recorded
+            if tok is not None:
+                router.speculative.record(engine, tok.keys, time.monotonic())
+            if recorded:
+                return  # a retry: the entry above is for the worker that now has the request
+            recorded = True
+            m.route_decision.observe(decided)
+            if tok is None:
+                m.tokenize_failures.inc()
+            else:
+                m.prompt_tokens.inc(tok.n_tokens)
+                m.predicted_hit_tokens.inc(d.predicted_hit_tokens)
+
         return await proxy.forward(
             registry=router.registry,
             path=path,
@@ -805,6 +818,7 @@ def _add_api_routes(app: FastAPI, router: Router) -> dict[str, ProxyHandler]:
             done=done,
             limits=router.proxy_limits,
             on_upstream_failure=router.watch.probe_soon,
+            on_sent=sent,
         )
 
     @app.post("/v1/completions")

@@ -43,7 +43,7 @@ import msgspec
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from router.upstream import UpstreamResponse
+from router.upstream import UpstreamRequest, UpstreamResponse
 from router.verify import StreamUsageFilter
 from router.workers import Worker, WorkerRegistry
 
@@ -303,6 +303,25 @@ async def _race(coro: Awaitable[Any], watcher: asyncio.Future[None]) -> Any:
     raise _ClientGone
 
 
+async def _send(
+    w: Worker,
+    req: UpstreamRequest,
+    started: UpstreamResponse | None,
+    deadline: float | None,
+    watcher: asyncio.Future[None],
+) -> UpstreamResponse:
+    try:
+        return await _race(
+            _within(w.client.send(req, stream=True, started=started), deadline), watcher
+        )
+    except BaseException:
+        if started is not None:
+            # The send may never have run (cancelled before its first step): close the written
+            # request's connection and free its pool slot. A no-op if the send released it.
+            await started.aclose()
+        raise
+
+
 async def forward(
     *,
     registry: WorkerRegistry,
@@ -317,15 +336,22 @@ async def forward(
     limits: ProxyLimits | None = None,
     on_upstream_failure: Callable[[Worker], None] | None = None,
     strip_usage: bool = False,
+    on_sent: Callable[[tuple[str, int]], None] | None = None,
 ) -> Response:
-    """Send ``body`` to the first attempt that answers; stream or buffer the answer back."""
+    """Send ``body`` to the first attempt that answers; stream or buffer the answer back.
+
+    ``on_sent(engine)`` runs once per attempt, before this coroutine first yields to the event
+    loop for that attempt: right after the request was written when a kept-alive connection was
+    idle (so it runs while the worker already works), else before waiting for a connection.
+    Whatever it records is therefore in place before any other request is routed.
+    """
     watcher = asyncio.ensure_future(_until_disconnect(receive))
     lim = limits or ProxyLimits()
     deadline = None
     if lim.request_timeout_s is not None:
         deadline = asyncio.get_running_loop().time() + lim.request_timeout_s
         deadline -= time.perf_counter() - t0
-    ctx = _Ctx(lim, deadline, on_upstream_failure, strip_usage)
+    ctx = _Ctx(lim, deadline, on_upstream_failure, strip_usage, on_sent)
     try:
         return await _forward(
             registry, path, body, headers, attempts, stream, watcher, t0, done, ctx
@@ -347,6 +373,7 @@ class _Ctx:
     on_failure: Callable[[Worker], None] | None
     strip_usage: bool = False
     """The router added ``stream_options.include_usage``: drop the usage-only final event."""
+    on_sent: Callable[[tuple[str, int]], None] | None = None
 
     def failed(self, w: Worker) -> None:
         if self.on_failure is not None:
@@ -390,8 +417,11 @@ async def _forward(
             hdrs.append((b"x-data-parallel-rank", str(att.engine[1]).encode()))
         ticket = Ticket(w, att.engine[1], att.uncached)
         req = w.client.build_request("POST", path, content=body, headers=hdrs)
+        started = w.client.write_now(req)
+        if ctx.on_sent is not None:
+            ctx.on_sent(att.engine)
         try:
-            resp = await _race(_within(w.client.send(req, stream=True), ctx.deadline), watcher)
+            resp = await _send(w, req, started, ctx.deadline, watcher)
         except _ClientGone:
             ticket.finish()
             done(Outcome(499, w.url, None, None))

@@ -277,6 +277,49 @@ class UpstreamResponse:
         self._pool._release(self._conn, reusable)
 
 
+class _Slots:
+    """The pool's connection slots: a counting semaphore that can also be taken without waiting.
+
+    Why not ``asyncio.Semaphore``: :meth:`UpstreamClient.write_now` must take a slot in plain
+    synchronous code, so that a request goes on the wire without the caller yielding to the loop.
+    Waiters are served oldest first; a slot is handed straight to a waiter, never left free while
+    one waits.
+    """
+
+    def __init__(self, n: int) -> None:
+        self._free = n
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def try_take(self) -> bool:
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return True
+        return False
+
+    async def take(self) -> None:
+        if self.try_take():
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.give()  # handed a slot just as we were cancelled: pass it on
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(fut)
+            raise
+
+    def give(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self._free += 1
+
+
 class UpstreamClient:
     """Keep-alive connection pool to one worker (``base_url`` is ``http://host:port``)."""
 
@@ -305,7 +348,7 @@ class UpstreamClient:
         self.keepalive_expiry = keepalive_expiry
         self._idle: list[tuple[float, _Conn]] = []  # (idle since, connection), LIFO
         self._open = 0
-        self._slots = asyncio.Semaphore(max_connections)
+        self._slots = _Slots(max_connections)
         self._closed = False
 
     @property
@@ -322,22 +365,52 @@ class UpstreamClient:
     ) -> UpstreamRequest:
         return UpstreamRequest(method, path, content, _header_list(headers))
 
+    def write_now(self, request: UpstreamRequest) -> UpstreamResponse | None:
+        """Write ``request`` at once, without yielding to the event loop, when a pool slot is free
+        and a kept-alive connection is idle (the usual case under steady load); None otherwise.
+        Pass the result to :meth:`send` as ``started`` to wait for its answer.
+
+        Why: work the caller still has to do after choosing the worker (bookkeeping that must
+        not let another request in first) can then run while the worker already computes,
+        instead of before the request leaves. If the caller never passes it to :meth:`send`, it
+        must ``aclose()`` it (the connection is closed and the slot freed).
+        """
+        if self._closed or not self._slots.try_take():
+            return None
+        conn = self._idle_connection()
+        if conn is None:
+            self._slots.give()
+            return None
+        try:
+            return self._start(conn, request)
+        except Exception:
+            return None  # _start released the connection; send() will try again
+
     async def send(
-        self, request: UpstreamRequest, *, stream: bool = True, timeout: float | None = None
+        self,
+        request: UpstreamRequest,
+        *,
+        stream: bool = True,
+        timeout: float | None = None,
+        started: UpstreamResponse | None = None,
     ) -> UpstreamResponse:
-        if self._closed:
-            raise httpx.ConnectError("upstream client is closed")
-        try:
-            async with asyncio.timeout(self.pool_timeout):
-                await self._slots.acquire()
-        except TimeoutError:
-            raise httpx.PoolTimeout(
-                f"no free connection to {self.host}:{self.port} within {self.pool_timeout}s "
-                f"({self.max_connections} in use)"
-            ) from None
         wait = self.first_byte_timeout if timeout is None else timeout
+        if started is None:
+            if self._closed:
+                raise httpx.ConnectError("upstream client is closed")
+            try:
+                async with asyncio.timeout(self.pool_timeout):
+                    await self._slots.take()
+            except TimeoutError:
+                raise httpx.PoolTimeout(
+                    f"no free connection to {self.host}:{self.port} within {self.pool_timeout}s "
+                    f"({self.max_connections} in use)"
+                ) from None
         try:
-            resp = await self._exchange(request, wait)
+            if started is None:
+                resp = await self._exchange(request, wait)
+            else:
+                resp = await self._await_head(started, True, wait)
         except httpx.RemoteProtocolError as exc:
             if not getattr(exc, "stale", False):
                 raise
@@ -356,12 +429,26 @@ class UpstreamClient:
         try:
             conn, reused = await self._connection(fresh)
         except BaseException:
-            self._slots.release()
+            self._slots.give()
             raise
+        return await self._await_head(self._start(conn, request), reused, wait)
+
+    def _start(self, conn: _Conn, request: UpstreamRequest) -> UpstreamResponse:
         resp = UpstreamResponse(conn, self)
         conn.response = resp
         try:
             conn.write_request(request, self._host_header)
+        except BaseException:
+            resp._released = True
+            self._release(conn, False)
+            raise
+        return resp
+
+    async def _await_head(
+        self, resp: UpstreamResponse, reused: bool, wait: float
+    ) -> UpstreamResponse:
+        conn = resp._conn
+        try:
             async with asyncio.timeout(wait):
                 await asyncio.shield(resp.head)
         except TimeoutError:
@@ -417,16 +504,24 @@ class UpstreamClient:
         self._idle.clear()
 
     # pool internals
-    async def _connection(self, fresh: bool = False) -> tuple[_Conn, bool]:
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        while self._idle and not fresh:
+    def _idle_connection(self) -> _Conn | None:
+        """The most recently used idle connection still alive and within keep-alive (LIFO)."""
+        now = asyncio.get_running_loop().time()
+        while self._idle:
             since, conn = self._idle.pop()
             alive = not conn.closed and conn.transport is not None
             if alive and now - since < self.keepalive_expiry and not conn.transport.is_closing():  # type: ignore[union-attr]
-                return conn, True
+                return conn
             conn.close()
             self._open -= 1
+        return None
+
+    async def _connection(self, fresh: bool = False) -> tuple[_Conn, bool]:
+        if not fresh:
+            idle = self._idle_connection()
+            if idle is not None:
+                return idle, True
+        loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(lambda: _Conn(self), self.host, self.port),
@@ -449,7 +544,7 @@ class UpstreamClient:
             conn.close()
             self._open -= 1
         if not keep_slot:
-            self._slots.release()
+            self._slots.give()
 
 
 _HeaderArg = Mapping[str, str] | Iterable[tuple[bytes | str, bytes | str]] | None

@@ -62,6 +62,39 @@ async def test_repeated_prompt_lands_on_the_worker_that_cached_it(fleet):
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 384
 
 
+async def test_siblings_sent_together_follow_the_first_ones_speculative_entry():
+    """Two prompts sharing 1,500 tokens, sent at the same instant: whichever is routed first
+    records its speculative entry before the other can be routed (the entry is recorded as the
+    request goes out, on a kept-alive connection while the worker already computes). Without the
+    entry (ttl 0) the second goes elsewhere: the first's prefill is queued on its worker and no
+    event has arrived yet (prefill takes ~75 ms here)."""
+    slow = {"decode_ms": 1, "prefill_tps": 20000, "step_overhead_ms": 0.1}
+    with running_fleet(2, num_gpu_blocks=512, **slow) as workers:
+        for ttl, together in ((2.0, True), (0.0, False)):
+            cfg = config_for(workers, policy={"speculative_ttl_s": ttl})
+            async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
+                await until(lambda: all(w.subscribed for w in router.registry.workers.values()), 20)
+                seen: set[str] = set()
+                for i in range(40):  # a kept-alive connection to each worker first
+                    body = {"model": "sim-model", "prompt": words(8, f"warm{ttl}{i}")}
+                    r = await c.post(base + "/v1/completions", json={**body, "max_tokens": 1})
+                    seen.add(r.headers["x-kvrouter-worker"])
+                    if len(seen) == 2:
+                        break
+                assert len(seen) == 2
+                shared = words(1500, f"herd-{ttl}")
+                bodies = [
+                    {"model": "sim-model", "prompt": f"{shared} tail{k}", "max_tokens": 1}
+                    for k in range(2)
+                ]
+                rs = await asyncio.gather(
+                    *(c.post(base + "/v1/completions", json=b) for b in bodies)
+                )
+                assert all(r.status_code == 200 for r in rs)
+                chosen = {r.headers["x-kvrouter-worker"] for r in rs}
+                assert (len(chosen) == 1) == together, (ttl, chosen)
+
+
 async def test_shared_system_prompt_goes_to_its_worker_and_debug_route_explains(fleet):
     system = {"role": "system", "content": words(300, "system-prompt")}
     chat1 = {"model": "sim-model", "messages": [system, {"role": "user", "content": "hi one"}]}

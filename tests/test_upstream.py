@@ -306,3 +306,80 @@ async def test_taking_a_body_that_paused_reading_leaves_the_connection_readable(
         r = await asyncio.wait_for(client.post("/next", content=b"y"), 5)
         assert r.content == b"small:y" and len(accepted) == 1
         await client.aclose()
+
+
+async def test_write_now_sends_on_an_idle_connection_before_the_caller_yields() -> None:
+    async with raw_server(echo_keepalive) as (url, accepted):
+        client = UpstreamClient(url)
+        req = client.build_request("POST", "/a", content=b"first")
+        assert client.write_now(req) is None, "no idle connection yet: the caller must send()"
+        assert (await client.send(req, stream=False)).content == b"echo:first"
+        started = client.write_now(client.build_request("POST", "/b", content=b"second"))
+        assert started is not None
+        conn = started._conn
+        assert conn.transport is not None
+        # Written in full to the socket already, with no loop turn in between.
+        assert conn.transport.get_write_buffer_size() == 0
+        resp = await client.send(
+            client.build_request("POST", "/b", content=b"second"), stream=False, started=started
+        )
+        assert resp is started and resp.content == b"echo:second"
+        assert len(accepted) == 1
+
+
+async def test_an_abandoned_write_now_frees_its_slot_and_closes_its_connection() -> None:
+    cut = asyncio.Event()
+
+    async def slow(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(response(b"one"))
+        await w.drain()
+        await read_request(r)  # the second request is written, then abandoned
+        if not await r.read(1):
+            cut.set()
+
+    async with raw_server(slow) as (url, accepted):
+        client = UpstreamClient(url, max_connections=1, pool_timeout=0.5)
+        assert (await client.post("/", content=b"")).content == b"one"
+        started = client.write_now(client.build_request("POST", "/", content=b"two"))
+        assert started is not None
+        assert client.write_now(client.build_request("POST", "/", content=b"x")) is None
+        await started.aclose()  # what the proxy does when the send never ran
+        await asyncio.wait_for(cut.wait(), 5)
+        assert client.open_connections == 0
+        # The only slot is free again: a new request gets a new connection, no PoolTimeout.
+        assert (await client.post("/", content=b"")).content == b"one"
+        assert len(accepted) == 2
+
+
+async def test_pool_slots_go_to_waiters_in_order_and_survive_cancelled_waiters() -> None:
+    from router.upstream import _Slots
+
+    slots = _Slots(1)
+    assert slots.try_take() and not slots.try_take()
+    order: list[str] = []
+
+    async def waiter(name: str) -> None:
+        await slots.take()
+        order.append(name)
+
+    a = asyncio.create_task(waiter("a"))
+    b = asyncio.create_task(waiter("b"))
+    c = asyncio.create_task(waiter("c"))
+    await asyncio.sleep(0)
+    b.cancel()  # a waiter that gives up must not take a slot with it
+    await asyncio.sleep(0)
+    assert not slots.try_take(), "queued waiters come before a newcomer"
+    slots.give()
+    await a
+    slots.give()
+    await c
+    assert order == ["a", "c"] and b.cancelled()
+    # A waiter handed a slot in the same turn it is cancelled passes the slot on.
+    d = asyncio.create_task(waiter("d"))
+    await asyncio.sleep(0)
+    slots.give()  # c is done: its slot is handed to d...
+    d.cancel()  # ...but d is cancelled before it runs
+    with contextlib.suppress(asyncio.CancelledError):
+        await d
+    assert slots.try_take() and not slots.try_take(), "the one slot is free again, once"
