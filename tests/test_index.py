@@ -504,3 +504,27 @@ def test_split_engine_hash_maps_change_nothing_stored_or_matched():
         idx.apply(en, eng.removed(p, list(range(39, 19, -1)), 16))
     assert [gpu(idx, p, en) for en in engines] == [16 * 20] * 8 + [16 * 39] * 8
     assert [len(idx._engines[en].hashes) for en in engines] == [20] * 8 + [40] * 8
+
+
+def test_full_run_across_many_engines_and_chunk_boundaries_matches_block_by_block() -> None:
+    """One pass over the prompt serves every engine of a layout at once (a bitmask of members
+    still running): holes at many positions, one per engine, give each engine exactly the run
+    it holds, and no engine's hole shortens another's run."""
+    bs, nblocks = 16, 300
+    p = prompt(nblocks * bs)
+    holes = [None, 0, 1, 7, 8, 9, 39, 40, 41, 167, 168, 299]  # None: holds every block
+    engines = [(f"http://w{i}", 0) for i in range(len(holes))]
+    index = PrefixIndex(unit=16)
+    for e, hole in zip(engines, holes, strict=True):
+        eng = Engine()
+        index.add_engine(e, MODEL)
+        index.apply(e, [eng.stored(p, 0, nblocks, bs)])
+        if hole is not None:
+            index.apply(e, eng.removed(p, [hole], bs))
+    got = index.match([*p, 1], index.root(MODEL, None))
+    for e, hole in zip(engines, holes, strict=True):
+        want = nblocks * bs if hole is None else hole * bs
+        assert got[e].gpu_tokens == want, (e, hole)
+    # A prompt nobody holds: every engine at 0.
+    other = index.match(prompt(nblocks * bs, start=9), index.root(MODEL, None))
+    assert all(other[e].gpu_tokens == 0 for e in engines)
