@@ -1,0 +1,80 @@
+"""Two request-path loops in C (``indexer._native``), with exactly equivalent Python fallbacks.
+
+Why: for every request the router (1) turns the ``"tokens"`` array of a worker's ``/tokenize``
+answer into the uint32 bytes every content key is computed over, and (2) chains one xxh3_64 per
+16-token unit over those bytes (indexer/keys.py). For an 8,192-token prompt (46 KB of compact
+JSON, 512 keys), measured with bench/native_bench.py (p50):
+
+    (1) msgspec into 8,192 int objects, then array("I")     ~180 us  ->  C: ~24 us
+    (2) 512 bytes slices and xxhash calls                   ~47 us   ->  C:  ~7 us
+
+all on the router's one event loop. The C parser reads digits straight into the output bytes;
+for compact arrays it finds each id from a bitmap of the commas (64 bytes at a time) rather
+than from the end of the previous id, and anything unusual goes to a byte-by-byte loop.
+
+Bound: both allocate only their result (the output bytes, sized from the number of commas, or
+the list of keys); input is read through bounds-checked indexes, so any bytes are safe, and
+anything but a JSON array of integers in [0, 2**32) is a ValueError.
+
+``NATIVE`` says whether the extension is in use. It is optional (``setup.py`` builds it with
+``optional=True``: no C compiler, no extension, same answers). ``KVROUTER_NATIVE=0`` in the
+environment at import time forces the Python code, for A/B benchmarks and equivalence tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+
+from indexer.keys import _chain_keys_py, _native, tokens_to_bytes
+
+__all__ = ["NATIVE", "chain_keys_bytes", "ids_from_json"]
+
+NATIVE: bool = _native is not None
+
+_decode_ids = msgspec.json.Decoder(list[int]).decode
+
+
+def _ids_from_json_py(raw: bytes | bytearray | memoryview) -> bytes:
+    """Python ``ids_from_json``: msgspec decodes, ``tokens_to_bytes`` packs and range-checks."""
+    if isinstance(raw, str):  # msgspec would take a str; the C version takes bytes-likes only
+        raise TypeError(f"a bytes-like object is required, not {type(raw).__name__!r}")
+    try:
+        ids = _decode_ids(raw)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"token ids JSON: {exc}") from None
+    # msgspec reads "-0" as 0. In an array that decoded as ints a "-" can only be a sign, so
+    # any "-" is a negative id (a memchr: far cheaper than looking for a 0 among the ids).
+    if b"-" in (raw if isinstance(raw, bytes | bytearray) else bytes(raw)):
+        raise ValueError("token ids JSON: negative token id")
+    return tokens_to_bytes(ids)  # ValueError outside [0, 2**32)
+
+
+def _chain_keys_bytes_py(
+    seed: int, data: bytes | bytearray | memoryview, unit: int, limit: int | None
+) -> list[int]:
+    """Python ``chain_keys_bytes``: any bytes-like, read as bytes (as the C version does)."""
+    if not isinstance(data, bytes):
+        with memoryview(data) as mv:  # TypeError for non-buffers, as in C
+            if not mv.c_contiguous:
+                raise BufferError("chain_keys: data is not C-contiguous")
+            data = mv.tobytes()
+    return _chain_keys_py(seed, data, unit, limit)
+
+
+ids_from_json: Callable[[bytes | bytearray | memoryview], bytes]
+"""The JSON array of token ids in ``raw`` (e.g. a /tokenize answer's ``"tokens"`` as
+``msgspec.Raw``) as little-endian uint32 bytes, ``tokens_to_bytes(ids)``. ValueError unless it
+is an array of integers in [0, 2**32); JSON whitespace around tokens is allowed."""
+
+chain_keys_bytes: Callable[[int, bytes | bytearray | memoryview, int, int | None], list[int]]
+"""``indexer.keys.chain_keys(seed, data, unit, limit)`` for a bytes-like ``data``, all four
+arguments positional. ValueError for ``unit <= 0`` or a negative ``limit``."""
+
+if _native is not None:
+    ids_from_json = _native.ids_from_json
+    chain_keys_bytes = _native.chain_keys
+else:
+    ids_from_json = _ids_from_json_py
+    chain_keys_bytes = _chain_keys_bytes_py
