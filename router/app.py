@@ -38,7 +38,14 @@ from router.resilience import WorkerWatch, load_only
 from router.selfcheck import SelfCheck
 from router.shared_state import ExportedEngine, LoadTuple, SharedState, make_shared_state
 from router.shared_state import seed_subscriber as _seed_subscriber
-from router.tokenize import LocalTokenizer, PromptTokenizer, Tokenized, TokenizeError
+from router.tokenize import (
+    LocalTokenizer,
+    PromptTokenizer,
+    TokenIds,
+    Tokenized,
+    TokenizeError,
+    decode_tokenize_response,
+)
 from router.verify import Verifier, VerifyCollector, VerifyParams, with_stream_usage
 from router.workers import Worker, WorkerRegistry
 
@@ -290,7 +297,7 @@ class Router:
 
     # ---------------------------------------------------------------- tokenize + route
 
-    async def _remote_tokenize(self, payload: dict[str, Any] | bytes) -> list[int]:
+    async def _remote_tokenize(self, payload: dict[str, Any] | bytes) -> TokenIds:
         body = payload if isinstance(payload, bytes) else _enc.encode(payload)
         last = "no healthy worker"
         for w in self.registry.tokenizer_workers()[:2]:
@@ -309,7 +316,7 @@ class Router:
                 self.watch.probe_soon(w)
                 continue
             if r.status_code == 200:
-                return proxy_decode_tokens(r.content)
+                return decode_tokenize_response(r.content)
             last = f"{w.url}/tokenize returned {r.status_code}"
             if 400 <= r.status_code < 500:
                 break  # the request itself is bad; another worker would say the same
@@ -538,12 +545,6 @@ def _load_struct(w: Worker, rank: int) -> _LoadView:
     return _LoadView(
         ld.inflight, ld.prefilling, ld.queued_prefill_tokens, ld.running, ld.waiting, ld.kv_usage
     )
-
-
-def proxy_decode_tokens(body: bytes) -> list[int]:
-    from router.tokenize import decode_tokenize_response
-
-    return decode_tokenize_response(body)
 
 
 def _rss_bytes() -> int:

@@ -254,7 +254,7 @@ class SelfCheck:
         resp = await w.client.post("/tokenize", json=payload, timeout=self.timeout_s)
         if resp.status_code != 200:
             raise RuntimeError(f"/tokenize returned {resp.status_code}: {resp.text[:200]}")
-        return decode_tokenize_response(resp.content)
+        return decode_tokenize_response(resp.content).tolist()
 
     async def _probe(
         self, w: Worker, ids: list[int], model: str | None, rank: int | None = None

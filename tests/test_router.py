@@ -473,3 +473,53 @@ async def test_completion_goes_to_the_worker_as_the_ids_its_tokenize_returned(fl
             await until(lambda: c.get(base + "/ready"), 20)
             d, _ = await delta(c, base, body)
             assert d == {"text": 1, "ids": 0, "chat": 0}
+
+
+async def test_tokenize_answers_are_spliced_as_sent_and_bad_ids_fall_back_to_text():
+    """The ids of a /tokenize answer go into the upstream body exactly as the worker wrote them
+    (whitespace included: parsed once for the keys, never re-encoded). An answer whose ids are
+    not integers in [0, 2**32) is a tokenization failure: counted, routed by load, and the
+    worker gets the client's text."""
+    answers = [
+        b'{"count": 3, "max_model_len": 4096, "tokens": [ 5,\n 6 ,7 ], "token_strs": null}',
+        b'{"count": 2, "tokens": [5, -6]}',
+        b'{"count": 2, "tokens": [5, 6.5]}',
+        b'{"count": 1, "tokens": [4294967296]}',
+    ]
+    seen: list[bytes] = []
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({})
+
+    @app.get("/v1/models")
+    async def models():
+        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        from starlette.responses import Response
+
+        return Response(answers[0], media_type="application/json")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        seen.append(await request.body())
+        return JSONResponse({"id": "c", "object": "text_completion", "choices": []})
+
+    async with serve_app(app) as stub:
+        cfg = config_for([stub])
+        cfg.workers[0].events = "tcp://127.0.0.1:9"  # no events: routed by load either way
+        cfg.verify.selfcheck = cfg.verify.enabled = False  # no probe requests of its own
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
+            await until(lambda: router.registry.tokenizer_workers(), 20, "a probed worker")
+            for i, answer in enumerate(answers):
+                answers[0] = answer
+                body = {"model": "m", "prompt": f"hello {i}", "max_tokens": 1}
+                r = await c.post(base + "/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+            m = (await c.get(base + "/metrics")).text
+    assert b'"prompt":[ 5,\n 6 ,7 ]' in seen[0]
+    assert [b'"prompt":"hello %d"' % i in seen[i] for i in (1, 2, 3)] == [True] * 3
+    assert re.search(r"kvrouter_tokenize_failures_total 3\.0", m)
