@@ -10,7 +10,7 @@ demo:  ## the router in front of a simulated 4-worker fleet, kvrouter vs round-r
 test:  ## the whole test suite (installs Python deps and redis-server; tests start their own servers)
 	./scripts/setup.sh --with-redis
 	ruff check . && ruff format --check .
-	$(PYTHON) -m pytest -q -p no:cacheprovider
+	KVROUTER_REQUIRE_NATIVE=1 $(PYTHON) -m pytest -q -p no:cacheprovider
 
 lint:
 	ruff check . && ruff format --check .
