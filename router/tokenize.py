@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -106,6 +107,7 @@ class Tokenized:
 
 class _TokResp(msgspec.Struct):
     tokens: msgspec.Raw
+    count: int | None = None
 
 
 _tok_decoder = msgspec.json.Decoder(_TokResp)
@@ -120,12 +122,49 @@ def _h128(*parts: bytes) -> bytes:
     return h.digest()
 
 
+class _TokRest(msgspec.Struct):
+    tokens: list[int]
+    count: int | None = None
+
+
+_rest_decoder = msgspec.json.Decoder(_TokRest)
+_TOKENS_KEY = re.compile(rb'"tokens"\s*:\s*\[')
+
+
 def decode_tokenize_response(body: bytes) -> TokenIds:
+    """The ids of a ``/tokenize`` answer (TokenizeError if it is not one).
+
+    Fast path: the ``"tokens"`` array found by a search and parsed by ``ids_from_json``; the
+    rest of the answer, with that array emptied, is then decoded by msgspec, which proves the
+    array found was the top-level ``tokens`` (an array of ids holds no ``]``, and a match inside
+    a string or a nested object leaves the real one non-empty) and checks ``count``. Why: msgspec
+    skipping 45 KB of ids as ``Raw`` alone costs ~60 us; this costs ~30 us with the ids parsed.
+    Anything else takes the general path.
+    """
+    m = _TOKENS_KEY.search(body)
+    if m is not None:
+        start = m.end() - 1
+        end = body.find(b"]", start) + 1
+        if end > 0:
+            ids_json = body[start:end]
+            try:
+                data = ids_from_json(ids_json)
+                rest = _rest_decoder.decode(b"".join((body[:start], b"[]", body[end:])))
+            except (msgspec.DecodeError, ValueError):
+                pass
+            else:
+                if not rest.tokens and rest.count in (None, len(data) // 4):
+                    return TokenIds(data, ids_json)
     try:
-        raw = _tok_decoder.decode(body).tokens  # JSON syntax checked, ids not yet parsed
-        return TokenIds(ids_from_json(raw), bytes(raw))
+        answer = _tok_decoder.decode(body)  # JSON syntax checked, ids not yet parsed
+        data = ids_from_json(answer.tokens)
     except (msgspec.DecodeError, ValueError) as exc:
         raise TokenizeError(f"bad /tokenize response: {exc}") from None
+    if answer.count not in (None, len(data) // 4):
+        raise TokenizeError(
+            f"bad /tokenize response: count {answer.count} but {len(data) // 4} tokens"
+        )
+    return TokenIds(data, bytes(answer.tokens))
 
 
 class LocalTokenizer:
