@@ -21,6 +21,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from indexer.index import PrefixIndex
@@ -561,7 +562,12 @@ def _rss_bytes() -> int:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    cl = request.headers.get("content-length")
+    """The request body, at most ``limit`` bytes (413 past it, by Content-Length or as counted).
+
+    Reads the ASGI messages directly rather than through ``Request.headers``/``stream()``: that
+    machinery cost ~0.04 ms per request on the proxy path, where the body usually arrives in
+    one message."""
+    cl = next((v for k, v in request.scope["headers"] if k == b"content-length"), None)
     if cl is not None:
         try:
             n = int(cl)
@@ -569,14 +575,23 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise BodyError(400, "invalid Content-Length header") from None
         if n > limit:
             raise BodyError(413, f"request body of {n} bytes exceeds the limit of {limit} bytes")
+    receive = request.receive
     parts = []
     size = 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # http.disconnect: nothing more will come
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise BodyError(413, f"request body exceeds the limit of {limit} bytes")
+        if not message.get("more_body", False):
+            if not parts:
+                return chunk
+            parts.append(chunk)
+            return b"".join(parts)
         parts.append(chunk)
-    return b"".join(parts)
 
 
 _upstream_enc = msgspec.json.Encoder()
