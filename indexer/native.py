@@ -1,4 +1,4 @@
-"""Two request-path loops in C (``indexer._native``), with exactly equivalent Python fallbacks.
+"""Request-path loops in C (``indexer._native``), with exactly equivalent Python fallbacks.
 
 Why: for every request the router (1) turns the ``"tokens"`` array of a worker's ``/tokenize``
 answer into the uint32 bytes every content key is computed over, and (2) chains one xxh3_64 per
@@ -8,7 +8,11 @@ JSON, 512 keys), measured with bench/native_bench.py (p50):
     (1) msgspec into 8,192 int objects, then array("I")     ~180 us  ->  C: ~24 us
     (2) 512 bytes slices and xxhash calls                   ~47 us   ->  C:  ~7 us
 
-all on the router's one event loop. The C parser reads digits straight into the output bytes;
+all on the router's one event loop. (3) ``run_scan`` is the block loop of
+``PrefixIndex._full_run`` (one residency lookup per block of the prompt, 512 for 8k tokens),
+whose interpreter overhead grows in the busy router process; numbers in bench/native_bench.py.
+
+The C parser reads digits straight into the output bytes;
 for compact arrays it finds each id from a bitmap of the commas (64 bytes at a time) rather
 than from the end of the previous id, and anything unusual goes to a byte-by-byte loop.
 
@@ -23,13 +27,16 @@ environment at import time forces the Python code, for A/B benchmarks and equiva
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
+from operator import index
+from typing import Any
 
 import msgspec
 
 from indexer.keys import _chain_keys_py, _native, tokens_to_bytes
 
-__all__ = ["NATIVE", "chain_keys_bytes", "ids_from_json"]
+__all__ = ["NATIVE", "chain_keys_bytes", "ids_from_json", "run_scan"]
 
 NATIVE: bool = _native is not None
 
@@ -63,6 +70,49 @@ def _chain_keys_bytes_py(
     return _chain_keys_py(seed, data, unit, limit)
 
 
+_SLOTS = 1024  # indexer.staggered.SLOTS (not imported: indexer.native imports indexer.keys only)
+_SSIZE_MIN = -sys.maxsize - 1
+
+
+def _clamp_ssize(n: Any) -> int:
+    """``n`` as an int clamped to the C Py_ssize_t range, as the C version reads it."""
+    n = index(n)
+    return sys.maxsize if n > sys.maxsize else _SSIZE_MIN if n < _SSIZE_MIN else n
+
+
+def _run_scan_py(
+    tables: tuple[dict[Any, int], ...],
+    keys: Sequence[int],
+    first: int,
+    step: int,
+    count: int,
+    alive: int,
+) -> tuple[int, int]:
+    """Python ``run_scan``: the loop ``PrefixIndex._full_run`` ran before, with the checks of C."""
+    first, step, count = _clamp_ssize(first), _clamp_ssize(step), _clamp_ssize(count)
+    if not isinstance(tables, tuple):
+        raise TypeError(f"run_scan: tables must be a tuple, not {type(tables).__name__}")
+    if len(tables) != _SLOTS:
+        raise ValueError(f"run_scan: tables must have {_SLOTS} slots, not {len(tables)}")
+    if not isinstance(alive, int):
+        raise TypeError(f"run_scan: alive must be an int, not {type(alive).__name__}")
+    if first < 0 or step < 1:
+        raise ValueError("run_scan: first must be >= 0 and step >= 1")
+    if first >= count:
+        return count, alive
+    # dict.get unbound: a TypeError for a slot that is not a dict, and a dict subclass's own
+    # get() is bypassed, as PyDict_GetItemWithError does; as fast as the bound method.
+    get = dict.get
+    block_keys = keys[(first + 1) * step - 1 : count * step : step]  # ends early if keys do
+    for b, key in enumerate(block_keys, first):
+        now = alive & get(tables[key & 1023], key, 0)
+        if now != alive:
+            return b, now
+    if first + len(block_keys) < count:
+        raise IndexError("run_scan: key index out of range")
+    return count, alive
+
+
 ids_from_json: Callable[[bytes | bytearray | memoryview], bytes]
 """The JSON array of token ids in ``raw`` (e.g. a /tokenize answer's ``"tokens"`` as
 ``msgspec.Raw``) as little-endian uint32 bytes, ``tokens_to_bytes(ids)``. ValueError unless it
@@ -72,9 +122,25 @@ chain_keys_bytes: Callable[[int, bytes | bytearray | memoryview, int, int | None
 """``indexer.keys.chain_keys(seed, data, unit, limit)`` for a bytes-like ``data``, all four
 arguments positional. ValueError for ``unit <= 0`` or a negative ``limit``."""
 
+run_scan: Callable[[tuple[dict[Any, int], ...], Sequence[int], int, int, int, int], tuple[int, int]]
+"""``run_scan(tables, keys, first, step, count, alive)``, all positional: for blocks
+``b = first, ..., count - 1`` (block ``b``'s key is ``keys[(b + 1) * step - 1]``),
+``now = alive & tables[key & 1023].get(key, 0)``; returns ``(b, now)`` for the first block where
+``now != alive``, else ``(count, alive)``.
+
+``tables`` is a residency table (indexer/staggered.py: a tuple of 1024 dicts, key -> bitmask of
+engines); ``keys`` a list of ints or an ``array("Q")``; ``alive`` and the values any
+non-negative ints (more than 64 bits when there are more than 64 engines: C has a 64-bit fast
+path and handles the rest with Python ints). Errors: TypeError if ``tables`` is not a tuple, a
+slot it looks up is not a dict, ``alive`` or a value is not an int; ValueError for
+``len(tables) != 1024``, ``first < 0`` or ``step < 1``; IndexError when a block to scan has no
+key (blocks before it are scanned first: a mismatch there is returned instead)."""
+
 if _native is not None:
     ids_from_json = _native.ids_from_json
     chain_keys_bytes = _native.chain_keys
+    run_scan = _native.run_scan
 else:
     ids_from_json = _ids_from_json_py
     chain_keys_bytes = _chain_keys_bytes_py
+    run_scan = _run_scan_py

@@ -10,9 +10,12 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import xxhash
@@ -21,7 +24,8 @@ from hypothesis import strategies as st
 
 from indexer import keys
 from indexer.keys import tokens_to_bytes
-from indexer.native import _chain_keys_bytes_py, _ids_from_json_py
+from indexer.native import _chain_keys_bytes_py, _ids_from_json_py, _run_scan_py
+from indexer.staggered import SLOT_MASK, Table, new_table
 
 _c: ModuleType | None
 try:
@@ -58,6 +62,21 @@ IDS_IMPLS = [
 CHAIN_IMPLS = [
     pytest.param(_chain_keys_bytes_py, id="python"),
     pytest.param(_c_chain, id="c", marks=_needs_c),
+]
+
+ScanFn = Callable[[Table, Sequence[int], int, int, int, int], tuple[int, int]]
+
+
+def _c_scan(
+    tables: Table, keys: Sequence[int], first: int, step: int, count: int, alive: int
+) -> tuple[int, int]:
+    assert _c is not None
+    return _c.run_scan(tables, keys, first, step, count, alive)
+
+
+SCAN_IMPLS = [
+    pytest.param(_run_scan_py, id="python"),
+    pytest.param(_c_scan, id="c", marks=_needs_c),
 ]
 
 
@@ -359,6 +378,202 @@ def test_ids_from_json_bad_byte_in_an_id_that_crosses_a_block() -> None:
                         assert impl(bad) == want, bad
 
 
+# ------------------------------------------------------------------------------ run_scan
+
+U128_MAX = 2**128 - 1
+
+
+def reference_scan(
+    tables: Table, keys: Sequence[int], first: int, step: int, count: int, alive: int
+) -> tuple[int, int]:
+    """The definition (indexer/native.py), block by block."""
+    for b in range(first, count):
+        i = (b + 1) * step - 1
+        if i >= len(keys):
+            raise IndexError(i)
+        key = keys[i]
+        now = alive & tables[key & SLOT_MASK].get(key, 0)
+        if now != alive:
+            return b, now
+    return count, alive
+
+
+def _outcome(fn: Callable[[], tuple[int, int]]) -> tuple[int, int] | type[BaseException]:
+    try:
+        return fn()
+    except (TypeError, ValueError, IndexError) as exc:
+        return type(exc)
+
+
+@st.composite
+def _scans(draw: st.DrawFn) -> tuple[Table, list[int], int, int, int, int]:
+    """A residency table over a prompt's keys: most blocks held by every engine (so runs go on
+    for a while), some by a random subset or by none; masks up to 130 engines."""
+    bits = draw(st.sampled_from([1, 3, 16, 64, 65, 130]))
+    everyone = (1 << bits) - 1
+    step = draw(st.sampled_from([1, 2, 16]))
+    nblocks = draw(st.integers(0, 40))
+    keys = draw(
+        st.lists(
+            st.one_of(st.integers(0, U64_MAX), st.sampled_from([0, 1, 1023, 1024, U64_MAX])),
+            min_size=nblocks * step,
+            max_size=nblocks * step + step - 1,
+        )
+    )
+    table = new_table()
+    values = st.one_of(
+        st.just(everyone), st.just(everyone), st.just(everyone), st.integers(0, everyone)
+    )
+    for b in range(nblocks):
+        if draw(st.integers(0, 9)):  # else: not resident anywhere (missing from the dict)
+            key = keys[(b + 1) * step - 1]
+            table[key & SLOT_MASK][key] = draw(values)
+    alive = draw(st.one_of(st.just(everyone), st.integers(0, everyone), st.just(0)))
+    first = draw(st.integers(0, nblocks + 1))
+    count = draw(st.one_of(st.just(nblocks), st.integers(0, nblocks + 2)))
+    return table, keys, first, step, count, alive
+
+
+@settings(max_examples=400, deadline=None)
+@given(case=_scans())
+def test_run_scan_c_and_python_agree(case: tuple[Table, list[int], int, int, int, int]) -> None:
+    """Same answer (or the same error: IndexError when count runs past the keys) from the
+    definition, the fallback and C, with keys as a list and as array("Q")."""
+    table, key_list, first, step, count, alive = case
+    key_array = array("Q", key_list)
+    want = _outcome(lambda: reference_scan(table, key_list, first, step, count, alive))
+    impls: list[ScanFn] = [_run_scan_py] + ([_c.run_scan] if _c is not None else [])
+    for ks in (key_list, key_array):
+        for impl in impls:
+            assert _outcome(partial(impl, table, ks, first, step, count, alive)) == want
+
+
+@pytest.mark.parametrize("impl", SCAN_IMPLS)
+def test_run_scan_edges(impl: ScanFn) -> None:
+    table = new_table()
+    ks = list(range(100, 132))
+    for k in ks[:20]:
+        table[k & SLOT_MASK][k] = 0b111
+    assert impl(table, ks, 0, 1, 32, 0b101) == (20, 0)
+    assert impl(table, array("Q", ks), 0, 1, 32, 0b101) == (20, 0)
+    assert impl(table, ks, 0, 2, 16, 0b101) == (10, 0)  # block b is key (b + 1) * 2 - 1
+    assert impl(table, ks, 0, 1, 20, 0b101) == (20, 0b101)  # none failed: (count, alive)
+    assert impl(table, ks, 5, 1, 5, 0b101) == (5, 0b101)  # first == count: nothing scanned
+    assert impl(table, ks, 9, 1, 3, 0b101) == (3, 0b101)  # first > count: nothing either
+    assert impl(new_table(), [], 0, 1, 0, 1) == (0, 1)  # count == 0
+    assert impl(table, ks, 0, 1, 32, 0) == (32, 0)  # alive 0 never changes
+    # More than 64 engines: the bits above 64 decide, in C too.
+    big = 1 << 100
+    table[ks[3] & SLOT_MASK][ks[3]] = big | 1
+    assert impl(table, ks, 0, 1, 20, big | 1) == (0, 1)  # block 0 holds 0b111: bit 100 is out
+    assert impl(table, ks, 3, 1, 20, big | 1) == (4, 1)
+    assert impl(table, ks, 3, 1, 20, 1) == (20, 1)  # a small alive against a big value
+    # Negative values (not bitmasks, but ints): Python's & on two's complement, in C too.
+    table[ks[5] & SLOT_MASK][ks[5]] = -2
+    assert impl(table, ks, 5, 1, 20, 0b111) == (5, 0b110)
+    assert impl(table, ks, 5, 1, 20, big | 0b111) == (5, big | 0b110)
+    # Keys past 2**63 and a strided uint64 view read the same as a list.
+    hi = [U64_MAX - i for i in range(8)]
+    for k in hi[1::2]:
+        table[k & SLOT_MASK][k] = 1
+    assert impl(table, hi, 0, 2, 4, 1) == (4, 1)
+    assert impl(table, memoryview(array("Q", hi))[1::2], 0, 1, 4, 1) == (4, 1)
+    assert impl(table, memoryview(array("Q", hi)).cast("B").cast("Q"), 0, 2, 4, 1) == (4, 1)
+    # Other sequences of ints (read item by item): a tuple, bytes, array("I").
+    small = [5, 6, 7]
+    for k in small:
+        table[k & SLOT_MASK][k] = 1
+    for ks2 in (tuple(small), bytes(small), array("I", small)):
+        assert impl(table, ks2, 0, 1, 3, 1) == (3, 1)  # type: ignore[arg-type]
+    # first and count beyond Py_ssize_t are clamped to it (in both): nothing to scan here.
+    assert impl(table, ks, 2**70, 1, 2**80, 1) == (sys.maxsize, 1)
+
+
+_SCAN_ERRORS: list[tuple[str, type[Exception]]] = [
+    ("tables is a list", TypeError),
+    ("1023 slots", ValueError),
+    ("1025 slots", ValueError),
+    ("slot is None", TypeError),
+    ("slot is a list", TypeError),
+    ("index past the keys", IndexError),
+    ("huge count", IndexError),
+    ("huge step", IndexError),
+    ("float value", TypeError),
+    ("str value", TypeError),
+    ("None value", TypeError),
+    ("float value, big alive", TypeError),
+    ("str key", TypeError),
+    ("float key", TypeError),
+    ("alive is a float", TypeError),
+    ("alive is None", TypeError),
+    ("first < 0", ValueError),
+    ("step 0", ValueError),
+    ("step < 0", ValueError),
+    ("first is a float", TypeError),
+]
+
+
+@pytest.mark.parametrize("impl", SCAN_IMPLS)
+@pytest.mark.parametrize(("case", "error"), _SCAN_ERRORS, ids=[c for c, _ in _SCAN_ERRORS])
+def test_run_scan_rejects(impl: ScanFn, case: str, error: type[Exception]) -> None:
+    table = new_table()
+    ks: list[Any] = [10, 11, 12, 13]
+    for k in ks:
+        table[k & SLOT_MASK][k] = 1
+    args: list[Any] = [table, ks, 0, 1, 4, 1]
+    if case == "tables is a list":
+        args[0] = list(table)
+    elif case.endswith(" slots"):
+        n = int(case.split()[0])
+        args[0] = (table + table)[:n]
+    elif case.startswith("slot is"):
+        bad: list[Any] = list(table)
+        bad[12 & SLOT_MASK] = None if case == "slot is None" else [12]
+        args[0] = tuple(bad)
+    elif case == "index past the keys":
+        args[4] = 5
+    elif case == "huge count":
+        args[4] = 2**80
+    elif case == "huge step":
+        args[3] = 2**80
+    elif case.startswith(("float value", "str value", "None value")):
+        table[12 & SLOT_MASK][12] = {"float": 1.0, "str": "1", "None": None}[case.split()[0]]
+        if case.endswith("big alive"):
+            args[5] = 2**100 | 1
+            for k in ks:
+                if k != 12:
+                    table[k & SLOT_MASK][k] = 2**100 | 1
+    elif case == "str key":
+        ks[2] = "12"
+    elif case == "float key":
+        ks[2] = 12.0
+    elif case.startswith("alive is"):
+        args[5] = 1.0 if case.endswith("float") else None
+    elif case == "first < 0":
+        args[2] = -1
+    elif case == "step 0":
+        args[3] = 0
+    elif case == "step < 0":
+        args[3] = -1
+    elif case == "first is a float":
+        args[2] = 0.0
+    with pytest.raises(error):
+        impl(*args)
+
+
+@pytest.mark.parametrize("impl", SCAN_IMPLS)
+def test_run_scan_index_error_only_when_reached(impl: ScanFn) -> None:
+    """A block without a key is an IndexError only if the scan gets there."""
+    table = new_table()
+    ks = [10, 11, 12]
+    table[10 & SLOT_MASK][10] = 1
+    assert impl(table, ks, 0, 1, 10, 1) == (1, 0)
+    with pytest.raises(IndexError):
+        impl(table, ks, 0, 1, 10, 0)  # alive 0 never stops: runs out of keys
+    with pytest.raises(IndexError):
+        impl(table, array("Q", ks), 3, 1, 4, 1)
+
+
 # ------------------------------------------------------------------------------ selection
 
 
@@ -379,7 +594,8 @@ def _native_flag(env_value: str | None) -> str:
         env["KVROUTER_NATIVE"] = env_value
     code = (
         "import indexer.native as n, indexer.keys as k;"
-        "print(n.NATIVE, n.ids_from_json is n._ids_from_json_py, k._native_chain is None)"
+        "print(n.NATIVE, n.ids_from_json is n._ids_from_json_py, k._native_chain is None,"
+        " n.run_scan is n._run_scan_py)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
@@ -388,9 +604,9 @@ def _native_flag(env_value: str | None) -> str:
 
 
 def test_kvrouter_native_0_forces_the_fallback() -> None:
-    assert _native_flag("0") == "False True True"
+    assert _native_flag("0") == "False True True True"
 
 
 @_needs_c
 def test_native_used_when_built() -> None:
-    assert _native_flag(None) == "True False False"
+    assert _native_flag(None) == "True False False False"
