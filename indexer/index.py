@@ -36,6 +36,7 @@ from typing import Any
 import msgspec
 
 from indexer.keys import DEFAULT_UNIT, chain_keys, mix_extra, namespace_root, tokens_to_bytes
+from indexer.native import run_scan
 from indexer.staggered import EMPTY_TABLE, SLOT_MASK, HashMap, Table, new_table
 from indexer.vllm_hash import VllmHashLocator
 from indexer.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
@@ -834,19 +835,24 @@ class PrefixIndex:
         if step == 0:  # blocks smaller than the unit are never indexed (unaligned_blocks)
             return dict.fromkeys((e.slot for e in members), 0)
         nblocks = limit // bs
-        # The key of each block (that of its last unit) taken by one slice, then one lookup per
-        # block: an 8k-token prompt is 512 lookups, most of them cache misses in a large index.
-        for b, key in enumerate(keys[step - 1 : nblocks * step : step]):
-            now = alive & res[key & SLOT_MASK].get(key, 0)
-            if now != alive:
-                dropped = alive & ~now
-                while dropped:
-                    low = dropped & -dropped
-                    hits[low.bit_length() - 1] = b * bs
-                    dropped ^= low
-                alive = now
-                if not alive:
-                    break
+        # One lookup per block (keyed by its last unit): an 8k-token prompt is 512 lookups, most
+        # of them cache misses in a large index. run_scan (C when built) runs them until some
+        # member drops out, so this loop turns once per distinct drop point, not once per block.
+        # Blocks without a key (keys for fewer than limit tokens) are not scanned, and members
+        # still alive after the last scanned block get nblocks * bs, as before.
+        scan = min(nblocks, len(keys) // step)
+        b = 0
+        while alive:
+            b, now = run_scan(res, keys, b, step, scan, alive)
+            if b == scan:
+                break
+            dropped = alive & ~now
+            while dropped:
+                low = dropped & -dropped
+                hits[low.bit_length() - 1] = b * bs
+                dropped ^= low
+            alive = now
+            b += 1
         while alive:
             low = alive & -alive
             hits[low.bit_length() - 1] = nblocks * bs

@@ -22,10 +22,13 @@ import xxhash
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+import indexer.index
 from indexer import keys
+from indexer.index import PrefixIndex
 from indexer.keys import tokens_to_bytes
 from indexer.native import _chain_keys_bytes_py, _ids_from_json_py, _run_scan_py
 from indexer.staggered import SLOT_MASK, Table, new_table
+from tests.test_index import Engine
 
 _c: ModuleType | None
 try:
@@ -572,6 +575,30 @@ def test_run_scan_index_error_only_when_reached(impl: ScanFn) -> None:
         impl(table, ks, 0, 1, 10, 0)  # alive 0 never stops: runs out of keys
     with pytest.raises(IndexError):
         impl(table, array("Q", ks), 3, 1, 4, 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    runs=st.lists(st.integers(0, 20), min_size=1, max_size=70),
+    step_tokens=st.sampled_from([16, 32]),
+)
+def test_full_run_same_hits_with_either_scan(runs: list[int], step_tokens: int) -> None:
+    """PrefixIndex._full_run over run_scan, C or Python: engine i holds the first runs[i] blocks
+    of one 20-block prompt (up to 70 engines: masks beyond 64 bits) and gets that many blocks."""
+    index, p = PrefixIndex(), list(range(1000, 1000 + 20 * step_tokens))
+    engines = [(f"http://w{i}", 0) for i in range(len(runs))]
+    for eng_id, n in zip(engines, runs, strict=True):
+        index.add_engine(eng_id, "m")
+        if n:
+            index.apply(eng_id, [Engine().stored(p, 0, n, step_tokens)])
+    want = {eng_id: min(n, 19) * step_tokens for eng_id, n in zip(engines, runs, strict=True)}
+    query = [*p[: 19 * step_tokens], 7, 7]  # blocks 0..18 and a partial one: at most 19 blocks
+    impls: list[ScanFn] = [_run_scan_py] + ([_c.run_scan] if _c is not None else [])
+    for impl in impls:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(indexer.index, "run_scan", impl)
+            got = index.match(query, index.root("m"))
+        assert {e: m.gpu_tokens for e, m in got.items()} == want
 
 
 # ------------------------------------------------------------------------------ selection
