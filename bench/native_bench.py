@@ -2,9 +2,17 @@
 
     python bench/native_bench.py           # a few seconds; last line is one JSON object
 
-The two loops every routed request runs (indexer/native.py): turning a vLLM ``/tokenize``
-answer's ``"tokens"`` array (8,192 ids in [0, 32000), ~45 KB of JSON) into uint32 bytes, and
-chaining the 512 content keys of 16-token units over those bytes. p50 over many runs, in us.
+The loops every routed request runs (indexer/native.py): turning a vLLM ``/tokenize``
+answer's ``"tokens"`` array (8,192 ids in [0, 32000), ~45 KB of JSON) into uint32 bytes,
+chaining the 512 content keys of 16-token units over those bytes, and
+``PrefixIndex._full_run`` over those keys (``full_run_us``). p50 over many runs, in us.
+
+``full_run_us``: a real PrefixIndex (engines fed ``BlockStored`` events as tests/test_index.py
+does) where 1 or 16 engines each hold all 512 blocks of the prompt (the longest scan: no engine
+drops out), ``_full_run`` timed with ``indexer.index.run_scan`` set to C ("native") and to the
+Python fallback, and the loop it replaced ("before", copied below). The same 512 entries are
+looked up on every run, so they stay in the CPU caches: in a large index most lookups miss them
+and every variant is slower by about the same number of memory accesses.
 """
 
 from __future__ import annotations
@@ -21,8 +29,12 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import indexer.index
+from indexer.index import GPU, PrefixIndex
 from indexer.keys import _chain_keys_py, tokens_to_bytes
-from indexer.native import _ids_from_json_py
+from indexer.native import _ids_from_json_py, _run_scan_py
+from indexer.staggered import SLOT_MASK, Table
+from indexer.wire import BlockStored
 
 try:
     from indexer import _native
@@ -43,6 +55,71 @@ def p50_us(fn: Callable[[], object], reps: int = REPS) -> float:
         fn()
         times.append(time.perf_counter_ns() - t0)
     return round(statistics.median(times) / 1000, 2)
+
+
+def _full_run_before(
+    res: Table, bs: int, step: int, alive: int, keys: list[int], limit: int
+) -> dict[int, int]:
+    """PrefixIndex._full_run's loop before run_scan (the same hits)."""
+    hits: dict[int, int] = {}
+    nblocks = limit // bs
+    for b, key in enumerate(keys[step - 1 : nblocks * step : step]):
+        now = alive & res[key & SLOT_MASK].get(key, 0)
+        if now != alive:
+            dropped = alive & ~now
+            while dropped:
+                low = dropped & -dropped
+                hits[low.bit_length() - 1] = b * bs
+                dropped ^= low
+            alive = now
+            if not alive:
+                break
+    while alive:
+        low = alive & -alive
+        hits[low.bit_length() - 1] = nblocks * bs
+        alive ^= low
+    return hits
+
+
+def full_run_us(n_engines: int, rng: random.Random) -> dict[str, float]:
+    """p50 of _full_run for a 512-block prompt that every one of n_engines holds whole."""
+    bs = UNIT
+    tokens = [rng.randrange(32000) for _ in range(TOKENS)]
+    index = PrefixIndex()
+    for i in range(n_engines):
+        engine = (f"http://w{i}", 0)
+        index.add_engine(engine, "m")
+        event = BlockStored(
+            block_hashes=[i * 10_000 + b for b in range(TOKENS // bs)],
+            parent_block_hash=None,
+            token_ids=tokens,
+            block_size=bs,
+            lora_id=None,
+            medium=GPU,
+            lora_name=None,
+            extra_keys=None,
+            group_idx=0,
+            kv_cache_spec_kind="full_attention",
+            kv_cache_spec_sliding_window=None,
+        )
+        index.apply(engine, [event])
+    res = index._residency[(0, GPU)]
+    everyone = (1 << n_engines) - 1
+    query = [*tokens, 7]  # 8,193 tokens: the hit is capped at 8,192, all 512 blocks
+    keys = index.prompt_keys(query, index.root("m"))
+    members = list(index._engines.values())
+    limit = TOKENS
+    want = dict.fromkeys(range(n_engines), TOKENS)
+    assert _full_run_before(res, bs, 1, everyone, keys, limit) == want
+    out = {"before": p50_us(lambda: _full_run_before(res, bs, 1, everyone, keys, limit))}
+    impls = {"fallback": _run_scan_py}
+    if _native is not None:
+        impls["native"] = _native.run_scan
+    for name, impl in impls.items():
+        indexer.index.run_scan = impl  # type: ignore[assignment]
+        assert index._full_run(0, bs, members, keys, limit) == want
+        out[name] = p50_us(lambda: index._full_run(0, bs, members, keys, limit))
+    return out
 
 
 def main() -> None:
@@ -75,6 +152,11 @@ def main() -> None:
         result["total_fallback_us"] = round(before, 2)
         result["total_native_us"] = round(after, 2)
         result["speedup"] = round(before / after, 1)
+    saved = indexer.index.run_scan
+    try:
+        result["full_run_us"] = {f"engines_{n}": full_run_us(n, random.Random(n)) for n in (1, 16)}
+    finally:
+        indexer.index.run_scan = saved
     print(json.dumps(result))
 
 
