@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from simulator.testing import find_port_block, running_fleet
 
 PROMPT_TOKENS = 8192
-LAT_N = int(os.environ.get("BENCH_LAT_N", "60"))
+LAT_N = int(os.environ.get("BENCH_LAT_N", "100"))
 TPUT_S = float(os.environ.get("BENCH_TPUT_S", "8"))
 CONNS = 32
 
