@@ -419,7 +419,10 @@ async def _forward(
         req = w.client.build_request("POST", path, content=body, headers=hdrs)
         started = w.client.write_now(req)
         if ctx.on_sent is not None:
-            ctx.on_sent(att.engine)
+            try:
+                ctx.on_sent(att.engine)
+            except Exception:  # bookkeeping: never the reason a sent request is lost
+                log.exception("recording the request sent to %s", w.url)
         try:
             resp = await _send(w, req, started, ctx.deadline, watcher)
         except _ClientGone:

@@ -523,3 +523,23 @@ async def test_tokenize_answers_are_spliced_as_sent_and_bad_ids_fall_back_to_tex
     assert b'"prompt":[ 5,\n 6 ,7 ]' in seen[0]
     assert [b'"prompt":"hello %d"' % i in seen[i] for i in (1, 2, 3)] == [True] * 3
     assert re.search(r"kvrouter_tokenize_failures_total 3\.0", m)
+
+
+async def test_a_failing_record_after_the_write_loses_no_request_and_no_connection(fleet):
+    """The speculative record runs after the request is written. Fault injection: make it raise.
+    Every request is still answered, and the kept-alive connections are reused, not leaked."""
+    cfg = config_for(fleet[:1])
+    async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
+        await until(lambda: c.get(base + "/ready"), 20)
+
+        def broken(*_args: Any) -> None:
+            raise RuntimeError("injected")
+
+        router.speculative.record = broken  # type: ignore[method-assign]
+        w = next(iter(router.registry.workers.values()))
+        for i in range(12):
+            body = {"model": "sim-model", "prompt": words(40, f"fail{i}"), "max_tokens": 1}
+            r = await c.post(base + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+        assert w.client.open_connections <= 2, "one for /tokenize's turn, one for the proxy"
+        assert w.inflight == 0
