@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 
@@ -324,3 +325,26 @@ def test_drained_worker_wins_over_an_equal_raw_count() -> None:
     assert d.worker == "a"
     costs = {c.worker: c.queued_tokens for c in d.costs}
     assert costs["b"] == 30_000 and costs["a"] < 10_000
+
+
+def test_speculative_expiry_is_incremental_and_exact():
+    """Records retire one by one as their time passes (no periodic sweep of every entry); at
+    every moment the cache holds exactly the keys some live record covers, shared keys kept
+    alive by the newest record that refreshed them."""
+    rng = random.Random(7)
+    spec = SpeculativeCache(ttl_s=1.0)
+    history: list[tuple[float, str, list[int]]] = []
+    now = 0.0
+    for _ in range(400):
+        now += rng.random() * 0.05
+        worker = rng.choice("ab")
+        shared = list(range(rng.randrange(5)))  # a shared prefix, refreshed by many records
+        keys = shared + [rng.randrange(10**6) + 10 for _ in range(rng.randrange(1, 6))]
+        spec.record(worker, keys, now)
+        history.append((now, worker, keys))
+        live = {(w, k) for t, w, ks in history if t + 1.0 > now for k in ks}
+        assert len(spec) == len(live)
+        for w, k in rng.sample(sorted(live), min(5, len(live))):
+            assert spec.hit_tokens(w, [k], 16, now) == 16
+    spec.expire(now + 1.0)
+    assert len(spec) == 0
