@@ -5,6 +5,7 @@
  *   chain_keys(seed, data, unit, limit)    -> list[int]  (indexer.keys.chain_keys over bytes)
  *   run_scan(tables, keys, first, step, count, alive)
  *                                          -> (b, now)   (PrefixIndex._full_run's block loop)
+ *   ids_to_json(data)                      -> bytes      (uint32 LE ids as a compact JSON array)
  *
  * indexer/native.py is the public face and holds the pure-Python equivalents; the tests check
  * both against each other. Every input is read through bounds-checked indexes only: any bytes
@@ -668,6 +669,98 @@ done:
     return out;
 }
 
+/* ------------------------------------------------------------------ ids_to_json */
+
+static inline unsigned
+decimal_digits(uint32_t v)
+{
+    return v < 10 ? 1
+         : v < 100 ? 2
+         : v < 1000 ? 3
+         : v < 10000 ? 4
+         : v < 100000 ? 5
+         : v < 1000000 ? 6
+         : v < 10000000 ? 7
+         : v < 100000000 ? 8
+         : v < 1000000000 ? 9
+         : 10;
+}
+
+static const char DIGIT_PAIRS[201] =
+    "00010203040506070809101112131415161718192021222324252627282930313233343536373839"
+    "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
+    "8081828384858687888990919293949596979899";
+
+/* Writes v's d decimal digits ending at w[d-1], two at a time (half the dependent divisions). */
+static inline void
+write_decimal(char *w, uint32_t v, unsigned d)
+{
+    char *p = w + d;
+    while (v >= 100) {
+        unsigned r = (v % 100) * 2;
+        v /= 100;
+        *--p = DIGIT_PAIRS[r + 1];
+        *--p = DIGIT_PAIRS[r];
+    }
+    if (v >= 10) {
+        *--p = DIGIT_PAIRS[v * 2 + 1];
+        *--p = DIGIT_PAIRS[v * 2];
+    }
+    else {
+        *--p = (char)('0' + v);
+    }
+}
+
+/* The inverse of ids_from_json: packed little-endian uint32 ids as "[1,2,3]" (no spaces). The
+ * result is allocated at its largest possible size (11 bytes an id) and shrunk once at the end:
+ * one pass over the ids, and no allocation but the result. */
+static PyObject *
+ids_to_json(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    PyObject *out = NULL;
+    if (view.len % 4 != 0) {
+        PyErr_Format(PyExc_ValueError, "ids_to_json: %zd bytes is not a whole number of uint32",
+                     view.len);
+        goto done;
+    }
+    const unsigned char *p = (const unsigned char *)view.buf;
+    Py_ssize_t n = view.len / 4;
+    if (n > (PY_SSIZE_T_MAX - 2) / 11) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    out = PyBytes_FromStringAndSize(NULL, 2 + 11 * n);
+    if (out == NULL) {
+        goto done;
+    }
+    char *start = PyBytes_AS_STRING(out);
+    char *w = start;
+    *w++ = '[';
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t v = (uint32_t)p[4 * i] | (uint32_t)p[4 * i + 1] << 8 |
+                     (uint32_t)p[4 * i + 2] << 16 | (uint32_t)p[4 * i + 3] << 24;
+        unsigned d = decimal_digits(v);
+        write_decimal(w, v, d);
+        w += d;
+        *w++ = ',';
+    }
+    if (n > 0) {
+        w--; /* the last comma */
+    }
+    *w++ = ']';
+    if (_PyBytes_Resize(&out, w - start) < 0) {
+        out = NULL; /* _PyBytes_Resize freed it and set the error */
+    }
+done:
+    PyBuffer_Release(&view);
+    return out;
+}
+
 /* ------------------------------------------------------------------ module */
 
 static PyMethodDef native_methods[] = {
@@ -684,6 +777,10 @@ static PyMethodDef native_methods[] = {
      "For blocks b = first .. count-1 (key keys[(b+1)*step-1]): now = alive &\n"
      "tables[key & 1023].get(key, 0); the first (b, now) with now != alive, else\n"
      "(count, alive). See indexer.native.run_scan."},
+    {"ids_to_json", (PyCFunction)ids_to_json, METH_O,
+     "ids_to_json(data, /)\n--\n\n"
+     "Little-endian uint32 ids (any bytes-like, a multiple of 4 bytes) as a compact JSON\n"
+     "array, the inverse of ids_from_json."},
     {NULL, NULL, 0, NULL},
 };
 

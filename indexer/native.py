@@ -28,6 +28,7 @@ environment at import time forces the Python code, for A/B benchmarks and equiva
 from __future__ import annotations
 
 import sys
+from array import array
 from collections.abc import Callable, Sequence
 from operator import index
 from typing import Any
@@ -36,7 +37,7 @@ import msgspec
 
 from indexer.keys import _chain_keys_py, _native, tokens_to_bytes
 
-__all__ = ["NATIVE", "chain_keys_bytes", "ids_from_json", "run_scan"]
+__all__ = ["NATIVE", "chain_keys_bytes", "ids_from_json", "ids_to_json", "run_scan"]
 
 NATIVE: bool = _native is not None
 
@@ -113,6 +114,20 @@ def _run_scan_py(
     return count, alive
 
 
+def _ids_to_json_py(data: bytes | bytearray | memoryview) -> bytes:
+    """Python ``ids_to_json``: unpack the uint32 ids, let msgspec write the array."""
+    with memoryview(data) as mv:
+        if mv.nbytes % 4:
+            raise ValueError(f"ids_to_json: {mv.nbytes} bytes is not a whole number of uint32")
+        ids = array("I")
+        ids.frombytes(mv.tobytes())
+    if sys.byteorder == "big":  # pragma: no cover - every supported platform is little-endian
+        ids.byteswap()
+    return _encode(ids.tolist())
+
+
+_encode = msgspec.json.Encoder().encode
+
 ids_from_json: Callable[[bytes | bytearray | memoryview], bytes]
 """The JSON array of token ids in ``raw`` (e.g. a /tokenize answer's ``"tokens"`` as
 ``msgspec.Raw``) as little-endian uint32 bytes, ``tokens_to_bytes(ids)``. ValueError unless it
@@ -121,6 +136,11 @@ is an array of integers in [0, 2**32); JSON whitespace around tokens is allowed.
 chain_keys_bytes: Callable[[int, bytes | bytearray | memoryview, int, int | None], list[int]]
 """``indexer.keys.chain_keys(seed, data, unit, limit)`` for a bytes-like ``data``, all four
 arguments positional. ValueError for ``unit <= 0`` or a negative ``limit``."""
+
+ids_to_json: Callable[[bytes | bytearray | memoryview], bytes]
+"""The inverse of ``ids_from_json``: packed little-endian uint32 ids as a compact JSON array
+(``b"[1,2,3]"``), for the upstream body of a prompt whose ids come from the tokenizer's cache.
+ValueError unless the length is a multiple of 4."""
 
 run_scan: Callable[[tuple[dict[Any, int], ...], Sequence[int], int, int, int, int], tuple[int, int]]
 """``run_scan(tables, keys, first, step, count, alive)``, all positional: for blocks
@@ -144,3 +164,5 @@ else:
     ids_from_json = _ids_from_json_py
     chain_keys_bytes = _chain_keys_bytes_py
     run_scan = _run_scan_py
+# getattr: an extension built before ids_to_json existed (a stale in-place build) still imports.
+ids_to_json = getattr(_native, "ids_to_json", None) or _ids_to_json_py

@@ -40,7 +40,7 @@ import numpy as np
 import xxhash
 
 from indexer.keys import chain_keys, tokens_to_bytes
-from indexer.native import ids_from_json
+from indexer.native import ids_from_json, ids_to_json
 
 __all__ = ["LocalTokenizer", "PromptTokenizer", "TokenIds", "TokenizeError", "Tokenized"]
 
@@ -358,7 +358,7 @@ class PromptTokenizer:
 
     # ---------------------------------------------------------------- upstream body
 
-    def upstream_ids(self, body: dict[str, Any], tok: Tokenized) -> list[int] | msgspec.Raw | None:
+    def upstream_ids(self, body: dict[str, Any], tok: Tokenized) -> msgspec.Raw | None:
         """The token ids to send the worker in place of a completion's text prompt, or None when
         the text must go as it came.
 
@@ -383,8 +383,9 @@ class PromptTokenizer:
             return None
         if tok.ids_json is not None:
             return msgspec.Raw(tok.ids_json)  # written into the body as is, not re-encoded
-        ids: list[int] = np.frombuffer(tok.data, dtype="<u4").tolist()
-        return ids
+        # From the cache (packed uint32 only): written as JSON in one C pass (indexer.native),
+        # not through a list of ints (0.1 ms at 8k tokens, 1.6 ms at 128k).
+        return msgspec.Raw(ids_to_json(tok.data))
 
     # ---------------------------------------------------------------- keys
 

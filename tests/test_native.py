@@ -26,7 +26,12 @@ import indexer.index
 from indexer import keys
 from indexer.index import PrefixIndex
 from indexer.keys import tokens_to_bytes
-from indexer.native import _chain_keys_bytes_py, _ids_from_json_py, _run_scan_py
+from indexer.native import (
+    _chain_keys_bytes_py,
+    _ids_from_json_py,
+    _ids_to_json_py,
+    _run_scan_py,
+)
 from indexer.staggered import SLOT_MASK, Table, new_table
 from tests.test_index import Engine
 
@@ -622,7 +627,7 @@ def _native_flag(env_value: str | None) -> str:
     code = (
         "import indexer.native as n, indexer.keys as k;"
         "print(n.NATIVE, n.ids_from_json is n._ids_from_json_py, k._native_chain is None,"
-        " n.run_scan is n._run_scan_py)"
+        " n.run_scan is n._run_scan_py, n.ids_to_json is n._ids_to_json_py)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
@@ -631,9 +636,39 @@ def _native_flag(env_value: str | None) -> str:
 
 
 def test_kvrouter_native_0_forces_the_fallback() -> None:
-    assert _native_flag("0") == "False True True True"
+    assert _native_flag("0") == "False True True True True"
 
 
 @_needs_c
 def test_native_used_when_built() -> None:
-    assert _native_flag(None) == "True False False False"
+    assert _native_flag(None) == "True False False False False"
+
+
+# ---------------------------------------------------------------- ids_to_json
+
+TO_JSON = [
+    pytest.param(_ids_to_json_py, id="python"),
+    pytest.param(lambda d: _c.ids_to_json(d), id="c", marks=_needs_c),
+]
+
+
+@pytest.mark.parametrize("to_json", TO_JSON)
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, 2**32 - 1), max_size=300))
+@example(ids=[])
+@example(ids=[0, 9, 10, 99, 100, 2**32 - 1])
+def test_ids_to_json_is_the_compact_array_and_inverts_ids_from_json(
+    to_json: Callable[[bytes], bytes], ids: list[int]
+) -> None:
+    data = tokens_to_bytes(ids)
+    out = to_json(data)
+    assert out == json.dumps(ids, separators=(",", ":")).encode()
+    assert _ids_from_json_py(out) == data
+    assert to_json(memoryview(bytearray(data))) == out  # any bytes-like
+
+
+@pytest.mark.parametrize("to_json", TO_JSON)
+@pytest.mark.parametrize("data", [b"\x01", b"\x01\x02\x03\x04\x05", b"abc"])
+def test_ids_to_json_refuses_a_partial_id(to_json: Callable[[bytes], bytes], data: bytes) -> None:
+    with pytest.raises(ValueError, match="whole number of uint32"):
+        to_json(data)
