@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import indexer.index
 from indexer.index import GPU, PrefixIndex
 from indexer.keys import _chain_keys_py, tokens_to_bytes
-from indexer.native import _ids_from_json_py, _run_scan_py
+from indexer.native import _ids_from_json_py, _ids_to_json_py, _run_scan_py
 from indexer.wire import BlockStored
 
 try:
@@ -113,12 +113,16 @@ def main() -> None:
         "ids_decode_then_pack_us": p50_us(lambda: tokens_to_bytes(decode(raw))),
         "ids_from_json_fallback_us": p50_us(lambda: _ids_from_json_py(raw)),
         "chain_keys_fallback_us": p50_us(lambda: _chain_keys_py(seed, data, UNIT, None)),
+        # a cached prompt's ids written into the upstream body
+        "ids_to_json_fallback_us": p50_us(lambda: _ids_to_json_py(data)),
     }
     if _native is not None:
         assert _native.ids_from_json(raw) == _ids_from_json_py(raw) == data
         assert _native.chain_keys(seed, data, UNIT, None) == _chain_keys_py(seed, data, UNIT, None)
         result["ids_from_json_native_us"] = p50_us(lambda: _native.ids_from_json(raw))
         result["chain_keys_native_us"] = p50_us(lambda: _native.chain_keys(seed, data, UNIT, None))
+        assert _native.ids_to_json(data) == _ids_to_json_py(data)
+        result["ids_to_json_native_us"] = p50_us(lambda: _native.ids_to_json(data))
         before = result["ids_from_json_fallback_us"] + result["chain_keys_fallback_us"]
         after = result["ids_from_json_native_us"] + result["chain_keys_native_us"]
         result["total_fallback_us"] = round(before, 2)
