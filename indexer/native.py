@@ -36,6 +36,7 @@ from typing import Any
 import msgspec
 
 from indexer.keys import _chain_keys_py, _native, tokens_to_bytes
+from indexer.staggered import SLOT_MASK, SLOTS
 
 __all__ = ["NATIVE", "chain_keys_bytes", "ids_from_json", "ids_to_json", "run_scan"]
 
@@ -71,7 +72,6 @@ def _chain_keys_bytes_py(
     return _chain_keys_py(seed, data, unit, limit)
 
 
-_SLOTS = 1024  # indexer.staggered.SLOTS (not imported: indexer.native imports indexer.keys only)
 _SSIZE_MIN = -sys.maxsize - 1
 
 
@@ -93,8 +93,8 @@ def _run_scan_py(
     first, step, count = _clamp_ssize(first), _clamp_ssize(step), _clamp_ssize(count)
     if not isinstance(tables, tuple):
         raise TypeError(f"run_scan: tables must be a tuple, not {type(tables).__name__}")
-    if len(tables) != _SLOTS:
-        raise ValueError(f"run_scan: tables must have {_SLOTS} slots, not {len(tables)}")
+    if len(tables) != SLOTS:
+        raise ValueError(f"run_scan: tables must have {SLOTS} slots, not {len(tables)}")
     if not isinstance(alive, int):
         raise TypeError(f"run_scan: alive must be an int, not {type(alive).__name__}")
     if first < 0 or step < 1:
@@ -106,12 +106,15 @@ def _run_scan_py(
     get = dict.get
     block_keys = keys[(first + 1) * step - 1 : count * step : step]  # ends early if keys do
     for b, key in enumerate(block_keys, first):
-        now = alive & get(tables[key & 1023], key, 0)
+        now = alive & get(tables[key & SLOT_MASK], key, 0)
         if now != alive:
             return b, now
     if first + len(block_keys) < count:
         raise IndexError("run_scan: key index out of range")
     return count, alive
+
+
+_encode = msgspec.json.Encoder().encode
 
 
 def _ids_to_json_py(data: bytes | bytearray | memoryview) -> bytes:
@@ -125,8 +128,6 @@ def _ids_to_json_py(data: bytes | bytearray | memoryview) -> bytes:
         ids.byteswap()
     return _encode(ids.tolist())
 
-
-_encode = msgspec.json.Encoder().encode
 
 ids_from_json: Callable[[bytes | bytearray | memoryview], bytes]
 """The JSON array of token ids in ``raw`` (e.g. a /tokenize answer's ``"tokens"`` as
@@ -160,9 +161,9 @@ if _native is not None:
     ids_from_json = _native.ids_from_json
     chain_keys_bytes = _native.chain_keys
     run_scan = _native.run_scan
+    ids_to_json = _native.ids_to_json
 else:
     ids_from_json = _ids_from_json_py
     chain_keys_bytes = _chain_keys_bytes_py
     run_scan = _run_scan_py
-# getattr: an extension built before ids_to_json existed (a stale in-place build) still imports.
-ids_to_json = getattr(_native, "ids_to_json", None) or _ids_to_json_py
+    ids_to_json = _ids_to_json_py

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator
 from itertools import chain
 from typing import Any
 
-__all__ = ["EMPTY_TABLE", "SLOT_MASK", "HashMap", "Table", "new_table", "shards"]
+__all__ = ["EMPTY_TABLE", "SLOTS", "SLOT_MASK", "HashMap", "Table", "new_table", "shards"]
 
 SHARDS = 16
 SLOTS = 1024
