@@ -69,6 +69,8 @@ from array import array
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import msgspec
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.approx import ApproxPrefixPolicy
@@ -589,9 +591,8 @@ def sweep_knobs(
             if knob == "speculative_ttl_s":
                 rs2 = replace(rs, speculative_ttl_s=v)
             else:
-                rs2 = replace(
-                    rs, params=replace(rs.params, **{knob: type(getattr(rs.params, knob))(v)})
-                )
+                value = type(getattr(rs.params, knob))(v)
+                rs2 = replace(rs, params=msgspec.structs.replace(rs.params, **{knob: value}))
             res = run_policy("kvrouter", reqs, speed, fs, rs2, src, keys, seed).summary()
             out[knob][str(v)] = {
                 k: res[k]
@@ -777,7 +778,7 @@ def main(argv: list[str] | None = None) -> dict:
             "router": {
                 "poll_s": rs.poll_s,
                 "speculative_ttl_s": rs.speculative_ttl_s,
-                "params": asdict(rs.params),
+                "params": msgspec.structs.asdict(rs.params),
                 "approx": {
                     "ttl_s": rs.approx_ttl_s,
                     "threshold": rs.approx_threshold,

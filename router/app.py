@@ -32,7 +32,6 @@ from router.metrics import RouterMetrics
 from router.policy import (
     Candidate,
     Decision,
-    PolicyParams,
     make_policy,
 )
 from router.resilience import WorkerWatch, load_only
@@ -126,19 +125,7 @@ class Router:
             unit, cfg.tokenizer.cache_entries, cfg.tokenizer.cache_tokens, local=local
         )
         p = cfg.policy
-        self.policy = make_policy(
-            p.name,
-            PolicyParams(
-                cpu_transfer_discount=p.cpu_transfer_discount,
-                near_tie_tokens=p.near_tie_tokens,
-                recompute_weight=p.recompute_weight,
-                running_request_tokens=p.running_request_tokens,
-                kv_pressure_threshold=p.kv_pressure_threshold,
-                kv_pressure_tokens=p.kv_pressure_tokens,
-                queue_drain=p.queue_drain,
-            ),
-            seed=seed,
-        )
+        self.policy = make_policy(p.name, p, seed=seed)
         rc = cfg.redis
         # In-flight load of other replicas, speculative entries seen by all, index snapshots:
         # in Redis with redis.url, else embedded (this replica's own view).

@@ -34,6 +34,8 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 __all__ = [
     "Candidate",
     "Decision",
@@ -82,8 +84,17 @@ class Candidate:
     """Hit predicted by a speculative entry; used when larger than the indexed GPU hit."""
 
 
-@dataclass(slots=True)
-class PolicyParams:
+class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
+    """The ``policy`` section of the configuration: which policy, and the kvrouter cost model.
+
+    The defaults of ``queue_drain`` and ``recompute_weight`` are the optima bench/routing_bench.py
+    finds on the Mooncake trace (docs/benchmarks.md has the figures).
+    """
+
+    name: str = "kvrouter"
+    """Which policy :func:`make_policy` builds: kvrouter, round_robin, least_loaded or random."""
+    speculative_ttl_s: float = 2.0
+    """Lifetime of a speculative entry (:class:`SpeculativeCache`)."""
     cpu_transfer_discount: float = 0.25
     near_tie_tokens: int = 64
     prefill_tokens_per_s: float = 8000.0
@@ -100,21 +111,15 @@ class PolicyParams:
     queued tokens only fall at first tokens, so a worker 3 s into a 60k-token prefill still
     counts all 60k; the policy instead decays each worker's queue by the rate at which that
     worker has been releasing queued tokens while backlogged (learned per worker, so it fits
-    the GPU and model without configuration, and never above what is still queued). Default
-    1, from bench/routing_bench.py on the Mooncake trace (first 3,000 requests): 0 -> 1 lowers
-    mean TTFT 0.918 -> 0.882 s and raises the hit rate 0.221 -> 0.226 (an oracle of every
-    worker's true remaining prefill reaches 0.876 s); a fixed rate above the real one is worse
-    than none (1.5x: 0.989 s), which is why the rate is learned and not configured."""
+    the GPU and model without configuration, and never above what is still queued). A fixed
+    rate above the real one is worse than none, which is why the rate is learned and not
+    configured."""
     recompute_weight: float = 4.0
     """Weight of a prompt's uncached tokens against queued ones when ranking. Above 1 a cached
     prefix is worth more than the queue it saves this one request: recomputing it elsewhere
     spends that prefill a second time (fleet capacity every queued request waits for) and moves
     the conversation's future hits. ``near_tie_tokens`` is scaled by it. ``cost_tokens`` and
-    ``expected_ttft_s`` stay unweighted (they are the TTFT estimate). Default 4, from
-    bench/routing_bench.py on the Mooncake trace: 1 -> 4 raised the hit rate from 0.181 to 0.224
-    (pooled ideal 0.246) and lowered mean TTFT from 0.93 to 0.86 s, p99 unchanged (full trace,
-    before ``queue_drain``); with it, on the first 3,000 requests, 2 / 4 / 8 give 0.903 / 0.882 /
-    0.899 s: 4 is still the optimum."""
+    ``expected_ttft_s`` stay unweighted (they are the TTFT estimate)."""
 
 
 @dataclass(slots=True)
