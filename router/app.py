@@ -58,6 +58,9 @@ try:  # written in parallel (indexer/subscriber.py); the router degrades to load
 except ImportError:  # pragma: no cover - depends on the checkout
     Subscriber = None  # type: ignore[assignment,misc]
 
+_PROBE_AFTER = frozenset({"first_byte_timeout", "protocol", "status_5xx", "mid_response"})
+"""Failures that may mean the worker is dead: its health is re-checked at once."""
+
 _dec = msgspec.json.Decoder()
 _enc = msgspec.json.Encoder()
 
@@ -808,6 +811,14 @@ def _add_api_routes(app: FastAPI, router: Router) -> dict[str, ProxyHandler]:
                 m.prompt_tokens.inc(tok.n_tokens)
                 m.predicted_hit_tokens.inc(d.predicted_hit_tokens)
 
+        def failed(engine: tuple[str, int], reason: str) -> None:
+            m.upstream_failures.labels(reason).inc()
+            if tok is not None:
+                router.speculative.withdraw(engine, tok.keys)
+            w = router.registry.workers.get(engine[0])
+            if w is not None and reason in _PROBE_AFTER:
+                router.watch.probe_soon(w)
+
         return await proxy.forward(
             registry=router.registry,
             path=path,
@@ -820,7 +831,7 @@ def _add_api_routes(app: FastAPI, router: Router) -> dict[str, ProxyHandler]:
             t0=t0,
             done=done,
             limits=router.proxy_limits,
-            on_upstream_failure=router.watch.probe_soon,
+            on_failed=failed,
             on_sent=sent,
         )
 

@@ -137,6 +137,13 @@ class RouterMetrics:
             "Requests routed by load alone because tokenization failed",
             registry=r,
         )
+        self.upstream_failures = Counter(
+            "kvrouter_upstream_failures_total",
+            "Failed attempts to forward a request to a worker, by reason (router.proxy."
+            "FAILURE_REASONS); only worker_gone, pool_timeout, connect and declined are retried",
+            ["reason"],
+            registry=r,
+        )
         if snapshot is not None:
             r.register(_StateCollector(snapshot))
 

@@ -440,6 +440,21 @@ class SpeculativeCache:
         if not entries:
             del self._entries[worker]
 
+    def withdraw(self, worker: Worker, keys: Sequence[int]) -> None:
+        """Drop ``keys`` of ``worker`` now: the request that recorded them failed there, and
+        siblings must not follow it to a worker that may not compute the prefix. Its record
+        stays queued; retiring it later deletes nothing (the keys are gone)."""
+        entries = self._entries.get(worker)
+        if entries is None:
+            return
+        before = len(entries)
+        pop = entries.pop
+        for k in keys:
+            pop(k, None)
+        self._size -= before - len(entries)
+        if not entries:
+            del self._entries[worker]
+
     def hit_tokens(self, worker: Worker, keys: Sequence[int], unit: int, now: float) -> int:
         entries = self._entries.get(worker)
         if not entries or not keys:

@@ -4,9 +4,15 @@
   (``aiter_raw``: no re-encoding, SSE chunks forwarded one by one as they arrive).
 * Hop-by-hop headers are dropped both ways; ``Authorization`` is forwarded only when
   ``server.forward_authorization`` is set. Every response carries ``x-kvrouter-worker``.
-* A connect failure or a 5xx status before the first byte is retried once on the next-best
-  worker (the policy's ranking); connect failures also mark the worker unhealthy until its next
-  good health probe.
+* **A request runs on at most one worker.** The next-best worker (the policy's ranking) is tried
+  only when provably nothing reached the first: connection refused or timed out, no free pooled
+  connection, a reused keep-alive connection the worker had already closed (see
+  ``router.upstream``), or a 503 answer (the worker declined the request). A first-byte timeout,
+  a worker that closed or broke the connection after reading the request, or any other status
+  is answered to the client (502 / 504 / the worker's status), never sent again: the first worker
+  may still be computing it. Connect failures mark the worker unhealthy until its next good
+  health probe. Every failed attempt is reported to ``on_failed(engine, reason)`` with a reason
+  from :data:`FAILURE_REASONS`.
 * A client disconnect cancels the upstream request (the upstream connection is closed, which
   makes vLLM abort the request), for streaming and non-streaming responses alike.
 * Bounds (:class:`ProxyLimits`): connect / first-byte (read) / pool timeouts per request, and
@@ -24,7 +30,7 @@
   (the OpenAI SDKs raise ``APIError`` on it). If the worker died mid-event, the router closes
   the connection without the terminating chunk, so the client sees a truncated body rather than
   a spliced, unparseable event. Either way the request is accounted as 502/504, its load is
-  released, and the worker is re-probed at once (``on_upstream_failure``).
+  released, and ``on_failed`` is told (the router re-probes the worker at once).
 """
 
 from __future__ import annotations
@@ -140,6 +146,23 @@ def sse_error_event(message: str, etype: str, code: int) -> bytes:
 
 class UpstreamBroken(Exception):
     """Raised into the ASGI server to close a stream that broke mid-event (no last chunk)."""
+
+
+FAILURE_REASONS = (
+    "worker_gone",  # removed from the fleet between routing and forwarding: nothing sent
+    "pool_timeout",  # no free connection within server.pool_timeout_s: nothing sent
+    "connect",  # connection refused or timed out: nothing sent
+    "declined",  # the worker answered 503 before doing any work
+    "first_byte_timeout",  # sent, no response head within server.first_byte_timeout_s
+    "request_timeout",  # server.request_timeout_s ran out
+    "protocol",  # sent, then the connection closed or the answer was malformed
+    "status_5xx",  # the worker answered another 5xx status
+    "mid_response",  # the response broke after its head (stream or buffered body)
+)
+"""Why an attempt failed: the label values of ``kvrouter_upstream_failures_total``."""
+
+RETRYABLE = frozenset({"worker_gone", "pool_timeout", "connect", "declined"})
+"""Failures after which the request provably did not run: only these try the next worker."""
 
 
 @dataclass
@@ -334,7 +357,7 @@ async def forward(
     t0: float,
     done: Callable[[Outcome], None],
     limits: ProxyLimits | None = None,
-    on_upstream_failure: Callable[[Worker], None] | None = None,
+    on_failed: Callable[[tuple[str, int], str], None] | None = None,
     strip_usage: bool = False,
     on_sent: Callable[[tuple[str, int]], None] | None = None,
 ) -> Response:
@@ -351,7 +374,7 @@ async def forward(
     if lim.request_timeout_s is not None:
         deadline = asyncio.get_running_loop().time() + lim.request_timeout_s
         deadline -= time.perf_counter() - t0
-    ctx = _Ctx(lim, deadline, on_upstream_failure, strip_usage, on_sent)
+    ctx = _Ctx(lim, deadline, on_failed, strip_usage, on_sent)
     try:
         return await _forward(
             registry, path, body, headers, attempts, stream, watcher, t0, done, ctx
@@ -370,15 +393,17 @@ async def forward(
 class _Ctx:
     limits: ProxyLimits
     deadline: float | None
-    on_failure: Callable[[Worker], None] | None
+    on_failed: Callable[[tuple[str, int], str], None] | None
     strip_usage: bool = False
     """The router added ``stream_options.include_usage``: drop the usage-only final event."""
     on_sent: Callable[[tuple[str, int]], None] | None = None
 
-    def failed(self, w: Worker) -> None:
-        if self.on_failure is not None:
-            with contextlib.suppress(Exception):
-                self.on_failure(w)
+    def failed(self, engine: tuple[str, int], reason: str) -> None:
+        if self.on_failed is not None:
+            try:
+                self.on_failed(engine, reason)
+            except Exception:  # bookkeeping: never the reason an answer is lost
+                log.exception("recording a failed attempt on %s", engine)
 
 
 class _Deadline(Exception):
@@ -410,7 +435,11 @@ async def _forward(
     last_error = "no worker available"
     last_status = 503
     for i, att in enumerate(attempts):
-        w = registry.workers[att.engine[0]]
+        w = registry.workers.get(att.engine[0])
+        if w is None:
+            ctx.failed(att.engine, "worker_gone")
+            last_error = f"worker {att.engine[0]} left the fleet"
+            continue
         retry_left = i + 1 < len(attempts)
         hdrs = list(headers)
         if w.dp_size > 1:
@@ -429,42 +458,52 @@ async def _forward(
             ticket.finish()
             done(Outcome(499, w.url, None, None))
             return Response(status_code=499)
-        except _Deadline:
+        except Exception as exc:
             ticket.finish()
-            done(Outcome(504, w.url, None, None))
-            return error_response(
-                504, "request_timeout_s exceeded before the first byte", "timeout"
-            )
-        except httpx.PoolTimeout:
-            ticket.finish()  # the worker is busy (max_connections_per_worker), not broken
-            last_error = f"worker {w.url} has no free connection (max_connections_per_worker)"
-            last_status = 503
-            continue
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            ticket.finish()
-            registry.mark_failed(w, f"{type(exc).__name__}: {exc}")
-            last_error, last_status = f"worker {w.url} unreachable: {type(exc).__name__}", 502
-            continue
-        except httpx.TimeoutException:
-            ticket.finish()
-            last_error, last_status = f"worker {w.url} timed out before the first byte", 504
-            continue
-        except httpx.HTTPError as exc:  # e.g. connection reset before any byte: retry once
-            ticket.finish()
-            last_error, last_status = f"worker {w.url} failed: {type(exc).__name__}: {exc}", 502
-            continue
-        if resp.status_code >= 500 and retry_left:
-            await resp.aclose()
-            ticket.finish()
-            last_error, last_status = f"worker {w.url} returned {resp.status_code}", 502
-            continue
+            reason, status, message = _send_failure(w, exc)
+            ctx.failed(att.engine, reason)
+            if reason == "connect":
+                registry.mark_failed(w, f"{type(exc).__name__}: {exc}")
+            if reason in RETRYABLE:
+                last_error, last_status = message, status
+                continue
+            done(Outcome(status, w.url, None, None))
+            etype = "timeout" if status == 504 else "bad_gateway"
+            return error_response(status, message, etype)
+        if resp.status_code >= 500:
+            reason = "declined" if resp.status_code == 503 else "status_5xx"
+            ctx.failed(att.engine, reason)
+            if reason in RETRYABLE and retry_left:
+                await resp.aclose()
+                ticket.finish()
+                last_error, last_status = f"worker {w.url} returned {resp.status_code}", 502
+                continue
         done_e = _tag_engine(done, att.engine)
         if stream:
-            return _stream(resp, w, ticket, t0, done_e, ctx)
-        return await _buffered(resp, w, ticket, t0, watcher, done_e, ctx)
+            return _stream(resp, w, ticket, t0, done_e, ctx, att.engine)
+        return await _buffered(resp, w, ticket, t0, watcher, done_e, ctx, att.engine)
     done(Outcome(last_status, None, None, None))
     etype = {504: "timeout", 503: "service_unavailable"}.get(last_status, "bad_gateway")
     return error_response(last_status, last_error, etype)
+
+
+def _send_failure(w: Worker, exc: Exception) -> tuple[str, int, str]:
+    """(reason, status for the client, message) of an attempt that got no response head."""
+    if isinstance(exc, _Deadline):
+        return "request_timeout", 504, "request_timeout_s exceeded before the first byte"
+    if isinstance(exc, httpx.PoolTimeout):  # the worker is busy, not broken
+        return (
+            "pool_timeout",
+            503,
+            f"worker {w.url} has no free connection (max_connections_per_worker)",
+        )
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        return "connect", 502, f"worker {w.url} unreachable: {type(exc).__name__}"
+    if isinstance(exc, httpx.TimeoutException):
+        return "first_byte_timeout", 504, f"worker {w.url} timed out before the first byte"
+    if isinstance(exc, httpx.HTTPError):
+        return "protocol", 502, f"worker {w.url} failed: {type(exc).__name__}: {exc}"
+    raise exc
 
 
 def _stream(
@@ -474,6 +513,7 @@ def _stream(
     t0: float,
     done: Callable[[Outcome], None],
     ctx: _Ctx,
+    engine: tuple[str, int],
 ) -> Response:
     state: dict[str, Any] = {"ttft": None, "cached": None, "failed": None, "prompt": None}
     sse = resp.headers.get("content-type", "").startswith("text/event-stream")
@@ -493,8 +533,9 @@ def _stream(
                 timeout = isinstance(exc, _Deadline | httpx.TimeoutException)
                 code = 504 if timeout else 502
                 state["failed"] = code
-                if not timeout:
-                    ctx.failed(w)
+                ctx.failed(
+                    engine, "request_timeout" if isinstance(exc, _Deadline) else "mid_response"
+                )
                 what = "timed out" if timeout else f"failed mid-stream ({type(exc).__name__})"
                 log.warning("stream from %s %s", w.url, what)
                 if sse and boundary:
@@ -539,6 +580,7 @@ async def _buffered(
     watcher: asyncio.Future[None],
     done: Callable[[Outcome], None],
     ctx: _Ctx,
+    engine: tuple[str, int],
 ) -> Response:
     async def read() -> bytes:
         parts = [chunk async for chunk in resp.aiter_raw()]
@@ -555,15 +597,16 @@ async def _buffered(
             await resp.aclose()
         done(Outcome(499, w.url, None, None))
         return Response(status_code=499)
-    except (_Deadline, httpx.TimeoutException):
+    except (_Deadline, httpx.TimeoutException) as exc:
         ticket.finish()
+        ctx.failed(engine, "request_timeout" if isinstance(exc, _Deadline) else "mid_response")
         with anyio.CancelScope(shield=True):
             await resp.aclose()
         done(Outcome(504, w.url, None, None))
         return error_response(504, f"worker {w.url} timed out mid-response", "timeout")
     except httpx.HTTPError as exc:
         ticket.finish()
-        ctx.failed(w)
+        ctx.failed(engine, "mid_response")
         with anyio.CancelScope(shield=True):
             await resp.aclose()
         done(Outcome(502, w.url, None, None))

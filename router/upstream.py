@@ -86,6 +86,9 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self._header_name = b""
         self._raw_headers: list[tuple[bytes, bytes]] = []
+        self.received = 0
+        """Bytes received since the current request was written."""
+        self.written_at = 0.0
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -96,6 +99,7 @@ class _Conn(asyncio.Protocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
+        self.received += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:  # pragma: no cover - workers never upgrade
@@ -105,7 +109,13 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._fail(httpx.RemoteProtocolError("worker closed the connection"))
+        err = httpx.RemoteProtocolError("worker closed the connection")
+        if self.response is not None and self.received == 0:
+            # Only this case can be a keep-alive close that crossed our request on the wire;
+            # how soon it came tells that race from a worker that read the request and died.
+            age = asyncio.get_running_loop().time() - self.written_at
+            err.closed_unanswered_after = age  # type: ignore[attr-defined]
+        self._fail(err)
 
     def pause_writing(self) -> None:  # pragma: no cover - request bodies are small
         pass
@@ -149,6 +159,8 @@ class _Conn(asyncio.Protocol):
         lines.append(b"\r\n\r\n")
         lines.append(req.body)
         assert self.transport is not None
+        self.received = 0
+        self.written_at = asyncio.get_running_loop().time()
         self.transport.write(b"".join(lines))
 
     def _fail(self, exc: Exception) -> None:
@@ -458,9 +470,10 @@ class UpstreamClient:
                 f"worker {self.host}:{self.port} sent no response headers within {wait}s"
             ) from None
         except httpx.RemoteProtocolError as exc:
+            stale = reused and _crossed_keep_alive_close(exc)
             resp._released = True
-            self._release(conn, False, keep_slot=reused)
-            if reused:
+            self._release(conn, False, keep_slot=stale)
+            if stale:
                 exc.stale = True  # type: ignore[attr-defined]
             raise
         except BaseException:
@@ -545,6 +558,19 @@ class UpstreamClient:
             self._open -= 1
         if not keep_slot:
             self._slots.give()
+
+
+STALE_CLOSE_WINDOW_S = 0.1
+"""How soon after the write a reused connection's close, with no response byte, still counts as
+the worker's idle keep-alive close crossing the request (so the request was never read). The
+FIN of that close is already in flight when the request is written and arrives within a round
+trip; a worker that read the request and died (mid-prefill) closes later, and its request must
+not run a second time elsewhere."""
+
+
+def _crossed_keep_alive_close(exc: Exception) -> bool:
+    age = getattr(exc, "closed_unanswered_after", None)
+    return age is not None and age <= STALE_CLOSE_WINDOW_S
 
 
 _HeaderArg = Mapping[str, str] | Iterable[tuple[bytes | str, bytes | str]] | None

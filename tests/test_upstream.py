@@ -174,6 +174,52 @@ async def test_stale_keep_alive_connection_is_retried_on_a_fresh_one() -> None:
         assert served == 2 and len(accepted) == 2
 
 
+async def test_worker_dying_after_reading_a_request_is_not_retried() -> None:
+    """A reused connection that closes with no answer long after the write is a worker that
+    read the request and died (mid-prefill): sending it again would run it twice."""
+    requests = 0
+
+    async def answer_once_then_die(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        nonlocal requests
+        await read_request(r)
+        requests += 1
+        w.write(response(b"ok"))
+        await w.drain()
+        await read_request(r)
+        requests += 1
+        await asyncio.sleep(0.3)  # "prefill", then the process dies: close, no byte sent
+
+    async with raw_server(answer_once_then_die) as (url, accepted):
+        client = UpstreamClient(url)
+        assert (await client.post("/", content=b"")).content == b"ok"
+        with pytest.raises(httpx.RemoteProtocolError):
+            await client.post("/", content=b"")
+        assert requests == 2 and len(accepted) == 1, "the request was sent a second time"
+        assert client.open_connections == 0
+
+
+async def test_malformed_answer_on_a_reused_connection_is_not_retried() -> None:
+    requests = 0
+
+    async def answer_once_then_garbage(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        nonlocal requests
+        await read_request(r)
+        requests += 1
+        w.write(response(b"ok"))
+        await w.drain()
+        await read_request(r)
+        requests += 1
+        w.write(b"NOT HTTP AT ALL\r\n\r\n")
+        await w.drain()
+
+    async with raw_server(answer_once_then_garbage) as (url, accepted):
+        client = UpstreamClient(url)
+        assert (await client.post("/", content=b"")).content == b"ok"
+        with pytest.raises(httpx.RemoteProtocolError):
+            await client.post("/", content=b"")
+        assert requests == 2 and len(accepted) == 1, "a malformed answer is not a stale socket"
+
+
 async def test_pool_bound_waits_then_times_out() -> None:
     release = asyncio.Event()
 

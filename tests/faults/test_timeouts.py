@@ -60,7 +60,7 @@ async def test_slow_worker_hits_the_total_timeout_others_unaffected() -> None:
             print("slow: " + ", ".join(f"{r[0]}@{r[1]:.2f}s" for r in res))
 
 
-async def test_stalled_worker_times_out_retries_and_is_avoided() -> None:
+async def test_stalled_worker_times_out_is_not_rerun_and_is_avoided() -> None:
     with running_fleet(2, num_gpu_blocks=256, **FAST) as ws:
         stalled, live = ws[0].url, ws[1].url
         cfg = config_for(ws, policy={"name": "round_robin"}, server={"first_byte_timeout_s": 1.0})
@@ -68,12 +68,17 @@ async def test_stalled_worker_times_out_retries_and_is_avoided() -> None:
             await until(lambda: all_connected(router), 20, "event subscriptions")
             await c.post(stalled + "/sim/faults", json={"stall_http": True})
             lat = []
+            timed_out = 0
             for i in range(10):
                 body = {"model": "sim-model", "prompt": words(20, f"stall{i}"), "max_tokens": 1}
                 status, dt, _, worker = await _timed(c, base + "/v1/completions", body)
-                assert status == 200 and worker == live
+                # The stalled worker read the request and may still run it: the client gets
+                # 504 after one first-byte timeout, and no second worker runs it again.
+                assert (status, worker) == (200, live) or status == 504, (status, worker)
+                timed_out += status == 504
                 lat.append(dt)
-            assert max(lat) < 1.0 + 1.5  # one first-byte timeout, then the retry
+            assert max(lat) < 1.0 + 0.5
+            assert 1 <= timed_out <= 2, "the timeout re-probes the worker, which is then avoided"
             w = router.registry.workers[stalled]
             await until(lambda: not w.healthy, 10, "stalled worker to fail its health probe")
             await until(
