@@ -35,10 +35,8 @@ import subprocess
 import sys
 import time
 
-import httpx
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from simulator.testing import find_port_block, running_fleet
+from simulator.testing import find_port_block, running_fleet, wait_http_ok
 
 PROMPT_TOKENS = 8192
 LAT_N = int(os.environ.get("BENCH_LAT_N", "100"))
@@ -201,16 +199,8 @@ def main() -> None:
             stderr=subprocess.PIPE,
         )  # fmt: skip
         try:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    if httpx.get(router + "/ready", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("router did not become ready")
-                time.sleep(0.1)
+            if not wait_http_ok(router + "/ready", timeout=30, proc=proc):
+                raise RuntimeError("router did not become ready")
             out = asyncio.run(latency(router, ws[0].url))
             out.update(asyncio.run(throughput(router)))
             direct = asyncio.run(throughput(ws[0].url))  # the worker alone, same load
@@ -248,17 +238,10 @@ def router_self() -> dict[str, float]:
     )  # fmt: skip
     body = json.dumps({"model": "sim-model", "prompt": "x", "max_tokens": 1}).encode()
     try:
-        deadline = time.monotonic() + 30
-        while True:  # no events, so never "ready": wait for a served completion instead
-            try:
-                r = httpx.post(f"http://127.0.0.1:{rport}/v1/completions", content=body, timeout=1)
-                if r.status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("router (instant worker) did not start")
-            time.sleep(0.1)
+        # No events, so never "ready": wait for a served completion instead.
+        url = f"http://127.0.0.1:{rport}/v1/completions"
+        if not wait_http_ok(url, timeout=30, proc=proc, content=body):
+            raise RuntimeError("router (instant worker) did not start")
 
         async def run() -> tuple[list[float], list[float]]:
             rc, wc = Conn("127.0.0.1", rport), Conn("127.0.0.1", wport)

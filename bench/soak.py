@@ -31,7 +31,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from simulator.testing import find_port_block, running_fleet
+from simulator.testing import find_port_block, running_fleet, wait_http_ok
 
 
 def rss_mb(pid: int) -> float:
@@ -143,16 +143,8 @@ def main() -> int:
         )
         base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    if httpx.get(base + "/ready", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise SystemExit("router did not become ready")
-                time.sleep(0.1)
+            if not wait_http_ok(base + "/ready", timeout=30, proc=proc):
+                raise SystemExit("router did not become ready")
             churn = Churn(0, ns.live_prefixes, ns.churn_s)
             warm_stats = {"requests": 0, "errors": 0}
             asyncio.run(drive(base, warm, ns.concurrency, churn, warm_stats))

@@ -32,8 +32,10 @@ Process mode: ``kvrouter-sim --workers N --base-port P ...`` (see ``simulator.cl
 Modules: ``hashing`` (vLLM block hashes), ``tokenizer`` (built-in tokenizer + chat
 templates), ``block_pool`` (GPU pool + LRU), ``kv_cache`` (groups, hits, sparse retention),
 ``offload`` (CPU tier), ``engine`` (scheduler + timing), ``events`` (wire structs, both eras),
-``publisher`` (ZMQ PUB + replay), ``runner`` (wall-clock driver), ``server`` (HTTP app),
-``fleet`` (fast mode), ``cli``, ``testing``.
+``publisher`` (ZMQ PUB + replay), ``runner`` (wall-clock driver), ``server`` (one worker:
+engines, request parsing, generation), ``routes`` (its HTTP app), ``responses`` (completion
+bodies and SSE chunks), ``metrics`` (``/metrics``), ``faults`` (``/sim/faults``),
+``api_errors`` (error bodies), ``fleet`` (fast mode), ``cli``, ``testing``.
 """
 
 from simulator.engine import EngineConfig, SimEngine

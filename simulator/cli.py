@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import signal
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 
@@ -37,7 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    a = p.add_argument
+    _add_fleet_args(p.add_argument)
+    _add_kv_cache_args(p.add_argument)
+    _add_timing_and_offload_args(p.add_argument)
+    _add_event_args(p.add_argument)
+    _add_request_args(p.add_argument)
+    return p
+
+
+def _add_fleet_args(a: Callable[..., Any]) -> None:
     a("--workers", type=int, default=1)
     a("--host", default="127.0.0.1", help="HTTP bind host")
     a("--base-port", type=int, default=8100, help="worker i: HTTP port base+i")
@@ -46,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dp-size", type=int, default=1)
     a("--model", default="sim-model")
     a("--lora", action="append", default=[], help="declare a LoRA adapter name (repeatable)")
+
+
+def _add_kv_cache_args(a: Callable[..., Any]) -> None:
     a("--block-size", type=int, default=16)
     a(
         "--num-gpu-blocks",
@@ -77,12 +90,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a("--max-num-seqs", type=int, default=256)
     a("--max-waiting", type=int, default=10000)
+
+
+def _add_timing_and_offload_args(a: Callable[..., Any]) -> None:
     a("--prefill-tps", type=float, default=20000.0, help="prefill tokens/s (uncached)")
     a("--cpu-load-tps", type=float, default=200000.0, help="CPU->GPU load tokens/s")
     a("--decode-ms", type=float, default=20.0, help="decode step time per generated token")
     a("--step-overhead-ms", type=float, default=0.5)
     a("--cpu-chunks", type=int, default=0, help="CPU tier capacity in chunks (0 = off)")
     a("--cpu-chunk-tokens", type=int, default=256)
+
+
+def _add_event_args(a: Callable[..., Any]) -> None:
     a("--cpu-events", choices=["placeholder", "self_describing"], default="placeholder")
     a(
         "--event-encoding",
@@ -100,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--hwm", type=int, default=100_000)
     a("--max-queue-size", type=int, default=100_000)
     a("--no-events", action="store_true")
+
+
+def _add_request_args(a: Callable[..., Any]) -> None:
+    """Tokenizer, request limits and logging; and one misconfiguration, listed here to keep the
+    order of ``--help``."""
     a("--chat-template", choices=["default", "alt"], default="default")
     a(
         "--event-block-size-lie",
@@ -122,7 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="output length when a request sets none (finish_reason 'stop')",
     )
     a("--log-level", default="warning")
-    return p
 
 
 def settings_from_args(ns: argparse.Namespace, worker_idx: int) -> WorkerSettings:

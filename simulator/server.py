@@ -1,15 +1,7 @@
-"""One simulated vLLM worker: an OpenAI-compatible FastAPI app over 1..dp_size engines.
+"""One simulated vLLM worker: 1..dp_size engines behind the HTTP app of ``simulator.routes``.
 
-Endpoints mirror vLLM 0.33's API server (``vllm/entrypoints``): completions and chat
-completions (non-streaming and SSE, ``usage.prompt_tokens_details.cached_tokens``,
-``stream_options.include_usage``), ``/tokenize`` (prompt and chat forms), ``/detokenize``,
-``/v1/models``, ``/health``, ``/metrics`` (vLLM metric names, labels ``model_name`` and
-``engine``), ``/kv_event_sources`` (``serve/instrumentator/basic.py`` L59),
-``/reset_prefix_cache``. Simulator admin: ``/sim/faults``, ``/sim/restart_publisher``,
-``/sim/restart_engine``, ``/sim/state``.
-
-Bad input gets a 4xx OpenAI-style error body ``{"error": {"message", "type", "param",
-"code"}}``; bodies above ``max_body_bytes`` get 413.
+A ``Worker`` owns the engines (one ``EngineRunner`` each, with its event publisher), parses
+requests as vLLM does and answers completions in vLLM's formats (``simulator.responses``).
 """
 
 from __future__ import annotations
@@ -25,16 +17,19 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import msgspec
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from simulator.api_errors import ApiError
 from simulator.engine import EngineConfig, QueueFull, SimEngine
+from simulator.faults import Faults
 from simulator.hf_tokenizer import HFTokenizer
 from simulator.publisher import ZmqPublisher, offset_endpoint_port
+from simulator.responses import SSE_DONE, ChunkWriter, completion_body, usage
+from simulator.routes import make_app
 from simulator.runner import EngineRunner, TokenOut
 from simulator.tokenizer import ChatTemplateError, Tokenizer
 
-_json_encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder().decode
 
 
@@ -64,69 +59,22 @@ class WorkerSettings:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class ApiError(Exception):
-    def __init__(
-        self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
+@dataclass(frozen=True)
+class Generation:
+    """One completion request, validated: what the engine runs and how the answer is shaped."""
 
-
-class _Guards:
-    """Body-size limit and the ``stall_http`` fault, before any route runs.
-
-    Pure ASGI rather than ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware pipes every
-    response body through an extra task and memory stream, which cost about 1 ms on an 8k-token
-    ``/tokenize`` answer (45 KB), measured; vLLM's API server adds no such middleware by default,
-    so the simulator should not make ``/tokenize`` slower than the worker it stands in for.
-    """
-
-    def __init__(self, app: Any, worker: Worker) -> None:
-        self.app = app
-        self.worker = worker
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        w = self.worker
-        cl = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if cl is not None and (not cl.isdigit() or int(cl) > w.s.max_body_bytes):
-            await _err(413, "request body too large", "RequestEntityTooLarge")(scope, receive, send)
-            return
-        if w.faults.stall_http and not scope["path"].startswith("/sim/"):
-            try:
-                await asyncio.wait_for(w.faults.unstall.wait(), w.s.request_timeout_s)
-            except TimeoutError:
-                await _err(503, "stalled", "ServiceUnavailableError")(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def _err(
-    status: int, message: str, type_: str = "BadRequestError", param: str | None = None
-) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": type_, "param": param, "code": status}},
-        status_code=status,
-    )
-
-
-class Faults:
-    def __init__(self) -> None:
-        self.drop_event_fraction = 0.0
-        self.stall_http = False
-        self.slowdown = 1.0
-        self.events_enabled = True
-        self.unstall = asyncio.Event()
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "drop_event_fraction": self.drop_event_fraction,
-            "stall_http": self.stall_http,
-            "slowdown": self.slowdown,
-            "events_enabled": self.events_enabled,
-        }
+    rid: str
+    model: str
+    chat: bool
+    ids: list[int]
+    max_tokens: int
+    lora: str | None
+    salt: str | None
+    session: str | None
+    report_full: bool
+    stream: bool
+    include_usage: bool
+    finish: str  # finish_reason once max_tokens is reached
 
 
 class Worker:
@@ -147,7 +95,7 @@ class Worker:
         self.tokenize_calls = 0  # POST /tokenize answered (a router in local mode makes none)
         self._rr = itertools.count()
         self.created = int(time.time())
-        self.app = self._make_app()
+        self.app = make_app(self)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def _publisher(self, rank: int, restart: bool = False) -> ZmqPublisher | None:
@@ -214,14 +162,14 @@ class Worker:
         return min(order, key=lambda r: len(r.engine.waiting) * 4 + len(r.engine.running))
 
     # ---- request parsing -----------------------------------------------------------------------
-    async def _json(self, request: Request) -> dict[str, Any]:
+    async def read_json(self, request: Request) -> dict[str, Any]:
         body = await request.body()
         if len(body) > self.s.max_body_bytes:
             raise ApiError(413, "request body too large", "RequestEntityTooLarge")
         try:
-            # msgspec first: stdlib json takes ~0.3 ms on a body of 8k token ids (a router that
-            # forwards ids sends those), several times what vLLM's pydantic-core parser takes.
-            # Anything msgspec refuses (NaN literals, huge ints) is parsed exactly as before.
+            # msgspec first: on a body of 8k token ids (a router that forwards ids sends those)
+            # stdlib json is several times slower than vLLM's pydantic-core parser. Anything
+            # msgspec refuses (NaN literals, huge ints) goes to stdlib json, which accepts them.
             data = _json_decode(body or b"null")
         except msgspec.MsgspecError:  # DecodeError, or ValidationError for e.g. 1e400
             try:
@@ -232,7 +180,7 @@ class Worker:
             raise ApiError(400, "request body must be a JSON object")
         return data
 
-    def _check_model(self, data: dict[str, Any]) -> str | None:
+    def check_model(self, data: dict[str, Any]) -> str | None:
         """Returns the LoRA name if the request targets an adapter."""
         model = data.get("model")
         if model is None or model == self.s.engine.model:
@@ -250,8 +198,8 @@ class Worker:
             ids = self.tokenizer.encode(prompt, add_special_tokens)
         elif isinstance(prompt, list) and (not prompt or type(prompt[0]) is int):
             # One C-level pass that checks types and range (msgspec; vLLM validates with
-            # pydantic-core): a router forwards 100k-token id lists, and the Python-level
-            # type-set/min/max checks took 0.26 ms on 8k ids.
+            # pydantic-core): a router forwards 100k-token id lists, too long for Python-level
+            # type and min/max checks on every request.
             try:
                 ids = msgspec.convert(prompt, _token_ids_type(vocab))
             except msgspec.ValidationError:
@@ -265,7 +213,7 @@ class Worker:
             raise ApiError(400, "prompt must not be empty", param="prompt")
         return ids
 
-    def _chat_ids(self, data: dict[str, Any]) -> list[int]:
+    def chat_ids(self, data: dict[str, Any]) -> list[int]:
         agp = data.get("add_generation_prompt", True)
         cfm = data.get("continue_final_message", False)
         if not isinstance(agp, bool) or not isinstance(cfm, bool):
@@ -308,10 +256,10 @@ class Worker:
         return salt
 
     # ---- generation --------------------------------------------------------------------------
-    async def _generate(self, data: dict[str, Any], chat: bool) -> Response:
-        lora = self._check_model(data)
+    def _generation(self, data: dict[str, Any], chat: bool) -> Generation:
+        lora = self.check_model(data)
         ids = (
-            self._chat_ids(data)
+            self.chat_ids(data)
             if chat
             else self._prompt_ids(data.get("prompt"), data.get("add_special_tokens", True) is True)
         )
@@ -335,28 +283,43 @@ class Worker:
         session = data.get("session_id", xargs.get("session_id"))
         if session is not None and not isinstance(session, str):
             raise ApiError(400, "session_id must be a string", param="session_id")
-        report_full = xargs.get("kv_cache_report_mode") == "full"
         explicit = (data.get("max_completion_tokens") if chat else None) is not None or (
             data.get("max_tokens") is not None
         )
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        return Generation(
+            rid=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+            model=data.get("model") or self.s.engine.model,
+            chat=chat,
+            ids=ids,
+            max_tokens=max_tokens,
+            lora=lora,
+            salt=salt,
+            session=session,
+            report_full=xargs.get("kv_cache_report_mode") == "full",
+            stream=stream,
+            include_usage=include_usage,
+            # Without max_tokens the fake model "emits EOS" after default_max_tokens.
+            finish="length" if explicit else "stop",
+        )
+
+    async def generate(self, data: dict[str, Any], chat: bool) -> Response:
+        g = self._generation(data, chat)
         runner = self.pick_runner()
         try:
-            q = runner.submit(rid, ids, max_tokens, lora, salt, session, report_full)
+            q = runner.submit(g.rid, g.ids, g.max_tokens, g.lora, g.salt, g.session, g.report_full)
         except QueueFull:
             raise ApiError(
                 503, "server is overloaded, request queue full", "ServiceUnavailableError"
             ) from None
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        model = data.get("model") or self.s.engine.model
-        if stream:
-            return StreamingResponse(
-                self._sse(
-                    runner, q, rid, model, chat, include_usage, "length" if explicit else "stop"
-                ),
-                media_type="text/event-stream",
-            )
+        if g.stream:
+            return StreamingResponse(self._sse(runner, q, g), media_type="text/event-stream")
+        return await self._complete(runner, q, g)
+
+    async def _complete(
+        self, runner: EngineRunner, q: asyncio.Queue[TokenOut], g: Generation
+    ) -> JSONResponse:
         toks: list[int] = []
         last = TokenOut(None, True)
         try:
@@ -367,390 +330,58 @@ class Worker:
                 if last.finished:
                     break
         except (TimeoutError, asyncio.CancelledError):
-            runner.abort(rid)
+            runner.abort(g.rid)
             raise
         if last.token is None and not toks:
             raise ApiError(503, "engine restarted", "ServiceUnavailableError")
         text = self.tokenizer.decode(toks)
-        usage = self._usage(len(ids), len(toks), last.cached_tokens)
-        # Without max_tokens the fake model "emits EOS" after default_max_tokens.
-        finish = "length" if explicit else "stop"
-        if chat:
-            choice = {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": text,
-                    "refusal": None,
-                    "tool_calls": [],
-                },
-                "logprobs": None,
-                "finish_reason": finish,
-                "stop_reason": None,
-            }
-            obj = "chat.completion"
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish,
-                "stop_reason": None,
-                "prompt_logprobs": None,
-            }
-            obj = "text_completion"
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": obj,
-                "created": int(time.time()),
-                "model": model,
-                "choices": [choice],
-                "usage": usage,
-            }
-        )
-
-    @staticmethod
-    def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-        return {
-            "prompt_tokens": prompt,
-            "total_tokens": prompt + completion,
-            "completion_tokens": completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
+        u = usage(len(g.ids), len(toks), last.cached_tokens)
+        return JSONResponse(completion_body(g.rid, g.model, g.chat, text, u, g.finish))
 
     async def _sse(
-        self,
-        runner: EngineRunner,
-        q: asyncio.Queue[TokenOut],
-        rid: str,
-        model: str,
-        chat: bool,
-        include_usage: bool,
-        finish: str = "length",
+        self, runner: EngineRunner, q: asyncio.Queue[TokenOut], g: Generation
     ) -> AsyncIterator[bytes]:
-        created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
+        chunks = ChunkWriter(g.rid, g.model, g.chat)
         n_out = 0
         prompt_tokens = cached = 0
-
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-            d: dict[str, Any] = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": model,
-                "choices": choices,
-            }
-            if usage is not None:
-                d["usage"] = usage
-            return b"data: " + json.dumps(d, separators=(",", ":")).encode() + b"\n\n"
-
         try:
-            if chat:
-                yield chunk(
-                    [
-                        {
-                            "index": 0,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ]
-                )
+            if g.chat:
+                yield chunks.role()
             while True:
                 out = await asyncio.wait_for(q.get(), self.s.request_timeout_s)
                 prompt_tokens, cached = out.prompt_tokens, out.cached_tokens
-                fin = finish if out.finished else None
+                fin = g.finish if out.finished else None
                 if out.token is None:
                     break
                 n_out += 1
-                text = self.tokenizer.decode([out.token])
-                if chat:
-                    yield chunk(
-                        [
-                            {
-                                "index": 0,
-                                "delta": {"content": text},
-                                "logprobs": None,
-                                "finish_reason": fin,
-                            }
-                        ]
-                    )
-                else:
-                    yield chunk(
-                        [
-                            {
-                                "index": 0,
-                                "text": text,
-                                "logprobs": None,
-                                "finish_reason": fin,
-                                "stop_reason": None,
-                            }
-                        ]
-                    )
+                yield chunks.token(self.tokenizer.decode([out.token]), fin)
                 if out.finished:
                     break
-            if include_usage:
-                yield chunk([], self._usage(prompt_tokens, n_out, cached))
-            yield b"data: [DONE]\n\n"
+            if g.include_usage:
+                yield chunks.chunk([], usage(prompt_tokens, n_out, cached))
+            yield SSE_DONE
         finally:
             if n_out == 0 or not out.finished:  # client went away or stream broke
-                runner.abort(rid)
+                runner.abort(g.rid)
 
-    # ---- metrics -------------------------------------------------------------------------------
-    def metrics_text(self) -> str:
-        m = self.s.engine.model
-        lines: list[str] = []
-
-        def fam(name: str, typ: str, help_: str, values: list[tuple[int, float]]) -> None:
-            # prometheus_client (what vLLM uses): a Counter "x" is declared as "x" and
-            # sampled as "x_total".
-            base = name.removesuffix("_total") if typ == "counter" else name
-            lines.append(f"# HELP {base} {help_}")
-            lines.append(f"# TYPE {base} {typ}")
-            for rank, v in values:
-                lines.append(f'{name}{{engine="{rank}",model_name="{m}"}} {v}')
-
-        rs = self.runners
-        fam(
-            "vllm:num_requests_running",
-            "gauge",
-            "Number of requests in model execution batches.",
-            [(r.dp_rank, float(len(r.engine.running))) for r in rs],
-        )
-        fam(
-            "vllm:num_requests_waiting",
-            "gauge",
-            "Number of requests waiting to be processed.",
-            [(r.dp_rank, float(len(r.engine.waiting))) for r in rs],
-        )
-        fam(
-            "vllm:kv_cache_usage_perc",
-            "gauge",
-            "KV-cache usage. 1 means 100 percent usage.",
-            [(r.dp_rank, r.engine.kv_usage()) for r in rs],
-        )
-        fam(
-            "vllm:prefix_cache_queries_total",
-            "counter",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            [(r.dp_rank, float(r.engine.prefix_queries)) for r in rs],
-        )
-        fam(
-            "vllm:prefix_cache_hits_total",
-            "counter",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            [(r.dp_rank, float(r.engine.prefix_hits)) for r in rs],
-        )
-        fam(
-            "vllm:external_prefix_cache_queries_total",
-            "counter",
-            "External prefix cache queries from KV connector, in terms of number of tokens.",
-            [(r.dp_rank, float(r.engine.external_queries)) for r in rs],
-        )
-        fam(
-            "vllm:external_prefix_cache_hits_total",
-            "counter",
-            "External prefix cache hits from KV connector, in terms of number of tokens.",
-            [(r.dp_rank, float(r.engine.external_hits)) for r in rs],
-        )
-        return "\n".join(lines) + "\n"
-
-    # ---- app -------------------------------------------------------------------------------------
-    def _make_app(self) -> FastAPI:
-        app = FastAPI(title="kvrouter-sim worker", docs_url=None, redoc_url=None)
-        w = self
-
-        @app.exception_handler(ApiError)
-        async def _api_error(_: Request, e: ApiError) -> JSONResponse:
-            return _err(e.status, e.message, e.type, e.param)
-
-        @app.exception_handler(Exception)
-        async def _any_error(_: Request, e: Exception) -> JSONResponse:
-            return _err(500, f"internal error: {type(e).__name__}", "InternalServerError")
-
-        app.add_middleware(_Guards, worker=w)
-
-        @app.post("/v1/completions")
-        async def completions(request: Request) -> Response:
-            return await w._generate(await w._json(request), chat=False)
-
-        @app.post("/v1/chat/completions")
-        async def chat(request: Request) -> Response:
-            return await w._generate(await w._json(request), chat=True)
-
-        @app.post("/tokenize")
-        async def tokenize(request: Request) -> Response:
-            data = await w._json(request)
-            w._check_model(data)
-            w.tokenize_calls += 1
-            if "messages" in data:
-                ids = w._chat_ids(data)
-                text = w.tokenizer.render_chat(
-                    data["messages"],
-                    data.get("add_generation_prompt", True),
-                    data.get("continue_final_message", False),
-                )
-            elif isinstance(data.get("prompt"), str):
-                text = data["prompt"]
-                ids = w.tokenizer.encode(text, data.get("add_special_tokens", True) is True)
-            else:
-                raise ApiError(400, "need 'prompt' (string) or 'messages'", param="prompt")
-            strs = w.tokenizer.token_strs(text) if data.get("return_token_strs") else None
-            # msgspec: encoding tens of thousands of ids with json.dumps costs milliseconds.
-            body = _json_encode(
+    # ---- state ---------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """``GET /sim/state``: each engine's queues, cache and event counters, and the faults."""
+        return {
+            "engines": [
                 {
-                    "count": len(ids),
-                    "max_model_len": w.s.engine.max_model_len,
-                    "tokens": ids,
-                    "token_strs": strs,
+                    "dp_rank": r.dp_rank,
+                    "running": len(r.engine.running),
+                    "waiting": len(r.engine.waiting),
+                    "kv_usage": r.engine.kv_usage(),
+                    "steps": r.steps,
+                    "next_seq": r.publisher.next_seq if r.publisher else None,
+                    "published": r.published,
+                    "cached_blocks": r.engine.kv.pool.num_cached_blocks(),
                 }
-            )
-            return Response(body, media_type="application/json")
-
-        @app.post("/detokenize")
-        async def detokenize(request: Request) -> Response:
-            data = await w._json(request)
-            w._check_model(data)
-            toks = data.get("tokens")
-            if not isinstance(toks, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in toks
-            ):
-                raise ApiError(400, "tokens must be a list of non-negative ints", param="tokens")
-            return JSONResponse({"prompt": w.tokenizer.decode(toks)})
-
-        @app.get("/v1/models")
-        async def models() -> Response:
-            def card(mid: str, parent: str | None) -> dict[str, Any]:
-                return {
-                    "id": mid,
-                    "object": "model",
-                    "created": w.created,
-                    "owned_by": "vllm",
-                    "root": mid if parent is None else f"/sim/lora/{mid}",
-                    "parent": parent,
-                    "max_model_len": w.s.engine.max_model_len,
-                    "permission": [],
-                }
-
-            data = [card(w.s.engine.model, None)]
-            data += [card(name, w.s.engine.model) for name in w.s.loras]
-            return JSONResponse({"object": "list", "data": data})
-
-        @app.get("/health")
-        async def health() -> Response:
-            return Response(status_code=200)
-
-        @app.get("/version")
-        async def version() -> Response:
-            return JSONResponse({"version": "0.33.0+sim"})
-
-        @app.get("/load")
-        async def load() -> Response:
-            n = sum(len(r.engine.running) + len(r.engine.waiting) for r in w.runners)
-            return JSONResponse({"server_load": n})
-
-        @app.get("/metrics")
-        async def metrics() -> Response:
-            return PlainTextResponse(
-                w.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8"
-            )
-
-        @app.get("/kv_event_sources")
-        async def kv_event_sources() -> Response:
-            return JSONResponse(w.kv_event_sources())
-
-        @app.post("/reset_prefix_cache")
-        async def reset_prefix_cache(request: Request) -> Response:
-            ext = request.query_params.get("reset_external", "false").lower() == "true"
-            ok = all([r.engine.reset_prefix_cache(ext) for r in w.runners])
-            if not ok:
-                return _err(400, "Failed to reset prefix cache: blocks still in use")
-            return JSONResponse({"success": True})
-
-        # ---- simulator admin -------------------------------------------------------------
-        @app.get("/sim/faults")
-        async def get_faults() -> Response:
-            return JSONResponse(w.faults.as_dict())
-
-        @app.post("/sim/faults")
-        async def set_faults(request: Request) -> Response:
-            data = await w._json(request)
-            f = w.faults
-            known = {
-                "drop_event_fraction",
-                "stall_http",
-                "slowdown",
-                "events_enabled",
-                "unannounced_reset",
-            }
-            bad = set(data) - known
-            if bad:
-                raise ApiError(400, f"unknown fault keys: {sorted(bad)}")
-            if "drop_event_fraction" in data:
-                v = data["drop_event_fraction"]
-                if not isinstance(v, (int, float)) or not 0 <= v <= 1:
-                    raise ApiError(400, "drop_event_fraction must be in [0, 1]")
-                f.drop_event_fraction = float(v)
-                for r in w.runners:
-                    if r.publisher:
-                        r.publisher.drop_fraction = f.drop_event_fraction
-            if "slowdown" in data:
-                v = data["slowdown"]
-                if not isinstance(v, (int, float)) or not 0 < v <= 1000:
-                    raise ApiError(400, "slowdown must be in (0, 1000]")
-                f.slowdown = float(v)
-                for r in w.runners:
-                    r.engine.config.slowdown = f.slowdown
-            if "events_enabled" in data:
-                f.events_enabled = bool(data["events_enabled"])
-                for r in w.runners:
-                    r.events_enabled = f.events_enabled
-            if "stall_http" in data:
-                f.stall_http = bool(data["stall_http"])
-                if f.stall_http:
-                    f.unstall = asyncio.Event()
-                else:
-                    f.unstall.set()
-            if data.get("unannounced_reset"):
-                for r in w.runners:
-                    r.engine.silent_reset()
-            return JSONResponse(f.as_dict())
-
-        @app.post("/sim/restart_publisher")
-        async def restart_publisher() -> Response:
-            await w.restart_publishers()
-            return JSONResponse({"success": True})
-
-        @app.post("/sim/restart_engine")
-        async def restart_engine() -> Response:
-            for r in w.runners:
-                r.restart_engine()
-            await w.restart_publishers()
-            return JSONResponse({"success": True})
-
-        @app.get("/sim/state")
-        async def state() -> Response:
-            return JSONResponse(
-                {
-                    "engines": [
-                        {
-                            "dp_rank": r.dp_rank,
-                            "running": len(r.engine.running),
-                            "waiting": len(r.engine.waiting),
-                            "kv_usage": r.engine.kv_usage(),
-                            "steps": r.steps,
-                            "next_seq": r.publisher.next_seq if r.publisher else None,
-                            "published": r.published,
-                            "cached_blocks": r.engine.kv.pool.num_cached_blocks(),
-                        }
-                        for r in w.runners
-                    ],
-                    "faults": w.faults.as_dict(),
-                    "prompt_forms": dict(w.prompt_forms),
-                    "tokenize_calls": w.tokenize_calls,
-                }
-            )
-
-        return app
+                for r in self.runners
+            ],
+            "faults": self.faults.as_dict(),
+            "prompt_forms": dict(self.prompt_forms),
+            "tokenize_calls": self.tokenize_calls,
+        }

@@ -1,13 +1,19 @@
-"""Test helper: start ``kvrouter-sim`` as a subprocess on free loopback ports.
+"""Test helpers: start ``kvrouter-sim`` as a subprocess on free loopback ports, and wait for
+an HTTP server to answer.
 
     from simulator.testing import running_fleet
     with running_fleet(2, block_size=16, num_gpu_blocks=256) as workers:
         workers[0].url, workers[0].events_endpoint, workers[0].replay_endpoint
 
+    wait_http_ok("http://127.0.0.1:8000/ready", timeout=30, proc=router_process)
+
 Keyword flags map to CLI flags (``block_size=16`` -> ``--block-size 16``; ``True`` -> a bare
 flag; ``False``/``None`` -> omitted; lists repeat the flag). Ports: a contiguous block of
 free ports is found by binding them all first; if the subprocess still fails to bind (a
 race with another process) it is retried on a new block. Startup is bounded (``timeout``).
+
+Benches and the demo use ``wait_http_ok`` too: they import the simulator anyway, and
+``router`` must not.
 """
 
 from __future__ import annotations
@@ -137,21 +143,42 @@ def running_fleet(
     raise RuntimeError(f"kvrouter-sim did not become healthy: {last_err[-2000:]}")
 
 
-def _wait_healthy(proc: subprocess.Popen[bytes], ports: list[int], timeout: float) -> bool:
+def wait_http_ok(
+    url: str,
+    *,
+    timeout: float,
+    proc: subprocess.Popen[bytes] | None = None,
+    content: bytes | None = None,
+    interval: float = 0.1,
+) -> bool:
+    """Poll ``url`` until it answers 200 (GET, or POST of ``content``); False when ``timeout``
+    seconds pass or ``proc``, the process that should serve it, exits first."""
     deadline = time.monotonic() + timeout
-    pending = list(ports)
     with httpx.Client(timeout=1.0) as client:
-        while pending and time.monotonic() < deadline:
-            if proc.poll() is not None:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
                 return False
             try:
-                if client.get(f"http://127.0.0.1:{pending[0]}/health").status_code == 200:
-                    pending.pop(0)
-                    continue
+                r = client.get(url) if content is None else client.post(url, content=content)
+                if r.status_code == 200:
+                    return True
             except httpx.HTTPError:
                 pass
-            time.sleep(0.05)
-    return not pending
+            time.sleep(interval)
+    return False
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], ports: list[int], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    return all(
+        wait_http_ok(
+            f"http://127.0.0.1:{port}/health",
+            timeout=deadline - time.monotonic(),
+            proc=proc,
+            interval=0.05,
+        )
+        for port in ports
+    )
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> str:

@@ -6,8 +6,7 @@ with a KV cache too small to hold every shared system prompt on every worker, so
 thrashes while cache-aware routing keeps each prompt family on a few workers.
 
 Hit rate = sum of the workers' ``usage.prompt_tokens_details.cached_tokens`` / prompt tokens;
-TTFT = time to the first SSE chunk that carries generated text. (The simulator is imported
-here only: ``router/`` does not depend on it otherwise.)
+TTFT = time to the first SSE chunk that carries generated text.
 """
 
 from __future__ import annotations
@@ -18,11 +17,15 @@ import json
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 
+from router.app import create_apps
 from router.config import Config, WorkerSpec
+from router.serving import bound_port, build_servers, wait_started
+from simulator.testing import WorkerInfo, running_fleet, wait_http_ok
 
 FLEET_FLAGS: dict[str, Any] = {
     "num_gpu_blocks": 256,  # 4096 tokens per worker: not enough for all system prompts
@@ -156,40 +159,35 @@ async def run_load(
 
 
 async def _with_router(
-    policy: str, port: int, workers: list[Any], body: Any, *, serve_forever: bool = False
+    policy: str,
+    port: int,
+    workers: list[WorkerInfo],
+    body: Callable[[str, Any], Awaitable[Any]],
+    *,
+    serve_forever: bool = False,
 ) -> Any:
-    import uvicorn
-
-    from router.app import create_apps
-    from router.cli import serve  # noqa: F401  (same server setup as `kvrouter serve`)
-
+    """Run ``body(url, router)`` against a router over ``workers``, served as `kvrouter serve`
+    serves it, once that router is ready."""
     cfg = Config(workers=[WorkerSpec(url=w.url) for w in workers])
     cfg.server.host = "127.0.0.1"
     cfg.server.port = port
     cfg.server.log_level = "warning"
     cfg.policy.name = policy
     app, _admin, router = create_apps(cfg, seed=0)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-    )
+    (server,) = build_servers(cfg, app, None)
     task = asyncio.create_task(server.serve())
     try:
-        t = time.monotonic()
-        while not server.started:
-            if task.done():
-                task.result()
-                raise RuntimeError("router did not start")
-            if time.monotonic() - t > 20:
-                raise RuntimeError("router did not start within 20 s")
-            await asyncio.sleep(0.05)
-        real_port = server.servers[0].sockets[0].getsockname()[1]
-        url = f"http://127.0.0.1:{real_port}"
-        async with httpx.AsyncClient(timeout=5) as c:
-            t = time.monotonic()
-            while (await c.get(url + "/ready")).status_code != 200:
-                if time.monotonic() - t > 20:
-                    raise RuntimeError("router not ready within 20 s")
-                await asyncio.sleep(0.1)
+        try:
+            await asyncio.wait_for(wait_started([server], [task], interval=0.05), 20)
+        except TimeoutError:
+            raise RuntimeError("router did not start within 20 s") from None
+        if task.done():
+            task.result()
+            raise RuntimeError("router did not start")
+        url = f"http://127.0.0.1:{bound_port(server)}"
+        # In a thread: this event loop serves the router being polled.
+        if not await asyncio.to_thread(wait_http_ok, url + "/ready", timeout=20):
+            raise RuntimeError("router not ready within 20 s")
         return await body(url, router)
     finally:
         if not serve_forever:
@@ -198,11 +196,9 @@ async def _with_router(
 
 
 def run_demo(ns: argparse.Namespace) -> int:
-    from simulator.testing import running_fleet  # demo only: the simulated fleet
-
     load = Load()
     if ns.serve:
-        return _serve(ns, running_fleet)
+        return _serve(ns)
     summary: dict[str, dict[str, float]] = {}
     for policy in ("kvrouter", "round_robin"):
         print(f"starting {ns.workers} simulated workers for {policy} ...", file=sys.stderr)
@@ -241,7 +237,7 @@ def _print_table(summary: dict[str, dict[str, float]]) -> None:
             )
 
 
-def _serve(ns: argparse.Namespace, running_fleet: Any) -> int:
+def _serve(ns: argparse.Namespace) -> int:
     with running_fleet(ns.workers, **FLEET_FLAGS) as workers:
 
         async def body(url: str, router: Any) -> None:

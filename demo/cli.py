@@ -1,0 +1,45 @@
+"""``kvrouter`` command line: ``serve`` (the gateway) and ``demo`` (simulated fleet + load).
+
+    kvrouter serve --config kvrouter.yaml
+    kvrouter serve --port 8000 --worker http://h1:8000 \\
+        --worker 'http://h2:8000;events=tcp://h2:5557;replay=tcp://h2:5558'
+    kvrouter demo [--json] [--serve --port 8000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from router.cli import add_serve_parser, run_serve
+
+__all__ = ["main"]
+
+
+def _demo_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="simulated fleet + kvrouter vs round-robin on the same load")
+    p.add_argument("--serve", action="store_true", help="keep fleet and router running")
+    p.add_argument("--port", type=int, default=8000, help="router port with --serve")
+    p.add_argument("--json", action="store_true", help="end with one JSON object")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of load per policy")
+    p.add_argument("--concurrency", type=int, default=8)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvrouter", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    add_serve_parser(sub)
+    _demo_parser(sub)
+    ns = parser.parse_args(argv)
+    if ns.cmd == "demo":
+        # Imported here: `kvrouter serve` loads neither the demo's load generator nor the
+        # simulator.
+        from demo.run import run_demo
+
+        return run_demo(ns)
+    return run_serve(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Faults a test injects into one simulated worker through ``POST /sim/faults``."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from simulator.api_errors import ApiError
+from simulator.runner import EngineRunner
+
+KNOWN = frozenset(
+    {"drop_event_fraction", "stall_http", "slowdown", "events_enabled", "unannounced_reset"}
+)
+
+
+class Faults:
+    def __init__(self) -> None:
+        self.drop_event_fraction = 0.0
+        self.stall_http = False
+        self.slowdown = 1.0
+        self.events_enabled = True
+        self.unstall = asyncio.Event()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "drop_event_fraction": self.drop_event_fraction,
+            "stall_http": self.stall_http,
+            "slowdown": self.slowdown,
+            "events_enabled": self.events_enabled,
+        }
+
+    def apply(self, data: dict[str, Any], runners: list[EngineRunner]) -> None:
+        """Set the faults named in ``data`` on this worker's engines; 400 for a bad value."""
+        bad = set(data) - KNOWN
+        if bad:
+            raise ApiError(400, f"unknown fault keys: {sorted(bad)}")
+        if "drop_event_fraction" in data:
+            v = data["drop_event_fraction"]
+            if not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ApiError(400, "drop_event_fraction must be in [0, 1]")
+            self.drop_event_fraction = float(v)
+            for r in runners:
+                if r.publisher:
+                    r.publisher.drop_fraction = self.drop_event_fraction
+        if "slowdown" in data:
+            v = data["slowdown"]
+            if not isinstance(v, (int, float)) or not 0 < v <= 1000:
+                raise ApiError(400, "slowdown must be in (0, 1000]")
+            self.slowdown = float(v)
+            for r in runners:
+                r.engine.config.slowdown = self.slowdown
+        if "events_enabled" in data:
+            self.events_enabled = bool(data["events_enabled"])
+            for r in runners:
+                r.events_enabled = self.events_enabled
+        if "stall_http" in data:
+            self.stall_http = bool(data["stall_http"])
+            if self.stall_http:
+                self.unstall = asyncio.Event()
+            else:
+                self.unstall.set()
+        if data.get("unannounced_reset"):
+            for r in runners:
+                r.engine.silent_reset()

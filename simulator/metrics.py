@@ -1,0 +1,63 @@
+"""``GET /metrics``: vLLM's metric names, labels ``engine`` (DP rank) and ``model_name``."""
+
+from __future__ import annotations
+
+from simulator.runner import EngineRunner
+
+
+def metrics_text(model: str, runners: list[EngineRunner]) -> str:
+    lines: list[str] = []
+
+    def fam(name: str, typ: str, help_: str, values: list[tuple[int, float]]) -> None:
+        # prometheus_client (what vLLM uses): a Counter "x" is declared as "x" and
+        # sampled as "x_total".
+        base = name.removesuffix("_total") if typ == "counter" else name
+        lines.append(f"# HELP {base} {help_}")
+        lines.append(f"# TYPE {base} {typ}")
+        for rank, v in values:
+            lines.append(f'{name}{{engine="{rank}",model_name="{model}"}} {v}')
+
+    rs = runners
+    fam(
+        "vllm:num_requests_running",
+        "gauge",
+        "Number of requests in model execution batches.",
+        [(r.dp_rank, float(len(r.engine.running))) for r in rs],
+    )
+    fam(
+        "vllm:num_requests_waiting",
+        "gauge",
+        "Number of requests waiting to be processed.",
+        [(r.dp_rank, float(len(r.engine.waiting))) for r in rs],
+    )
+    fam(
+        "vllm:kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage. 1 means 100 percent usage.",
+        [(r.dp_rank, r.engine.kv_usage()) for r in rs],
+    )
+    fam(
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        [(r.dp_rank, float(r.engine.prefix_queries)) for r in rs],
+    )
+    fam(
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        [(r.dp_rank, float(r.engine.prefix_hits)) for r in rs],
+    )
+    fam(
+        "vllm:external_prefix_cache_queries_total",
+        "counter",
+        "External prefix cache queries from KV connector, in terms of number of tokens.",
+        [(r.dp_rank, float(r.engine.external_queries)) for r in rs],
+    )
+    fam(
+        "vllm:external_prefix_cache_hits_total",
+        "counter",
+        "External prefix cache hits from KV connector, in terms of number of tokens.",
+        [(r.dp_rank, float(r.engine.external_hits)) for r in rs],
+    )
+    return "\n".join(lines) + "\n"
