@@ -90,6 +90,9 @@ class WorkerSpec(_Section):
     replay: str | None = None
     dp_size: int = 1
     topic: str = ""
+    prefer_event_sources: bool = False
+    """Ask the worker's ``GET /kv_event_sources`` first; ``events`` / ``replay`` / ``dp_size``
+    are used only when it has none (an older vLLM, or events off). Discovered pods set it."""
 
     @property
     def host(self) -> str:
@@ -111,7 +114,13 @@ class KubernetesDiscoveryConfig(_Section):
     enabled: bool = False
     namespace: str = "default"
     label_selector: str = "app=vllm"
+    namespaces: list[str] = msgspec.field(default_factory=list)
+    """Watch these namespaces (one list+watch each) instead of ``namespace``."""
     port: int = 8000
+    events_port: int = 5557
+    """A pod's events port when neither ``/kv_event_sources`` nor an annotation gives one."""
+    replay_port: int | None = 5558
+    """Likewise for the replay port; None: no replay socket (pods set up the llm-d way)."""
     events_port_annotation: str = "kvrouter.io/events-port"
     replay_port_annotation: str = "kvrouter.io/replay-port"
     dp_size_annotation: str = "kvrouter.io/dp-size"
@@ -472,8 +481,15 @@ def _check_events_and_index(e: EventsConfig, index: IndexConfig) -> None:
 
 
 def _check_discovery_and_redis(k: KubernetesDiscoveryConfig, r: RedisConfig) -> None:
-    if not 0 < k.port <= 65535:
-        raise ConfigError(f"discovery.kubernetes.port: {k.port} is not a TCP port")
+    for key, port in (
+        ("port", k.port),
+        ("events_port", k.events_port),
+        ("replay_port", k.replay_port),
+    ):
+        if port is not None and not 0 < port <= 65535:
+            raise ConfigError(f"discovery.kubernetes.{key}: {port} is not a TCP port")
+    if any(not ns for ns in k.namespaces):
+        raise ConfigError("discovery.kubernetes.namespaces: an empty namespace name")
     if r.url is not None:
         _check_url("redis.url", r.url, ("redis", "rediss", "unix"))
     if r.heartbeat_ttl_s <= 0:

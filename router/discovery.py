@@ -27,10 +27,15 @@ kubeconfig with tokens, client certificates or exec plugins), and the list+watch
 small asyncio loop over ``httpx`` that is cancelled instantly and whose protocol handling is
 visible and tested (against a fake API server in ``tests/test_discovery.py``).
 
-**Pod to worker.** ``url = http://<podIP>:<port>``; ``events = tcp://<podIP>:<events-port>``,
-``replay = tcp://<podIP>:<replay-port>`` and ``dp_size`` from the annotations named in
-``discovery.kubernetes`` (defaults 5557, 5558, 1; an unparsable annotation falls back to the
-default with a warning). A pod with ``deletionTimestamp`` is treated as gone.
+**Pod to worker.** ``url = http://<podIP>:<port>``. Its event sources come from the pod's own
+``GET /kv_event_sources`` first (as for static workers); only when that has none (an older
+vLLM) are ``events = tcp://<podIP>:<events-port>``, ``replay = tcp://<podIP>:<replay-port>``
+and ``dp_size`` taken from the annotations named in ``discovery.kubernetes``, else from its
+``events_port`` / ``replay_port`` (defaults 5557, 5558; ``replay_port: null`` or the annotation
+value ``none`` for no replay socket, as pods set up the llm-d way have). An unparsable
+annotation falls back to the default with a warning. A pod with ``deletionTimestamp`` is
+treated as gone. Several namespaces (``namespaces``) get one list+watch each; the router's
+Role must then be bound in each of them.
 """
 
 from __future__ import annotations
@@ -53,17 +58,12 @@ import msgspec
 from router.config import KubernetesDiscoveryConfig, WorkerSpec
 
 __all__ = [
-    "DEFAULT_EVENTS_PORT",
-    "DEFAULT_REPLAY_PORT",
     "ApiAccess",
     "Discovery",
     "pod_worker",
 ]
 
 log = logging.getLogger("kvrouter.discovery")
-
-DEFAULT_EVENTS_PORT = 5557
-DEFAULT_REPLAY_PORT = 5558
 
 OnAdd = Callable[[WorkerSpec], Awaitable[None] | None]
 OnRemove = Callable[[str], Awaitable[None] | None]
@@ -136,7 +136,19 @@ class _Gone(Exception):
     """The resourceVersion is too old (410): relist."""
 
 
-def _int_annotation(annotations: dict[str, Any], name: str, default: int, pod: str) -> int:
+def _port_annotation(
+    annotations: dict[str, Any], name: str, default: int | None, pod: str
+) -> int | None:
+    """A port from an annotation; ``none`` (any case) means no such socket."""
+    raw = annotations.get(name)
+    if raw is None:
+        return default
+    if str(raw).strip().lower() == "none":
+        return None
+    return _int_annotation(annotations, name, default, pod)
+
+
+def _int_annotation(annotations: dict[str, Any], name: str, default: Any, pod: str) -> Any:
     raw = annotations.get(name)
     if raw is None:
         return default
@@ -171,14 +183,15 @@ def pod_worker(pod: dict[str, Any], cfg: KubernetesDiscoveryConfig) -> WorkerSpe
     ann = meta.get("annotations") or {}
     ip = str(pod["status"]["podIP"])
     host = f"[{ip}]" if ":" in ip else ip
-    events = _int_annotation(ann, cfg.events_port_annotation, DEFAULT_EVENTS_PORT, name)
-    replay = _int_annotation(ann, cfg.replay_port_annotation, DEFAULT_REPLAY_PORT, name)
+    events = _port_annotation(ann, cfg.events_port_annotation, cfg.events_port, name)
+    replay = _port_annotation(ann, cfg.replay_port_annotation, cfg.replay_port, name)
     dp = _int_annotation(ann, cfg.dp_size_annotation, 1, name)
     return WorkerSpec(
         url=f"http://{host}:{cfg.port}",
-        events=f"tcp://{host}:{events}",
-        replay=f"tcp://{host}:{replay}",
+        events=None if events is None else f"tcp://{host}:{events}",
+        replay=None if replay is None else f"tcp://{host}:{replay}",
         dp_size=dp,
+        prefer_event_sources=True,
     )
 
 
@@ -227,10 +240,13 @@ class Discovery:
         """Pod (namespace/name) -> its worker, for pods currently Ready."""
         self._workers: dict[str, WorkerSpec] = {}
         """Every reported worker by URL (static + pods)."""
-        self._task: asyncio.Task[None] | None = None
+        self.namespaces = list(cfg.namespaces) or [cfg.namespace]
+        self._tasks: list[asyncio.Task[None]] = []
         self._client: httpx.AsyncClient | None = None
-        self.status = _Status()
-        self._synced = asyncio.Event()
+        self.statuses = {ns: _Status() for ns in self.namespaces}
+        self.status = self.statuses[self.namespaces[0]]
+        """The first namespace's list+watch state (the only one, usually)."""
+        self._synced = {ns: asyncio.Event() for ns in self.namespaces}
 
     # ------------------------------------------------------------------ public
 
@@ -241,7 +257,8 @@ class Discovery:
         for spec in self.static.values():
             await self._add(spec)
         if not self.cfg.enabled:
-            self._synced.set()
+            for ev in self._synced.values():
+                ev.set()
             return
         api = self._api_arg
         if api is None:
@@ -256,22 +273,28 @@ class Discovery:
             timeout=httpx.Timeout(self.request_timeout_s),
             trust_env=False,
         )
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvrouter-k8s")
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._run(ns), name=f"kvrouter-k8s-{ns}") for ns in self.namespaces
+        ]
 
     async def wait_synced(self, timeout: float) -> bool:
-        """Wait for the first successful LIST (True) or the timeout (False)."""
+        """Wait for the first successful LIST of every namespace (True) or the timeout."""
         try:
-            await asyncio.wait_for(self._synced.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                for ev in self._synced.values():
+                    await ev.wait()
             return True
         except TimeoutError:
             return False
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+                await task
+        self._tasks = []
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -280,7 +303,11 @@ class Discovery:
         s = self.status
         return {
             "kubernetes": self.cfg.enabled,
-            "namespace": self.cfg.namespace,
+            "namespace": self.namespaces[0],
+            "namespaces": {
+                ns: {"resource_version": st.resource_version, "watch_connected": st.connected}
+                for ns, st in self.statuses.items()
+            },
             "label_selector": self.cfg.label_selector,
             "api": self.api.host if self.api else None,
             "resource_version": s.resource_version,
@@ -333,9 +360,9 @@ class Discovery:
 
     # ------------------------------------------------------------------ list + watch
 
-    @property
-    def _path(self) -> str:
-        return f"/api/v1/namespaces/{self.cfg.namespace}/pods"
+    @staticmethod
+    def _path(ns: str) -> str:
+        return f"/api/v1/namespaces/{ns}/pods"
 
     def _headers(self) -> dict[str, str]:
         h = {"Accept": "application/json"}
@@ -344,37 +371,39 @@ class Discovery:
             h["Authorization"] = tok
         return h
 
-    async def _run(self) -> None:
+    async def _run(self, ns: str) -> None:
         lo, hi = self.backoff_s
         delay = lo
         rv: str | None = None
+        status = self.statuses[ns]
         while True:
             try:
                 if rv is None:
-                    rv = await self._list()
-                    self._synced.set()
+                    rv = await self._list(ns)
+                    self._synced[ns].set()
                     delay = lo
-                rv = await self._watch(rv)
+                rv = await self._watch(ns, rv)
                 delay = lo  # a watch that ended normally: resume at once
                 continue
             except asyncio.CancelledError:
                 raise
             except _Gone:
-                self.status.relists_410 += 1
+                status.relists_410 += 1
                 log.info("pod watch: resourceVersion %s is gone (410); relisting", rv)
                 rv = None
                 continue
             except Exception as exc:
-                self.status.errors += 1
-                self.status.last_error = f"{type(exc).__name__}: {exc}"
+                status.errors += 1
+                status.last_error = f"{type(exc).__name__}: {exc}"
                 log.warning("pod list/watch failed (%s); retrying in %.1fs", exc, delay)
             finally:
-                self.status.connected = False
+                status.connected = False
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, hi)
 
-    async def _list(self) -> str:
+    async def _list(self, ns: str) -> str:
         assert self._client is not None
+        status = self.statuses[ns]
         seen: dict[str, WorkerSpec | None] = {}
         cont: str | None = None
         rv = ""
@@ -384,7 +413,7 @@ class Discovery:
                 params["limit"] = self.page_size
             if cont:
                 params["continue"] = cont
-            r = await self._client.get(self._path, params=params, headers=self._headers())
+            r = await self._client.get(self._path(ns), params=params, headers=self._headers())
             if r.status_code == 410:
                 raise _Gone()  # the continue token expired: start over
             r.raise_for_status()
@@ -396,17 +425,18 @@ class Discovery:
             cont = meta.get("continue") or None
             if not cont:
                 break
-        for key in [k for k in self._pods if k not in seen]:
+        for key in [k for k in self._pods if k.startswith(f"{ns}/") and k not in seen]:
             await self._set_pod(key, None)
         for key, spec in seen.items():
             await self._set_pod(key, spec)
-        self.status.lists += 1
-        self.status.last_list_at = time.time()
-        self.status.resource_version = rv
+        status.lists += 1
+        status.last_list_at = time.time()
+        status.resource_version = rv
         return rv
 
-    async def _watch(self, rv: str) -> str:
+    async def _watch(self, ns: str, rv: str) -> str:
         assert self._client is not None
+        status = self.statuses[ns]
         params = {
             "labelSelector": self.cfg.label_selector,
             "watch": "1",
@@ -415,9 +445,9 @@ class Discovery:
             "timeoutSeconds": str(self.watch_timeout_s),
         }
         timeout = httpx.Timeout(self.request_timeout_s, read=self.watch_timeout_s + 30.0)
-        self.status.watches += 1
+        status.watches += 1
         async with self._client.stream(
-            "GET", self._path, params=params, headers=self._headers(), timeout=timeout
+            "GET", self._path(ns), params=params, headers=self._headers(), timeout=timeout
         ) as r:
             if r.status_code == 410:
                 raise _Gone()
@@ -426,14 +456,15 @@ class Discovery:
                 raise httpx.HTTPStatusError(
                     f"watch returned {r.status_code}: {r.text[:200]}", request=r.request, response=r
                 )
-            self.status.connected = True
+            status.connected = True
             async for line in r.aiter_lines():
                 if not line.strip():
                     continue
-                rv = await self._event(_json.decode(line), rv)
+                rv = await self._event(ns, _json.decode(line), rv)
         return rv
 
-    async def _event(self, ev: dict[str, Any], rv: str) -> str:
+    async def _event(self, ns: str, ev: dict[str, Any], rv: str) -> str:
+        status = self.statuses[ns]
         etype = ev.get("type")
         obj = ev.get("object") or {}
         if etype == "ERROR":
@@ -442,11 +473,11 @@ class Discovery:
                 raise _Gone()
             raise RuntimeError(f"watch ERROR event: {obj.get('message') or obj}")
         new_rv = str((obj.get("metadata") or {}).get("resourceVersion") or rv)
-        self.status.resource_version = new_rv
+        status.resource_version = new_rv
         if etype == "BOOKMARK":
-            self.status.bookmarks += 1
+            status.bookmarks += 1
             return new_rv
-        self.status.events += 1
+        status.events += 1
         key = _pod_key(obj)
         if etype in ("ADDED", "MODIFIED"):
             await self._set_pod(key, pod_worker(obj, self.cfg))

@@ -22,9 +22,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-import msgspec
 
 from router.config import WorkerSpec
+from router.event_sources import parse_event_sources
 from router.policy import WorkerLoad
 from router.upstream import UpstreamClient
 
@@ -212,8 +212,9 @@ class WorkerRegistry:
             pool_timeout=self._pool_timeout_s,
         )
         w = Worker(spec=spec, client=client, dp_size=spec.dp_size, topic=spec.topic)
-        w.events_endpoint = spec.events
-        w.replay_endpoint = spec.replay
+        if not spec.prefer_event_sources:
+            w.events_endpoint = spec.events
+            w.replay_endpoint = spec.replay
         return w
 
     def _start_loops(self, w: Worker) -> None:
@@ -354,25 +355,37 @@ class WorkerRegistry:
             data = r.json().get("data") or []
             w.models = [m for m in data if isinstance(m, dict)]
             self.models.learn(w.models)
-        if w.events_endpoint is None:
-            r = await self._probe.get(w.url + "/kv_event_sources")
-            if r.status_code == 404:
-                log.warning("worker %s has no /kv_event_sources and no events= configured", w.url)
+        if w.events_endpoint is None and not await self._ask_event_sources(w):
+            spec = w.spec
+            if not (spec.prefer_event_sources and spec.events):
                 return True  # routable by load alone; nothing to subscribe to
-            r.raise_for_status()
-            sources = msgspec.json.decode(r.content)
-            if not isinstance(sources, dict) or not sources:
-                log.warning("worker %s publishes no KV events (empty /kv_event_sources)", w.url)
-                return True
-            ranks = sorted(sources, key=lambda k: int(k))
-            first = sources[ranks[0]]
-            w.events_endpoint = first.get("endpoint")
-            w.replay_endpoint = first.get("replay_endpoint")
-            w.topic = first.get("topic") or w.topic
-            w.dp_size = max(len(ranks), w.spec.dp_size)
+            log.info("worker %s: no /kv_event_sources; using %s", w.url, spec.events)
+            w.events_endpoint, w.replay_endpoint = spec.events, spec.replay
         if self.on_events_ready is not None:
             self.on_events_ready(w)
         w.subscribed = True
+        return True
+
+    async def _ask_event_sources(self, w: Worker) -> bool:
+        """Take ``w``'s event endpoints from its ``/kv_event_sources``; False if it has none."""
+        r = await self._probe.get(w.url + "/kv_event_sources")
+        if r.status_code == 404:
+            log.warning("worker %s has no /kv_event_sources", w.url)
+            return False
+        r.raise_for_status()
+        try:
+            sources = parse_event_sources(r.content)
+        except ValueError as exc:
+            log.warning("worker %s: %s", w.url, exc)
+            return False
+        if not sources:
+            log.warning("worker %s publishes no KV events (empty /kv_event_sources)", w.url)
+            return False
+        first = sources[0]
+        w.events_endpoint = first.endpoint
+        w.replay_endpoint = first.replay_endpoint
+        w.topic = first.topic or w.topic
+        w.dp_size = max(len(sources), w.spec.dp_size)
         return True
 
 

@@ -605,3 +605,21 @@ def test_readme_documents_the_worker_flags() -> None:
     for key, value in worker["spec"]["template"]["metadata"]["annotations"].items():
         assert f"`{key}`" in readme and f'`"{value}"`' in readme
     assert "kubectl apply -k" in readme
+
+
+def test_the_workers_http_port_stays_open_to_scrapers_and_clients(r: Rendered) -> None:
+    """Only the ZMQ sockets are the router's: Prometheus and other clients of vLLM's HTTP port
+    (``/metrics``, ``/health``, the API) must still get in once the policy selects the pods."""
+    worker = example_worker()
+    wlabels = pod_labels(worker)
+    (wctr,) = worker["spec"]["template"]["spec"]["containers"]
+    http = r.config["discovery"]["kubernetes"]["port"]
+    open_to_all: set[int] = set()
+    for pol in of_kind(r.objs, "NetworkPolicy"):
+        if not selects(pol["spec"]["podSelector"], wlabels):
+            continue
+        for rule in pol["spec"].get("ingress", []):
+            if not rule.get("from"):
+                open_to_all |= _rule_ports(rule, wctr) or set(range(1, 65536))
+    assert http in open_to_all, "the workers' HTTP port admits the router pods only"
+    assert not open_to_all & set(ZMQ_PORTS)

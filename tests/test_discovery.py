@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ def make_pod(
     phase: str = "Running",
     labels: dict[str, str] | None = None,
     annotations: dict[str, str] | None = None,
+    namespace: str = NS,
 ) -> dict[str, Any]:
     status: dict[str, Any] = {
         "phase": phase,
@@ -43,7 +45,7 @@ def make_pod(
     return {
         "metadata": {
             "name": name,
-            "namespace": NS,
+            "namespace": namespace,
             "labels": labels if labels is not None else {"app": "vllm"},
             "annotations": annotations or {},
         },
@@ -52,11 +54,11 @@ def make_pod(
 
 
 class FakeKube:
-    """Pods in one namespace, a resourceVersion counter, an event log, and watchers."""
+    """Pods by namespace and name, a resourceVersion counter, an event log, and watchers."""
 
     def __init__(self, token: str | None = None) -> None:
         self.token = token
-        self.pods: dict[str, dict[str, Any]] = {}
+        self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.rv = 100
         self.log: list[tuple[int, str, dict[str, Any]]] = []
         self.compacted_below = 0
@@ -90,19 +92,20 @@ class FakeKube:
             self.rv += 1
             pod = copy.deepcopy(pod)
             pod["metadata"]["resourceVersion"] = str(self.rv)
+            key = (pod["metadata"]["namespace"], pod["metadata"]["name"])
             if etype == "DELETED":
-                self.pods.pop(pod["metadata"]["name"], None)
+                self.pods.pop(key, None)
             else:
-                self.pods[pod["metadata"]["name"]] = pod
+                self.pods[key] = pod
             self.log.append((self.rv, etype, pod))
             self.cond.notify_all()
 
     def put(self, pod: dict[str, Any]) -> None:
-        name = pod["metadata"]["name"]
-        self._emit("MODIFIED" if name in self.pods else "ADDED", pod)
+        key = (pod["metadata"]["namespace"], pod["metadata"]["name"])
+        self._emit("MODIFIED" if key in self.pods else "ADDED", pod)
 
-    def delete(self, name: str) -> None:
-        self._emit("DELETED", self.pods[name])
+    def delete(self, name: str, namespace: str = NS) -> None:
+        self._emit("DELETED", self.pods[(namespace, name)])
 
     def bookmark(self) -> None:
         with self.cond:
@@ -126,13 +129,15 @@ class FakeKube:
         self.auth_seen.append(h.headers.get("Authorization"))
         if self.token is not None and h.headers.get("Authorization") != f"Bearer {self.token}":
             return self._json(h, 401, {"kind": "Status", "code": 401, "message": "Unauthorized"})
-        if parts.path != f"/api/v1/namespaces/{NS}/pods":
+        m = re.fullmatch(r"/api/v1/namespaces/([a-z0-9-]+)/pods", parts.path)
+        if m is None:
             return self._json(h, 404, {"kind": "Status", "code": 404})
+        ns = m.group(1)
         sel = q.get("labelSelector", "")
         if q.get("watch") in ("1", "true"):
-            return self._watch(h, int(q.get("resourceVersion") or 0), sel, q)
+            return self._watch(h, int(q.get("resourceVersion") or 0), sel, q, ns)
         with self.cond:
-            items = [p for p in self.pods.values() if _matches(p, sel)]
+            items = [p for (pns, _), p in self.pods.items() if pns == ns and _matches(p, sel)]
             body = {
                 "kind": "PodList",
                 "apiVersion": "v1",
@@ -149,7 +154,9 @@ class FakeKube:
         h.end_headers()
         h.wfile.write(data)
 
-    def _watch(self, h: BaseHTTPRequestHandler, rv: int, sel: str, q: dict[str, str]) -> None:
+    def _watch(
+        self, h: BaseHTTPRequestHandler, rv: int, sel: str, q: dict[str, str], ns: str
+    ) -> None:
         with self.cond:
             if self.fail_next_watches > 0:
                 self.fail_next_watches -= 1
@@ -194,7 +201,7 @@ class FakeKube:
                     if q.get("allowWatchBookmarks") == "true":
                         send({"type": "BOOKMARK", "object": obj})
                     continue
-                if _matches(obj, sel):
+                if obj["metadata"]["namespace"] == ns and _matches(obj, sel):
                     send({"type": etype, "object": obj})
 
     def __enter__(self) -> FakeKube:
@@ -261,6 +268,7 @@ def test_pod_worker_mapping() -> None:
         events="tcp://10.0.0.7:6000",
         replay="tcp://10.0.0.7:6001",
         dp_size=2,
+        prefer_event_sources=True,
     )
     d = pod_worker(make_pod("b", "fd00::5", annotations={"kvrouter.io/dp-size": "x"}), cfg)
     assert d is not None and d.url == "http://[fd00::5]:9000" and d.dp_size == 1
@@ -448,14 +456,7 @@ async def test_router_follows_pods_without_restart(
         w = fleet[0]
         events_port = w.events_endpoint.rpartition(":")[2]
         replay_port = w.replay_endpoint.rpartition(":")[2]
-        pod = make_pod(
-            "vllm-0",
-            "127.0.0.1",
-            annotations={
-                "kvrouter.io/events-port": events_port,
-                "kvrouter.io/replay-port": replay_port,
-            },
-        )
+        pod = make_pod("vllm-0", "127.0.0.1")  # no annotation: the worker says where
         kube.put(pod)
         kubeconfig = tmp_path / "kubeconfig"
         kubeconfig.write_text(
@@ -486,7 +487,8 @@ async def test_router_follows_pods_without_restart(
             assert r.status_code == 200 and r.headers["x-kvrouter-worker"] == w.url
             d = (await c.get(base + "/debug/index")).json()
             assert d["discovery"]["pods_ready"] == [f"{NS}/vllm-0"]
-            assert d["workers"][0]["events_endpoint"] == f"tcp://127.0.0.1:{events_port}"
+            assert d["workers"][0]["events_endpoint"] == f"tcp://*:{events_port}"
+            assert d["workers"][0]["replay_endpoint"] == f"tcp://*:{replay_port}"
 
             kube.put(make_pod("vllm-0", "127.0.0.1", ready=False))
             await until(lambda: not router.registry.workers, 10, "worker dropped")
@@ -498,3 +500,32 @@ async def test_router_follows_pods_without_restart(
             await until(ready, 20, "worker back")
             r = await c.post(base + "/v1/completions", json=body)
             assert r.status_code == 200
+
+
+async def test_several_namespaces_are_watched_each_on_its_own(kube: FakeKube) -> None:
+    kube.put(make_pod("a", "10.0.0.1"))
+    kube.put(make_pod("b", "10.0.0.2", namespace="team-b"))
+    kube.put(make_pod("c", "10.0.0.3", namespace="not-watched"))
+    seen = Seen()
+    d = Discovery(
+        kcfg(namespaces=[NS, "team-b"]),
+        on_add=seen.add,
+        on_remove=seen.remove,
+        api=ApiAccess.from_url(kube.url),
+    )
+    await d.start()
+    try:
+        assert await d.wait_synced(10)
+        assert sorted(seen.current) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+        await until(lambda: all(st.connected for st in d.statuses.values()), 10, "both watches")
+        kube.delete("b", namespace="team-b")
+        await until(lambda: "http://10.0.0.2:8000" not in seen.current, 10, "b removed")
+        kube.put(make_pod("b2", "10.0.0.4", namespace="team-b"))
+        await until(lambda: "http://10.0.0.4:8000" in seen.current, 10, "b2 added")
+        # A relist of one namespace reconciles that namespace only.
+        kube.compact_and_drop_watches()
+        await until(lambda: d.statuses[NS].relists_410 >= 1, 10, "a 410 relist of one")
+        assert sorted(seen.current) == ["http://10.0.0.1:8000", "http://10.0.0.4:8000"]
+        assert set(d.debug()["namespaces"]) == {NS, "team-b"}
+    finally:
+        await d.stop()
