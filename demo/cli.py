@@ -9,7 +9,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+from types import FrameType
 
 from router.cli import add_serve_parser, run_serve
 
@@ -26,6 +28,10 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, default=8)
 
 
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvrouter", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -37,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         # simulator.
         from demo.run import run_demo
 
+        # The simulated fleet runs in its own process session (a terminal's Ctrl-C must not
+        # reach it before the demo stops it): SIGTERM unwinds like Ctrl-C, so the demo's
+        # clean-up ends it too.
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
         return run_demo(ns)
     return run_serve(ns)
 

@@ -176,6 +176,8 @@ class Router:
             self.registry.on_metrics = self.verifier.on_metrics
         self.selfcheck = SelfCheck(self, timeout_s=v.selfcheck_timeout_s) if v.selfcheck else None
         self.started = time.time()
+        self.draining = False
+        """Set on SIGTERM (router/serving.py): /ready answers 503 while requests finish."""
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -438,6 +440,8 @@ class Router:
         )
 
     def ready(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "draining: the router is shutting down"
         if self.selfcheck is not None and self.cfg.verify.require_selfcheck:
             return self.selfcheck.ready()
         status = self._sub_status()

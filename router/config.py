@@ -65,6 +65,12 @@ class ServerConfig(_Section):
     """Wait for a free upstream connection, then 503."""
     max_header_bytes: int = 32_768
     """Request line + headers; 431 above (router/limits.py)."""
+    drain_timeout_s: float = 55.0
+    """On SIGTERM: how long in-flight requests (streams included) may still run before they are
+    cut. Keep it below the pod's ``terminationGracePeriodSeconds``."""
+    drain_delay_s: float = 5.0
+    """On SIGTERM: ``/ready`` answers 503 at once, but new requests are still accepted this
+    long (within ``drain_timeout_s``), while load balancers take the replica out."""
 
 
 class ModelConfig(_Section):
@@ -400,6 +406,8 @@ def _check_server(s: ServerConfig) -> None:
         raise ConfigError("server.request_timeout_s: must be positive (or null: no total limit)")
     if s.pool_timeout_s <= 0:
         raise ConfigError("server.pool_timeout_s: must be positive")
+    if s.drain_timeout_s < 0 or s.drain_delay_s < 0:
+        raise ConfigError("server.drain_timeout_s / drain_delay_s: must be >= 0")
     if s.max_header_bytes < 1024:
         raise ConfigError("server.max_header_bytes: must be >= 1024")
     if s.max_connections_per_worker < 1:

@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from router.config import ServerConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
@@ -623,3 +625,9 @@ def test_the_workers_http_port_stays_open_to_scrapers_and_clients(r: Rendered) -
                 open_to_all |= _rule_ports(rule, wctr) or set(range(1, 65536))
     assert http in open_to_all, "the workers' HTTP port admits the router pods only"
     assert not open_to_all & set(ZMQ_PORTS)
+
+
+def test_grace_period_covers_the_routers_drain(r: Rendered) -> None:
+    pod = named(r.objs, "Deployment", "kvrouter")["spec"]["template"]["spec"]
+    drain = r.config.get("server", {}).get("drain_timeout_s", ServerConfig().drain_timeout_s)
+    assert pod["terminationGracePeriodSeconds"] > drain, "SIGKILL would cut streams mid-drain"

@@ -1,0 +1,144 @@
+"""Process lifecycle, with real processes and signals: ``kvrouter serve`` drains on SIGTERM, and
+every process ``kvrouter demo`` starts ends with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from simulator.testing import find_port_block, running_fleet, wait_http_ok
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _wait(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_sigterm_drains_a_long_stream(tmp_path: Path) -> None:
+    """SIGTERM: /ready answers 503 at once, new requests are still served during the drain
+    delay, and a stream that needs ~8 s more completes before the process exits."""
+    # 40 tokens at 200 ms per decode step: ~8 s of streaming.
+    with running_fleet(1, decode_ms=200, prefill_tps=400000) as (w,):
+        port = find_port_block(2)
+        admin = port + 1
+        cfg = tmp_path / "kvrouter.yaml"
+        cfg.write_text(
+            json.dumps(
+                {
+                    "server": {
+                        "host": "127.0.0.1",
+                        "port": port,
+                        "admin_port": admin,
+                        "drain_delay_s": 2.0,
+                        "drain_timeout_s": 30.0,
+                        "log_level": "info",
+                    },
+                    "workers": [{"url": w.url}],
+                    "verify": {"require_selfcheck": False},
+                }
+            )
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            base = f"http://127.0.0.1:{port}"
+            assert wait_http_ok(base + "/ready", timeout=30, proc=proc), "router not ready"
+            chunks: list[bytes] = []
+            status: list[int] = []
+
+            def stream() -> None:
+                body = {"model": "sim-model", "prompt": "a long answer", "max_tokens": 40}
+                with (
+                    httpx.Client(timeout=60) as c,
+                    c.stream("POST", base + "/v1/completions", json={**body, "stream": True}) as r,
+                ):
+                    status.append(r.status_code)
+                    chunks.extend(r.iter_raw())
+
+            t = threading.Thread(target=stream)
+            t.start()
+            _wait(lambda: bool(status), 10, "the stream to start")
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            with httpx.Client(timeout=5) as c:
+                _wait(lambda: c.get(base + "/ready").status_code == 503, 1.0, "ready 503")
+                # Still accepting during the drain delay: a new short request is served.
+                r = c.post(
+                    base + "/v1/completions",
+                    json={"model": "sim-model", "prompt": "during drain", "max_tokens": 1},
+                )
+                assert r.status_code == 200
+            t.join(60)
+            assert status == [200]
+            body = b"".join(chunks)
+            assert body.endswith(b"data: [DONE]\n\n") and b'"error"' not in body
+            assert time.monotonic() - t0 > 5, "the stream did outlive the signal by seconds"
+            assert proc.wait(30) == 0
+            assert not _listening(port) and not _listening(admin)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert b"draining" in proc.stderr.read()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_demo_serve_ends_its_fleet_on_a_signal(sig: signal.Signals) -> None:
+    port = find_port_block(1)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "demo.cli",
+            "demo",
+            "--serve",
+            "--port",
+            str(port),
+            "--workers",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert wait_http_ok(f"http://127.0.0.1:{port}/ready", timeout=60, proc=proc)
+        out = ""
+        assert proc.stdout is not None
+        while out.count("simulated worker") < 2:
+            out += proc.stdout.readline()
+        workers = [int(p) for p in re.findall(r"simulated worker http://127\.0\.0\.1:(\d+)", out)]
+        assert len(workers) == 2 and all(_listening(p) for p in workers)
+        proc.send_signal(sig)
+        proc.wait(30)
+        _wait(lambda: not any(_listening(p) for p in workers), 15, "the fleet to end")
+        assert not _listening(port)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
