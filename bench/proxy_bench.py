@@ -6,7 +6,8 @@ HTTP/1.1 client on asyncio streams, so the client costs little CPU).
 
 * Latency, one connection, 8,192-token prompts, non-streaming ``max_tokens=1``, router vs the
   same worker directly, in alternating order:
-  - ``added_*_ms``: a new prompt every request, so the router tokenizes through the worker's
+  - ``added_*_ms``: percentiles of the per-pair differences (routed minus direct); a new prompt
+    every request, so the router tokenizes through the worker's
     ``POST /tokenize`` each time (the figure the target is about) and sends the worker the ids
     (``tokenizer.forward_ids``): one tokenization per request on either path, so the figure is
     the router's own work plus one more worker round trip. ``tokenize_direct_p50_ms`` is a
@@ -16,8 +17,11 @@ HTTP/1.1 client on asyncio streams, so the client costs little CPU).
     bimodal distribution; the first is ~0.4 ms slower, mostly in the simulator's answers).
   - ``added_cached_*_ms``: the same prompt repeated (tokenization cache hit).
 * The router's own cost, the same new-prompt loop against ``bench/instant_worker.py`` (answers
-  at once, no tokenization or engine time): ``router_self_added_p50_ms`` and the router's
-  ``router_cpu_ms_per_request`` (its process CPU time over that loop).
+  at once, no tokenization or engine time), in the router's default configuration
+  (verification and self-check on) over a warm index: two workers hold the prompts' first 6,144
+  and 2,048 tokens beside 50,000 unrelated blocks each, and report what they hold as
+  ``cached_tokens``: ``router_self_added_p50_ms`` and the router's ``router_cpu_ms_per_request``
+  (its process CPU time over that loop).
 * Throughput: 32 connections for a bounded duration, 64-token prompts (unique per request, so
   every request also costs a /tokenize call), ``requests_per_s`` through the router.
 
@@ -34,6 +38,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from simulator.testing import find_port_block, running_fleet, wait_http_ok
@@ -116,6 +122,11 @@ async def latency(router: str, worker: str) -> dict[str, float]:
         for c, out in (first, second):
             out.append(await timed(c, "/v1/completions", b))
 
+    def added(routed: list[float], direct: list[float], p: float) -> float:
+        """Percentile of the per-pair differences (a difference of percentiles would compare
+        two different requests' tails)."""
+        return round(pct([r - d for r, d in zip(routed, direct, strict=True)], p), 3)
+
     # warm-up
     for _ in range(3):
         b = body(prompt(rng, PROMPT_TOKENS))
@@ -149,12 +160,12 @@ async def latency(router: str, worker: str) -> dict[str, float]:
         "added_p50_ms": round(pct(routed, 0.5) - pct(direct, 0.5), 3),
         "added_p50_routed_first_ms": round(pct(first, 0.5) - pct(direct, 0.5), 3),
         "added_p50_routed_second_ms": round(pct(second, 0.5) - pct(direct, 0.5), 3),
-        "added_p99_ms": round(pct(routed, 0.99) - pct(direct, 0.99), 3),
+        "added_p99_ms": added(routed, direct, 0.99),
         "direct_p50_ms": round(pct(direct, 0.5), 3),
         "router_p50_ms": round(pct(routed, 0.5), 3),
         "tokenize_direct_p50_ms": round(statistics.median(tok), 3),
         "added_cached_p50_ms": round(pct(crouted, 0.5) - pct(cdirect, 0.5), 3),
-        "added_cached_p99_ms": round(pct(crouted, 0.99) - pct(cdirect, 0.99), 3),
+        "added_cached_p99_ms": added(crouted, cdirect, 0.99),
     }
 
 
@@ -221,30 +232,42 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+WARM_HOLD = (6144, 2048)
+"""Prefix tokens of every measured prompt held by each instant worker: the router matches a
+real prefix on every request and routes to the first."""
+WARM_FILLER = 50_000
+"""Unrelated blocks each instant worker holds beside it (a warm index, not an empty one)."""
+
+
 def router_self() -> dict[str, float]:
-    """The router's own cost: the same new-8k-prompt latency loop against a worker that answers
-    at once (bench/instant_worker.py, no events), and the router's CPU time per request."""
-    wport = find_port_block(2)
-    rport = wport + 1
+    """The router's own cost: the same new-8k-prompt latency loop against workers that answer
+    at once (bench/instant_worker.py), in the router's default configuration (verification and
+    self-check on) over a warm index, and the router's CPU time per request."""
+    base = find_port_block(2 + 3 * len(WARM_HOLD))
+    rport = base
     here = os.path.dirname(os.path.abspath(__file__))
-    worker = subprocess.Popen([sys.executable, os.path.join(here, "instant_worker.py"), str(wport)])
-    env = dict(os.environ, KVROUTER_VERIFY_SELFCHECK="false", KVROUTER_VERIFY_ENABLED="false")
+    workers, ports = [], []
+    for i, hold in enumerate(WARM_HOLD):
+        port = base + 1 + 3 * i
+        ports.append(port)
+        argv = [os.path.join(here, "instant_worker.py"), str(port), "--events", str(port + 1)]
+        argv += ["--hold", str(hold), "--filler", str(WARM_FILLER)]
+        workers.append(subprocess.Popen([sys.executable, *argv]))
+    worker_args = [a for p in ports for a in ("--worker", f"http://127.0.0.1:{p}")]
     proc = subprocess.Popen(
         [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1", "--port", str(rport),
-         "--worker", f"http://127.0.0.1:{wport};events=tcp://127.0.0.1:9", "--log-level", "error"],
+         *worker_args, "--log-level", "error"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env=env,
     )  # fmt: skip
-    body = json.dumps({"model": "sim-model", "prompt": "x", "max_tokens": 1}).encode()
     try:
-        # No events, so never "ready": wait for a served completion instead.
-        url = f"http://127.0.0.1:{rport}/v1/completions"
-        if not wait_http_ok(url, timeout=30, proc=proc, content=body):
-            raise RuntimeError("router (instant worker) did not start")
+        router = f"http://127.0.0.1:{rport}"
+        want = sum(h // 16 + WARM_FILLER for h in WARM_HOLD)
+        if not _wait_warm(router, want, proc):
+            raise RuntimeError("router (instant workers) did not load the warm index")
 
         async def run() -> tuple[list[float], list[float]]:
-            rc, wc = Conn("127.0.0.1", rport), Conn("127.0.0.1", wport)
+            rc, wc = Conn("127.0.0.1", rport), Conn("127.0.0.1", ports[0])
             rng = random.Random(2)
             routed: list[float] = []
             direct: list[float] = []
@@ -265,15 +288,43 @@ def router_self() -> dict[str, float]:
         cpu0 = _cpu_s(proc.pid)
         routed, direct = asyncio.run(run())
         cpu = _cpu_s(proc.pid) - cpu0
+        served = _served_by(router)
     finally:
         proc.terminate()
-        worker.terminate()
+        for w in workers:
+            w.terminate()
         proc.wait(10)
-        worker.wait(10)
+        for w in workers:
+            w.wait(10)
+    if served != f"http://127.0.0.1:{ports[0]}":
+        raise RuntimeError(f"the router did not route by the warm index (served by {served})")
     return {
         "router_self_added_p50_ms": round(pct(routed, 0.5) - pct(direct, 0.5), 3),
         "router_cpu_ms_per_request": round(cpu / len(routed) * 1000, 3),
+        "router_self_index_blocks": want,
     }
+
+
+def _wait_warm(router: str, blocks: int, proc: subprocess.Popen[bytes]) -> bool:
+    """Until the router's index holds ``blocks`` blocks (the instant workers' whole state)."""
+    deadline = time.monotonic() + 120
+    with httpx.Client(timeout=5) as c:
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                totals = c.get(router + "/debug/index").json()["totals"]
+                if totals["resident_blocks"] >= blocks:
+                    return True
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(0.2)
+    return False
+
+
+def _served_by(router: str) -> str | None:
+    """Which worker the router picks for a measured prompt (the one holding the most of it)."""
+    body = {"model": "sim-model", "prompt": "which worker", "max_tokens": 1}
+    with httpx.Client(timeout=10) as c:
+        return c.post(router + "/v1/completions", json=body).headers.get("x-kvrouter-worker")
 
 
 if __name__ == "__main__":
