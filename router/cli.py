@@ -4,7 +4,7 @@
     kvrouter serve --port 8000 --worker http://h1:8000 \\
         --worker 'http://h2:8000;events=tcp://h2:5557;replay=tcp://h2:5558'
 
-The ``kvrouter`` console script (``demo.cli``) adds the ``demo`` subcommand; ``python -m
+The ``kvrouter`` console script (``kvrouter.cli``) adds the ``demo`` subcommand; ``python -m
 router.cli serve ...`` runs the gateway alone.
 """
 

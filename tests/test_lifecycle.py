@@ -114,7 +114,7 @@ def test_demo_serve_ends_its_fleet_on_a_signal(sig: signal.Signals) -> None:
         [
             sys.executable,
             "-m",
-            "demo.cli",
+            "kvrouter.cli",
             "demo",
             "--serve",
             "--port",

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.cmd == "demo":
         # Imported here: `kvrouter serve` loads neither the demo's load generator nor the
         # simulator.
-        from demo.run import run_demo
+        from kvrouter.demo import run_demo
 
         # The simulated fleet runs in its own process session (a terminal's Ctrl-C must not
         # reach it before the demo stops it): SIGTERM unwinds like Ctrl-C, so the demo's
