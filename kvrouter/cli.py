@@ -4,6 +4,7 @@
     kvrouter serve --port 8000 --worker http://h1:8000 \\
         --worker 'http://h2:8000;events=tcp://h2:5557;replay=tcp://h2:5558'
     kvrouter demo [--json] [--serve --port 8000]
+    kvrouter status http://router:8001 [--token T] [--json]
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, default=8)
 
 
+_TOOLS = {
+    "status": "a running router's fleet as a table (router.status)",
+}
+"""Subcommands that are a module's ``main(argv)`` in router/."""
+
+
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
@@ -37,7 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     add_serve_parser(sub)
     _demo_parser(sub)
+    for name, text in _TOOLS.items():
+        # Each tool parses its own arguments (``kvrouter NAME --help``).
+        tool = sub.add_parser(name, help=text, add_help=False)
+        tool.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
+    if ns.cmd in _TOOLS:
+        import importlib
+
+        return int(importlib.import_module(f"router.{ns.cmd}").main(ns.args))
     if ns.cmd == "demo":
         # Imported here: `kvrouter serve` loads neither the demo's load generator nor the
         # simulator.
