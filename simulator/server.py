@@ -61,6 +61,7 @@ class WorkerSettings:
     default_max_tokens: int = 16  # output length when a request sets no max_tokens
     loras: tuple[str, ...] = ()
     tokenizer_path: str | None = None  # a model dir with tokenizer.json: tokenize as vLLM would
+    prompt_tokens_details: bool = True  # vLLM's --enable-prompt-tokens-details
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -410,13 +411,13 @@ class Worker:
             }
         )
 
-    @staticmethod
-    def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    def _usage(self, prompt: int, completion: int, cached: int) -> dict[str, Any]:
+        details = {"cached_tokens": cached} if self.s.prompt_tokens_details else None
         return {
             "prompt_tokens": prompt,
             "total_tokens": prompt + completion,
             "completion_tokens": completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
+            "prompt_tokens_details": details,  # null: vLLM without --enable-prompt-tokens-details
         }
 
     async def _sse(
