@@ -71,6 +71,8 @@ async def diagnose(urls: Sequence[str | WorkerSpec], options: Options | None = N
         ctx.destroy(linger=0)
     fleet = _fleet(probes)
     workers = [p.report for p in probes]
+    for w in workers:
+        w.checks = w.ordered()
     ok = not any(f.status == FAIL for w in workers for f in w.checks) and all(
         f.status != FAIL for f in fleet
     )

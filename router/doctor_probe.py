@@ -104,6 +104,7 @@ class WorkerProbe:
         self.fingerprint: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.model: str | None = None
         self.feeds: list[_Feed] = []
+        self.advertised: str | None = None  # rank 0's endpoint as /kv_event_sources reports it
 
     # ---------------------------------------------------------------- http
 
@@ -203,6 +204,7 @@ class WorkerProbe:
                 return None
             first = doc[min(doc, key=int)]
             events, replay = first.get("endpoint"), first.get("replay_endpoint")
+            self.advertised = events if isinstance(events, str) else None
             dp, topic = max(len(doc), dp), first.get("topic") or topic
             if not isinstance(events, str):
                 r.add("events", FAIL, "/kv_event_sources has no endpoint", FIX["events_off"])
@@ -340,7 +342,7 @@ class WorkerProbe:
             down = [f.endpoint for f in self.feeds if not f.connected.is_set()]
             hint = (
                 ""
-                if all(self._binds(e) for e in down)
+                if self.advertised is None or self._binds(self.advertised)
                 else (
                     "; the publisher connects out to this address (bind topology): give kvrouter "
                     "events.bind, or bind the publisher on tcp://*:PORT"
