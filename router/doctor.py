@@ -105,7 +105,10 @@ def _fleet_tokenizer(probes: list[WorkerProbe]) -> Finding:
             FIX["tokenizer"],
         )
     return Finding(
-        "tokenizer", FAIL, f"{len(counts)} different tokenizations among {len(prints)} workers"
+        "tokenizer",
+        FAIL,
+        f"{len(counts)} different tokenizations among {len(prints)} workers",
+        FIX["tokenizer"],
     )
 
 
