@@ -104,6 +104,8 @@ class WorkerProbe:
         self.fingerprint: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.model: str | None = None
         self.feeds: list[_Feed] = []
+        self.probe_error = ""
+        self.max_prompt: int | None = None
         self.advertised: str | None = None  # rank 0's endpoint as /kv_event_sources reports it
 
     # ---------------------------------------------------------------- http
@@ -121,13 +123,19 @@ class WorkerProbe:
         return decode_tokenize_response(resp.content).tolist()
 
     async def _complete(self, ids: list[int], rank: int | None) -> dict[str, Any] | None:
+        """The completion's answer, or None (the reason kept in ``probe_error``)."""
         headers = {"x-data-parallel-rank": str(rank)} if rank is not None else {}
         body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0}
-        resp = await self._post("/v1/completions", body, headers=headers)
-        if resp.status_code != 200:
+        try:
+            resp = await self._post("/v1/completions", body, headers=headers)
+            doc = msgspec.json.decode(resp.content) if resp.status_code == 200 else None
+        except (httpx.HTTPError, msgspec.DecodeError) as exc:
+            self.probe_error = f"{type(exc).__name__}: {exc}"[:160]
             return None
-        doc = msgspec.json.decode(resp.content)
-        return doc if isinstance(doc, dict) else None
+        if not isinstance(doc, dict):
+            self.probe_error = f"answered {resp.status_code}: {resp.text[:120]}"
+            return None
+        return doc
 
     # ---------------------------------------------------------------- checks
 
@@ -141,7 +149,7 @@ class WorkerProbe:
             await self._check_tokenizer()
             sources = await self._sources()
             if sources:
-                self._subscribe(*sources)
+                self._subscribe(sources[0])
                 await self._wait_connected()
             probes = await self._send_probes()
             await self._wait_events(probes)
@@ -168,6 +176,9 @@ class WorkerProbe:
             r.add("reach", FAIL, "/v1/models lists no base model", FIX["reach"])
             return False
         self.model = r.models[0]
+        base = next(m for m in cards if m["id"] == self.model)
+        if isinstance(base.get("max_model_len"), int) and base["max_model_len"] > 2:
+            self.max_prompt = base["max_model_len"] - 1  # room for the one generated token
         r.add("reach", OK, "answers /v1/models")
         return True
 
@@ -217,7 +228,7 @@ class WorkerProbe:
         )
         return r.events_endpoints, r.replay_endpoints
 
-    def _subscribe(self, events: list[str], _replay: list[str]) -> None:
+    def _subscribe(self, events: list[str]) -> None:
         for rank, ep in enumerate(events):
             sock = self.ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
@@ -265,7 +276,7 @@ class WorkerProbe:
             p.cached = cached_tokens_of(doc)
             probes.append(p)
         if not probes[0].answered:
-            self.report.add("usage", FAIL, "the probe completion failed")
+            self.report.add("usage", FAIL, f"the probe completion failed: {self.probe_error}")
         elif probes[0].cached is None:
             self.report.add(
                 "usage", FAIL, "usage.prompt_tokens_details.cached_tokens missing", FIX["usage"]
@@ -276,7 +287,7 @@ class WorkerProbe:
 
     async def _probe_ids(self) -> list[int]:
         """A unique prompt of ``probe_tokens`` ids valid for the worker's vocabulary."""
-        n = self.opts.probe_tokens
+        n = min(self.opts.probe_tokens, self.max_prompt or self.opts.probe_tokens)
         words = " ".join(secrets.token_hex(4) for _ in range(n // 2))
         seed: list[int] = []
         with contextlib.suppress(Exception):

@@ -213,6 +213,14 @@ async def test_diagnose_api() -> None:
     assert report.workers[0].block_sizes == [16]
 
 
+def test_probe_fits_a_short_context(capsys: pytest.CaptureFixture[str]) -> None:
+    """The probe is cut to the worker's max_model_len (from /v1/models)."""
+    with running_fleet(1, max_model_len=100, **SIM) as (w,):
+        code, doc = run(capsys, w.url)
+    assert code == 0, doc
+    assert check(doc, w.url, "prefix-cache")["detail"].endswith("of 99 tokens")
+
+
 def test_usage_errors() -> None:
     assert main([]) == 2
     assert main(["http://h:1;bogus=1"]) == 2
