@@ -5,6 +5,7 @@
         --worker 'http://h2:8000;events=tcp://h2:5557;replay=tcp://h2:5558'
     kvrouter demo [--json] [--serve --port 8000]
     kvrouter status http://router:8001 [--token T] [--json]
+    kvrouter doctor http://vllm-0:8000 http://vllm-1:8000 [--json]
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
 
 _TOOLS = {
     "status": "a running router's fleet as a table (router.status)",
+    "doctor": "check vLLM workers before routing to them (router.doctor)",
 }
 """Subcommands that are a module's ``main(argv)`` in router/."""
 

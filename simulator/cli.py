@@ -119,6 +119,19 @@ def _add_event_args(a: Callable[..., Any]) -> None:
     a("--hwm", type=int, default=100_000)
     a("--max-queue-size", type=int, default=100_000)
     a("--no-events", action="store_true")
+    a("--no-replay", action="store_true", help="publish events without a replay endpoint")
+    a(
+        "--no-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details is null (vLLM without --enable-prompt-tokens-details)",
+    )
+    a("--no-prefix-caching", action="store_true", help="vLLM's --no-enable-prefix-caching")
+    a(
+        "--event-clock-skew",
+        type=float,
+        default=0.0,
+        help="misconfiguration: event timestamps run this many seconds ahead",
+    )
 
 
 def _add_request_args(a: Callable[..., Any]) -> None:
@@ -169,6 +182,8 @@ def settings_from_args(ns: argparse.Namespace, worker_idx: int) -> WorkerSetting
         cpu_events=ns.cpu_events,
         enable_events=not ns.no_events,
         event_block_size_lie=ns.event_block_size_lie,
+        event_clock_skew_s=ns.event_clock_skew,
+        enable_prefix_caching=not ns.no_prefix_caching,
         loras=tuple(ns.lora),
         vocab_size=ns.vocab_size,
     )
@@ -179,7 +194,7 @@ def settings_from_args(ns: argparse.Namespace, worker_idx: int) -> WorkerSetting
         engine=eng,
         dp_size=ns.dp_size,
         events_endpoint=None if ns.no_events else f"tcp://*:{ev_base + off}",
-        replay_endpoint=None if ns.no_events else f"tcp://*:{rp_base + off}",
+        replay_endpoint=None if ns.no_events or ns.no_replay else f"tcp://*:{rp_base + off}",
         topic=ns.topic,
         buffer_steps=ns.buffer_steps,
         hwm=ns.hwm,
@@ -191,6 +206,7 @@ def settings_from_args(ns: argparse.Namespace, worker_idx: int) -> WorkerSetting
         max_body_bytes=ns.max_body_bytes,
         loras=tuple(ns.lora),
         default_max_tokens=ns.default_max_tokens,
+        prompt_tokens_details=not ns.no_prompt_tokens_details,
     )
 
 

@@ -62,6 +62,8 @@ class EngineConfig:
     # events
     enable_events: bool = True
     event_block_size_lie: int | None = None
+    event_clock_skew_s: float = 0.0  # misconfiguration: event batch timestamps run this far ahead
+    enable_prefix_caching: bool = True  # off: no block is cached, so no hit and no BlockStored
     loras: tuple[str, ...] = ()
     vocab_size: int = 32000
     group_specs: list[GroupSpec] = field(default_factory=list, repr=False)
@@ -110,6 +112,7 @@ class SimEngine:
             c.block_size,
             c.retention_interval,
             c.event_block_size_lie,
+            enable_caching=c.enable_prefix_caching,
         )
         # largest token count whose blocks (all groups) fit the pool
         lo, hi = 0, c.num_gpu_blocks * max(self.kv.gbs)

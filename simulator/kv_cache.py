@@ -85,8 +85,10 @@ class KVCacheManager:
         block_size: int,
         retention_interval: int | None = 0,
         event_block_size: int | None = None,
+        enable_caching: bool = True,
     ) -> None:
         self.groups = groups
+        self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, len(groups))
         self.gbs = [s.block_size or block_size for s in groups]
         self.hbs = math.gcd(*self.gbs)  # hash_block_size (prefix-match unit)
@@ -260,6 +262,8 @@ class KVCacheManager:
         return allowed
 
     def cache_blocks(self, req: Request, num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
         hasher = req.hasher
         n_hashes = hasher.extend(req.all_token_ids)
         digests = hasher.digests

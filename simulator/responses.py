@@ -10,12 +10,13 @@ from typing import Any
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+def usage(prompt: int, completion: int, cached: int, details: bool = True) -> dict[str, Any]:
+    """``details=False``: vLLM without ``--enable-prompt-tokens-details`` (null details)."""
     return {
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": {"cached_tokens": cached} if details else None,
     }
 
 

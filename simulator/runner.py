@@ -138,7 +138,12 @@ class EngineRunner:
             self.steps += 1
             if out.events and self.events_enabled and eng.events_enabled and self.publisher:
                 self.publisher.publish(
-                    encode_batch(time.time(), out.events, self.dp_rank, self.encoding)
+                    encode_batch(
+                        time.time() + eng.config.event_clock_skew_s,
+                        out.events,
+                        self.dp_rank,
+                        self.encoding,
+                    )
                 )
                 self.published += 1
             for rid, tok in out.new_tokens.items():

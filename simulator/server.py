@@ -56,6 +56,7 @@ class WorkerSettings:
     default_max_tokens: int = 16  # output length when a request sets no max_tokens
     loras: tuple[str, ...] = ()
     tokenizer_path: str | None = None  # a model dir with tokenizer.json: tokenize as vLLM would
+    prompt_tokens_details: bool = True  # vLLM's --enable-prompt-tokens-details
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -335,7 +336,7 @@ class Worker:
         if last.token is None and not toks:
             raise ApiError(503, "engine restarted", "ServiceUnavailableError")
         text = self.tokenizer.decode(toks)
-        u = usage(len(g.ids), len(toks), last.cached_tokens)
+        u = usage(len(g.ids), len(toks), last.cached_tokens, self.s.prompt_tokens_details)
         return JSONResponse(completion_body(g.rid, g.model, g.chat, text, u, g.finish))
 
     async def _sse(
@@ -358,7 +359,9 @@ class Worker:
                 if out.finished:
                     break
             if g.include_usage:
-                yield chunks.chunk([], usage(prompt_tokens, n_out, cached))
+                yield chunks.chunk(
+                    [], usage(prompt_tokens, n_out, cached, self.s.prompt_tokens_details)
+                )
             yield SSE_DONE
         finally:
             if n_out == 0 or not out.finished:  # client went away or stream broke
