@@ -42,19 +42,18 @@ def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in _TOOLS:  # before argparse: the tool owns every later argument
+        import importlib
+
+        return int(importlib.import_module(f"router.{args[0]}").main(args[1:]))
     parser = argparse.ArgumentParser(prog="kvrouter", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     add_serve_parser(sub)
     _demo_parser(sub)
     for name, text in _TOOLS.items():
-        # Each tool parses its own arguments (``kvrouter NAME --help``).
-        tool = sub.add_parser(name, help=text, add_help=False)
-        tool.add_argument("args", nargs=argparse.REMAINDER)
-    ns = parser.parse_args(argv)
-    if ns.cmd in _TOOLS:
-        import importlib
-
-        return int(importlib.import_module(f"router.{ns.cmd}").main(ns.args))
+        sub.add_parser(name, help=text)  # listed in --help; main() dispatches it first
+    ns = parser.parse_args(args)
     if ns.cmd == "demo":
         # Imported here: `kvrouter serve` loads neither the demo's load generator nor the
         # simulator.
