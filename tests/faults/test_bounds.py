@@ -15,8 +15,9 @@ import uvicorn
 from harness import FAST, all_connected
 from test_router_support import config_for, until, words
 
-from router.app import Router, create_apps
+from router.app import create_apps
 from router.config import Config
+from router.core import Router
 from router.limits import uvicorn_options
 from simulator.testing import running_fleet
 
