@@ -1,4 +1,4 @@
-"""Every configured bound, pushed past (issue 8). The router runs under uvicorn with the same
+"""Every configured bound, pushed past. The router runs under uvicorn with the same
 options as ``kvrouter serve`` (``router.limits.uvicorn_options``)."""
 
 from __future__ import annotations
