@@ -22,6 +22,7 @@ Every policy sees identical inputs (same requests, token ids, arrival times, fle
 ``simulator.FastFleet`` engines on a simulated clock (vLLM 0.33 scheduler, prefix cache, exact
 KV events). The router side is kvrouter's real code: ``indexer.wire.decode_payload`` and
 ``indexer.index.PrefixIndex`` fed with every event batch the workers publish,
+``router.candidates.build_candidates`` for what the policy is told (as the router assembles it),
 ``router.policy`` for the decision and the speculative cache, and ``router.proxy.Ticket`` /
 ``router.workers.Worker`` for the router's own load accounting (in-flight requests and queued
 uncached prefill tokens per worker, released at first token), corrected by the workers'
@@ -77,8 +78,9 @@ from bench.approx import ApproxPrefixPolicy
 from bench.workloads import Req, TokenSource, load_workload
 from indexer.index import PrefixIndex
 from indexer.wire import DecodeError, decode_payload
+from router.candidates import build_candidates
 from router.config import WorkerSpec
-from router.policy import Candidate, PolicyParams, SpeculativeCache, make_policy
+from router.policy import PolicyParams, SpeculativeCache, make_policy
 from router.proxy import Ticket
 from router.workers import Worker
 from simulator.engine import EngineConfig, SimEngine
@@ -87,7 +89,7 @@ from simulator.request import Request
 
 MODEL = "sim-model"
 POLICIES = ("random", "round_robin", "least_loaded", "approx_prefix", "kvrouter", "pooled_ideal")
-# ../shared beside the checkout holds the trace (see shared/traces/README.md).
+# The trace is not part of the repository; by default it is read from beside the checkout.
 DEFAULT_TRACE = str(
     Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 )
@@ -238,6 +240,7 @@ def run_policy(
     engines = [(w.url, 0) for w in workers]
     for e in engines:
         index.add_engine(e, MODEL)
+    loads = [(e, w.load(0)) for e, w in zip(engines, workers, strict=True)]  # live records
     by_engine = {e: i for i, e in enumerate(engines)}
     spec = SpeculativeCache(rs.speculative_ttl_s)
     if name == "approx_prefix":
@@ -325,37 +328,28 @@ def run_policy(
             kk, kcost = keys.get(req, toks)
             t0 = time.perf_counter()
             matches = index.match_keys(kk, n_tok, engines)
-            bs = fs.block_size
-            cands = []
-            for i, e in enumerate(engines):
-                m = matches.get(e)
-                cands.append(
-                    Candidate(
-                        worker=e,
-                        gpu_hit_tokens=m.gpu_tokens if m else 0,
-                        cpu_hit_tokens=m.cpu_tokens if m else 0,
-                        load=workers[i].worker_load(0),
-                        speculative_tokens=spec.hit_tokens(e, kk, unit, t) // bs * bs,
-                    )
-                )
+            cands = build_candidates(
+                loads,
+                matches,
+                block_size=fs.block_size,
+                speculative={e: spec.hit_tokens(e, kk, unit, t) for e in engines},
+            )
             d = policy.choose(cands, n_tok, t)
-            spec.record(d.worker, kk, t)
+            spec.record(d.engine, kk, t)
             decisions.append((time.perf_counter() - t0 + kcost) * 1000)
-            cost = next(c for c in d.costs if c.worker == d.worker)
+            cost = next(c for c in d.costs if c.engine == d.engine)
             uncached = cost.uncached_tokens
         else:
             kcost = 0.0
             if name == "approx_prefix":
                 kk, kcost = keys.get(req, toks)
                 policy.keys = kk
-            cands = [
-                Candidate(worker=e, load=workers[i].worker_load(0)) for i, e in enumerate(engines)
-            ]
+            cands = build_candidates(loads, {}, block_size=fs.block_size)
             t0 = time.perf_counter()
             d = policy.choose(cands, n_tok, t)
             decisions.append((time.perf_counter() - t0 + kcost) * 1000)
             uncached = n_tok  # no index consulted: the proxy charges the whole prompt
-        w = by_engine[d.worker]
+        w = by_engine[d.engine]
         ticket = Ticket(workers[w], 0, uncached)
         tickets[req.rid] = ticket
         fleet.submit(w, req.rid, toks, req.max_tokens, t)
@@ -564,7 +558,7 @@ KNOB_GRID: dict[str, list[float]] = {
     "cpu_transfer_discount": [0.0, 0.25, 0.5, 1.0],
     "running_request_tokens": [0.0, 16.0, 128.0],
     "kv_pressure_tokens": [0.0, 2048.0, 16384.0],
-    "recompute_weight": [1.0, 2.0, 4.0, 8.0],  # only if router.policy has it (proposed)
+    "recompute_weight": [1.0, 2.0, 4.0, 8.0],
 }
 
 

@@ -2,19 +2,25 @@
 
 The names are a contract with deploy/grafana/kvrouter-dashboard.json; do not rename.
 Per-worker state that lives elsewhere (subscriber counters, index residency, health, in-flight)
-is read at scrape time by a custom collector, so the numbers can never drift from the source.
+is read at scrape time by a custom collector from :func:`fleet_state`, so the numbers can never
+drift from the source.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["RouterMetrics"]
+if TYPE_CHECKING:
+    from indexer.index import PrefixIndex
+    from indexer.subscriber import SourceStatus
+    from router.workers import Worker
+
+__all__ = ["RouterMetrics", "fleet_state"]
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -149,3 +155,37 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def fleet_state(
+    workers: Iterable[Worker], index: PrefixIndex, status: Mapping[str, list[SourceStatus]]
+) -> dict[str, Any]:
+    """What the state collector exports, per worker: health, in-flight requests, resident
+    blocks per medium (from the index), and the event counters of its sources (``status``:
+    the subscriber's rows by worker URL)."""
+    out = []
+    for w in workers:
+        rows = status.get(w.url, [])
+        resident: dict[str, int] = {}
+        for e in w.engines():
+            st = index.engine_stats(e)
+            if st is None:
+                continue
+            for key, n in st.resident.items():
+                medium = key.split("/", 1)[1]
+                resident[medium] = resident.get(medium, 0) + n
+        out.append(
+            {
+                "url": w.url,
+                "healthy": w.healthy,
+                "inflight": w.inflight,
+                "degraded": any(r.degraded for r in rows),
+                "resident": resident,
+                "events": sum(r.events for r in rows),
+                "gaps": sum(r.gaps for r in rows),
+                "replays_ok": sum(r.replays_ok for r in rows),
+                "replays_failed": sum(r.replays_failed for r in rows),
+                "decode_errors": sum(r.decode_errors for r in rows),
+            }
+        )
+    return {"workers": out}

@@ -1,13 +1,13 @@
 """Routing policy: pure code, no I/O, no hidden clocks (``now`` is always an argument).
 
-The kvrouter policy picks the worker with the lowest *expected time to first token*
-(design.md, "Routing policy"), estimated in prefill-token equivalents:
+The kvrouter policy picks the engine with the lowest *expected time to first token*
+(docs/design.md, "Routing policy"), estimated in prefill-token equivalents:
 
-    cost = uncached prefill tokens of this prompt on that worker
+    cost = uncached prefill tokens of this prompt on that engine
          + cpu_hit_tokens * cpu_transfer_discount        (loading offloaded chunks is cheaper)
          + prefill tokens already queued there by this router (released at first token),
-           decayed in time at the worker's learned drain rate (``queued_estimate``)
-         + the worker's own /metrics correction:
+           decayed in time at the engine's learned drain rate (``queued_estimate``)
+         + the worker's own /metrics correction for that engine:
              waiting requests the router did not send itself  * mean prompt tokens
              running requests                                  * running_request_tokens
              KV usage above kv_pressure_threshold              * kv_pressure_tokens (scaled)
@@ -22,9 +22,9 @@ The routing benchmark drives this module directly with a simulated clock:
 
     policy = make_policy("kvrouter", PolicyParams(...), seed=0)
     spec = SpeculativeCache(ttl_s=2.0)
-    hits = spec.hit_tokens(worker, keys, unit=16, now=t)
-    d = policy.choose([Candidate(w, gpu, cpu, WorkerLoad(...), speculative_tokens=hits)], n, t)
-    spec.record(d.worker, keys, now=t)
+    hits = spec.hit_tokens(engine, keys, unit=16, now=t)
+    d = policy.choose([Candidate(engine, gpu, cpu, EngineLoad(...), speculative_tokens=hits)], n, t)
+    spec.record(d.engine, keys, now=t)
 """
 
 from __future__ import annotations
@@ -36,9 +36,12 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from router.load import EngineLoad
+
 __all__ = [
     "Candidate",
     "Decision",
+    "EngineCost",
     "KvRouterPolicy",
     "LeastLoadedPolicy",
     "Policy",
@@ -46,40 +49,20 @@ __all__ = [
     "RandomPolicy",
     "RoundRobinPolicy",
     "SpeculativeCache",
-    "WorkerCost",
-    "WorkerLoad",
     "make_policy",
 ]
 
-Worker = Hashable
-"""A worker identity: the router uses ``(url, dp_rank)``; the benchmark may use anything."""
-
-
-@dataclass(slots=True)
-class WorkerLoad:
-    """Load of one worker as the router knows it."""
-
-    inflight_requests: int = 0
-    """Requests this router sent there that have not finished."""
-    queued_prefill_tokens: int = 0
-    """Uncached prompt tokens of this router's requests there that have not produced a token."""
-    running: int = 0
-    """``vllm:num_requests_running`` (last poll)."""
-    waiting: int = 0
-    """``vllm:num_requests_waiting`` (last poll)."""
-    kv_usage: float = 0.0
-    """``vllm:kv_cache_usage_perc``, a fraction 0..1 (last poll)."""
-    prefilling_requests: int = 0
-    """This router's requests there that have not produced a first token (for the waiting
-    correction: the worker's waiting queue already contains them)."""
+Engine = Hashable
+"""An engine identity: the router uses ``(url, dp_rank)`` (``indexer.index.EngineId``); the
+benchmark and the tests may use anything hashable."""
 
 
 @dataclass(slots=True)
 class Candidate:
-    worker: Worker
+    engine: Engine
     gpu_hit_tokens: int = 0
     cpu_hit_tokens: int = 0
-    load: WorkerLoad = field(default_factory=WorkerLoad)
+    load: EngineLoad = field(default_factory=EngineLoad)
     speculative_tokens: int = 0
     """Hit predicted by a speculative entry; used when larger than the indexed GPU hit."""
 
@@ -123,8 +106,8 @@ class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
 
 
 @dataclass(slots=True)
-class WorkerCost:
-    worker: Worker
+class EngineCost:
+    engine: Engine
     hit_tokens: int
     """GPU hit used (max of index and speculative)."""
     cpu_hit_tokens: int
@@ -141,10 +124,10 @@ class WorkerCost:
 
 @dataclass(slots=True)
 class Decision:
-    worker: Worker
-    ranked: list[Worker]
+    engine: Engine
+    ranked: list[Engine]
     """Every candidate, best first (the proxy retries on ``ranked[1]``)."""
-    costs: list[WorkerCost]
+    costs: list[EngineCost]
     """Per candidate, in candidate order (empty for policies that do not score)."""
     reason: str
     predicted_hit_tokens: int = 0
@@ -160,16 +143,16 @@ class Policy:
 DRAIN_WINDOW_S = 60.0
 """Backlogged seconds the learned drain rate averages over (older evidence is halved away)."""
 DRAIN_MIN_BUSY_S = 2.0
-"""No drain is assumed before a worker has been seen backlogged this long."""
+"""No drain is assumed before an engine has been seen backlogged this long."""
 DRAIN_SATURATED_TOKENS = 4096
 """The rate is learned only over intervals starting with at least this many queued tokens: the
-queue-draining rate of a busy worker (full chunks), not that of lone short prompts, whose steps
+queue-draining rate of a busy engine (full chunks), not that of lone short prompts, whose steps
 are mostly fixed overhead and would understate it."""
 
 
 @dataclass(slots=True)
 class _Drain:
-    """One worker's queue-drain model (see ``KvRouterPolicy.queued_estimate``)."""
+    """One engine's queue-drain model (see ``KvRouterPolicy.queued_estimate``)."""
 
     est: float
     """Estimated queued prefill tokens still to compute, as of ``t``."""
@@ -188,28 +171,28 @@ class KvRouterPolicy(Policy):
     def __init__(self, params: PolicyParams | None = None, seed: int | None = None) -> None:
         self.params = params or PolicyParams()
         self._rng = random.Random(seed)
-        self._drain: dict[Worker, _Drain] = {}
-        """Per-worker queue-drain state: the only state besides the RNG; fed ``now``."""
+        self._drain: dict[Engine, _Drain] = {}
+        """Per-engine queue-drain state: the only state besides the RNG; fed ``now``."""
 
     def queued_estimate(self, c: Candidate, now: float) -> float:
-        """Prefill tokens still queued on ``c.worker``, decayed in time.
+        """Prefill tokens still queued on ``c.engine``, decayed in time.
 
         ``queued_prefill_tokens`` holds a request's whole uncached prompt until its first token,
-        so it overstates a worker that is part-way through a long prefill (the head request's
-        done chunks count in full). The estimate falls at the worker's drain rate between
+        so it overstates an engine that is part-way through a long prefill (the head request's
+        done chunks count in full). The estimate falls at the engine's drain rate between
         observations, rises by whatever the count grew by (this router's or other replicas'
-        new requests), and never exceeds the count. The rate is learned from this worker's own
+        new requests), and never exceeds the count. The rate is learned from this engine's own
         releases: tokens released / time spent backlogged. Releases that coincide with new
-        work in one interval are partly hidden, and a worker that went idle mid-interval
+        work in one interval are partly hidden, and an engine that went idle mid-interval
         counts the whole interval as busy, so the learned rate errs low: an underestimated
         rate only falls back toward the undecayed count, while an overestimated one would make
-        a busy worker look idle and draw a herd. Only observes ``WorkerLoad``: a dry-run
+        a busy engine look idle and draw a herd. Only observes ``EngineLoad``: a dry-run
         decision (``/debug/route``) or a decision the proxy then fails over does not skew it.
         """
         q = c.load.queued_prefill_tokens
-        st = self._drain.get(c.worker)
+        st = self._drain.get(c.engine)
         if st is None:
-            st = self._drain[c.worker] = _Drain(float(q), q, now)
+            st = self._drain[c.engine] = _Drain(float(q), q, now)
             return float(q)
         dt = max(0.0, now - st.t)
         if st.last_q >= DRAIN_SATURATED_TOKENS:
@@ -227,7 +210,7 @@ class KvRouterPolicy(Policy):
         st.t = now
         return st.est
 
-    def cost(self, c: Candidate, prompt_tokens: int, queued: float | None = None) -> WorkerCost:
+    def cost(self, c: Candidate, prompt_tokens: int, queued: float | None = None) -> EngineCost:
         p = self.params
         max_hit = max(prompt_tokens - 1, 0)
         spec = c.speculative_tokens > c.gpu_hit_tokens
@@ -243,8 +226,8 @@ class KvRouterPolicy(Policy):
         if queued is None:
             queued = float(ld.queued_prefill_tokens)
         total = uncached + cpu * p.cpu_transfer_discount + queued + metrics
-        return WorkerCost(
-            worker=c.worker,
+        return EngineCost(
+            engine=c.engine,
             hit_tokens=hit,
             cpu_hit_tokens=cpu,
             uncached_tokens=uncached,
@@ -259,14 +242,14 @@ class KvRouterPolicy(Policy):
     def choose(self, candidates: Sequence[Candidate], prompt_tokens: int, now: float) -> Decision:
         if not candidates:
             raise ValueError("no candidates")
-        if len(self._drain) > 2 * len(candidates) + 16:  # workers left the fleet: forget them
-            live = {c.worker for c in candidates}
-            self._drain = {w: st for w, st in self._drain.items() if w in live}
+        if len(self._drain) > 2 * len(candidates) + 16:  # engines left the fleet: forget them
+            live = {c.engine for c in candidates}
+            self._drain = {e: st for e, st in self._drain.items() if e in live}
         costs = [self.cost(c, prompt_tokens, self.queued_estimate(c, now)) for c in candidates]
         best = min(x.rank_tokens for x in costs)
         tie = self.params.near_tie_tokens * max(self.params.recompute_weight, 1.0)
         # Rank: near-ties of the best by in-flight requests, then a random tie-break; everything
-        # else by cost. The random key is drawn per decision so equal workers share the load.
+        # else by cost. The random key is drawn per decision so equal engines share the load.
         keyed = []
         for i, (c, x) in enumerate(zip(candidates, costs, strict=True)):
             near = x.rank_tokens <= best + tie
@@ -290,8 +273,8 @@ class KvRouterPolicy(Policy):
         if near_count > 1:
             reason += f"; {near_count} near-ties within {tie} tokens spread by in-flight count"
         return Decision(
-            worker=chosen.worker,
-            ranked=[candidates[i].worker for i in order],
+            engine=chosen.engine,
+            ranked=[candidates[i].engine for i in order],
             costs=costs,
             reason=reason,
             predicted_hit_tokens=chosen.hit_tokens,
@@ -311,8 +294,8 @@ class RoundRobinPolicy(Policy):
         self._next += 1
         order = list(range(i, len(candidates))) + list(range(i))
         return Decision(
-            worker=candidates[i].worker,
-            ranked=[candidates[j].worker for j in order],
+            engine=candidates[i].engine,
+            ranked=[candidates[j].engine for j in order],
             costs=[],
             reason="round robin",
             predicted_hit_tokens=candidates[i].gpu_hit_tokens,
@@ -338,8 +321,8 @@ class LeastLoadedPolicy(Policy):
         )
         order = [i for *_, i in keyed]
         return Decision(
-            worker=candidates[order[0]].worker,
-            ranked=[candidates[i].worker for i in order],
+            engine=candidates[order[0]].engine,
+            ranked=[candidates[i].engine for i in order],
             costs=[],
             reason="fewest in-flight plus foreign waiting requests",
             predicted_hit_tokens=candidates[order[0]].gpu_hit_tokens,
@@ -358,8 +341,8 @@ class RandomPolicy(Policy):
         order = list(range(len(candidates)))
         self._rng.shuffle(order)
         return Decision(
-            worker=candidates[order[0]].worker,
-            ranked=[candidates[i].worker for i in order],
+            engine=candidates[order[0]].engine,
+            ranked=[candidates[i].engine for i in order],
             costs=[],
             reason="random",
             predicted_hit_tokens=candidates[order[0]].gpu_hit_tokens,
@@ -379,10 +362,10 @@ def make_policy(name: str, params: PolicyParams | None = None, seed: int | None 
 
 
 class SpeculativeCache:
-    """Short-lived "this worker is about to hold this prefix" entries, as content keys.
+    """Short-lived "this engine is about to hold this prefix" entries, as content keys.
 
-    ``record(worker, keys, now)`` after routing a prompt whose content keys (one per ``unit``
-    tokens, chained) are ``keys``; ``hit_tokens(worker, keys, unit, now)`` returns how many
+    ``record(engine, keys, now)`` after routing a prompt whose content keys (one per ``unit``
+    tokens, chained) are ``keys``; ``hit_tokens(engine, keys, unit, now)`` returns how many
     leading tokens of another prompt such entries cover. Entries expire ``ttl_s`` after they
     were recorded (re-recording refreshes them). Keys are chained, so one key names a whole
     prefix and the covered run is found by binary search.
@@ -391,34 +374,34 @@ class SpeculativeCache:
     an 8k prompt), so recording is one C-level ``dict.update``. Expiry is incremental: records
     are kept in time order (``ttl_s`` is fixed and the clock monotonic), and each ``record``
     first retires the records whose time has passed, deleting their keys unless a later record
-    refreshed them. Why: sweeping every entry at once (the previous layout, a comprehension
-    every ``ttl_s / 2``) stopped the event loop for ~5 ms per 50k keys, once a second under
-    load. Bounded by ``max_keys``: past it, the oldest records are retired early, so at most
-    ``max_keys`` keys are held after every ``record``. The key sequences are kept by reference
-    (the tokenizer's cache holds them anyway) and must not be changed after recording.
+    refreshed them. Why: a periodic sweep of every entry stops the event loop for a time that
+    grows with the number of keys held, once per sweep under load. Bounded by ``max_keys``:
+    past it, the oldest records are retired early, so at most ``max_keys`` keys are held after
+    every ``record``. The key sequences are kept by reference (the tokenizer's cache holds them
+    anyway) and must not be changed after recording.
     """
 
     def __init__(self, ttl_s: float = 2.0, max_keys: int = 1_000_000) -> None:
         self.ttl_s = ttl_s
         self.max_keys = max_keys
-        self._entries: dict[Worker, dict[int, float]] = {}
-        # (until, worker, keys) per record, oldest first.
-        self._records: deque[tuple[float, Worker, Sequence[int]]] = deque()
-        self._size = 0  # keys held, over all workers
+        self._entries: dict[Engine, dict[int, float]] = {}
+        # (until, engine, keys) per record, oldest first.
+        self._records: deque[tuple[float, Engine, Sequence[int]]] = deque()
+        self._size = 0  # keys held, over all engines
 
     def __len__(self) -> int:
         return self._size
 
-    def record(self, worker: Worker, keys: Sequence[int], now: float) -> None:
+    def record(self, engine: Engine, keys: Sequence[int], now: float) -> None:
         if self.ttl_s <= 0 or not keys:
             return
         self.expire(now)
         until = now + self.ttl_s
-        entries = self._entries.setdefault(worker, {})
+        entries = self._entries.setdefault(engine, {})
         before = len(entries)
         entries.update(dict.fromkeys(keys, until))
         self._size += len(entries) - before
-        self._records.append((until, worker, keys))
+        self._records.append((until, engine, keys))
         while self._size > self.max_keys and self._records:
             self._retire(*self._records.popleft())
 
@@ -427,8 +410,8 @@ class SpeculativeCache:
         while records and records[0][0] <= now:
             self._retire(*records.popleft())
 
-    def _retire(self, until: float, worker: Worker, keys: Sequence[int]) -> None:
-        entries = self._entries.get(worker)
+    def _retire(self, until: float, engine: Engine, keys: Sequence[int]) -> None:
+        entries = self._entries.get(engine)
         if entries is None:
             return
         before = len(entries)
@@ -438,13 +421,13 @@ class SpeculativeCache:
                 del entries[k]
         self._size -= before - len(entries)
         if not entries:
-            del self._entries[worker]
+            del self._entries[engine]
 
-    def withdraw(self, worker: Worker, keys: Sequence[int]) -> None:
-        """Drop ``keys`` of ``worker`` now: the request that recorded them failed there, and
-        siblings must not follow it to a worker that may not compute the prefix. Its record
+    def withdraw(self, engine: Engine, keys: Sequence[int]) -> None:
+        """Drop ``keys`` of ``engine`` now: the request that recorded them failed there, and
+        siblings must not follow it to an engine that may not compute the prefix. Its record
         stays queued; retiring it later deletes nothing (the keys are gone)."""
-        entries = self._entries.get(worker)
+        entries = self._entries.get(engine)
         if entries is None:
             return
         before = len(entries)
@@ -453,10 +436,10 @@ class SpeculativeCache:
             pop(k, None)
         self._size -= before - len(entries)
         if not entries:
-            del self._entries[worker]
+            del self._entries[engine]
 
-    def hit_tokens(self, worker: Worker, keys: Sequence[int], unit: int, now: float) -> int:
-        entries = self._entries.get(worker)
+    def hit_tokens(self, engine: Engine, keys: Sequence[int], unit: int, now: float) -> int:
+        entries = self._entries.get(engine)
         if not entries or not keys:
             return 0
 

@@ -49,6 +49,7 @@ import msgspec
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from indexer.index import EngineId
 from router.upstream import UpstreamRequest, UpstreamResponse
 from router.verify import StreamUsageFilter
 from router.workers import Worker, WorkerRegistry
@@ -107,8 +108,8 @@ class Ticket:
     def __init__(self, w: Worker, rank: int, uncached: int) -> None:
         self.ld = w.load(rank)
         self.uncached = uncached
-        self.ld.inflight += 1
-        self.ld.prefilling += 1
+        self.ld.inflight_requests += 1
+        self.ld.prefilling_requests += 1
         self.ld.queued_prefill_tokens += uncached
         self._first = False
         self._done = False
@@ -116,14 +117,14 @@ class Ticket:
     def first_token(self) -> None:
         if not self._first:
             self._first = True
-            self.ld.prefilling -= 1
+            self.ld.prefilling_requests -= 1
             self.ld.queued_prefill_tokens -= self.uncached
 
     def finish(self) -> None:
         self.first_token()
         if not self._done:
             self._done = True
-            self.ld.inflight -= 1
+            self.ld.inflight_requests -= 1
 
 
 @dataclass
@@ -167,7 +168,7 @@ RETRYABLE = frozenset({"worker_gone", "pool_timeout", "connect", "declined"})
 
 @dataclass
 class Attempt:
-    engine: tuple[str, int]
+    engine: EngineId
     uncached: int
 
 
@@ -179,7 +180,7 @@ class Outcome:
     cached_tokens: int | None
     prompt_tokens: int | None = None
     """``usage.prompt_tokens`` the worker reported (verification: tokens as the worker saw them)."""
-    engine: tuple[str, int] | None = None
+    engine: EngineId | None = None
     """The engine that served the request (set for every attempt that got a response)."""
 
 
@@ -217,9 +218,7 @@ def _cached_from_sse(chunk: bytes) -> tuple[int, int | None] | None:
     return None
 
 
-def _tag_engine(
-    done: Callable[[Outcome], None], engine: tuple[str, int]
-) -> Callable[[Outcome], None]:
+def _tag_engine(done: Callable[[Outcome], None], engine: EngineId) -> Callable[[Outcome], None]:
     def tagged(o: Outcome) -> None:
         if o.engine is None:
             o.engine = engine
@@ -359,7 +358,7 @@ async def forward(
     limits: ProxyLimits | None = None,
     on_failed: Callable[[tuple[str, int], str], None] | None = None,
     strip_usage: bool = False,
-    on_sent: Callable[[tuple[str, int]], None] | None = None,
+    on_sent: Callable[[EngineId], None] | None = None,
 ) -> Response:
     """Send ``body`` to the first attempt that answers; stream or buffer the answer back.
 
@@ -396,7 +395,7 @@ class _Ctx:
     on_failed: Callable[[tuple[str, int], str], None] | None
     strip_usage: bool = False
     """The router added ``stream_options.include_usage``: drop the usage-only final event."""
-    on_sent: Callable[[tuple[str, int]], None] | None = None
+    on_sent: Callable[[EngineId], None] | None = None
 
     def failed(self, engine: tuple[str, int], reason: str) -> None:
         if self.on_failed is not None:

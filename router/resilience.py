@@ -1,4 +1,4 @@
-"""Worker failure handling that sits between the registry, the proxy and the subscriber (issue 8).
+"""Worker failure handling that sits between the registry, the proxy and the subscriber.
 
 * **A dead worker's index state is dropped.** :class:`WorkerWatch` looks at the registry's health
   flags every ``interval_s``. A worker that is unhealthy because it refused a connection (the
@@ -22,9 +22,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
 
-__all__ = ["WORKER_DOWN", "WorkerWatch"]
+from indexer.index import EngineId
+from indexer.subscriber import Subscriber
+from router.workers import Worker, WorkerRegistry
+
+__all__ = ["WORKER_DOWN", "WorkerWatch", "load_only"]
 
 log = logging.getLogger("kvrouter.resilience")
 
@@ -33,16 +37,22 @@ _DEAD_ERRORS = ("ConnectError", "RemoteProtocolError", "ReadError")
 
 
 class WorkerWatch:
+    """Drops the index state of workers that went down; re-probes a worker on request.
+
+    ``drop_worker_state(url, reason)`` clears every rank of a worker from the index and marks
+    them degraded, returning how many ranks it affected
+    (:meth:`indexer.subscriber.Subscriber.drop_worker_state`)."""
+
     def __init__(
         self,
-        registry: Any,
-        subscriber: Any,
+        registry: WorkerRegistry,
+        drop_worker_state: Callable[[str, str], int],
         *,
         interval_s: float = 0.2,
         drop_after_s: float = 2.0,
     ) -> None:
         self.registry = registry
-        self.subscriber = subscriber
+        self.drop_worker_state = drop_worker_state
         self.interval_s = interval_s
         self.drop_after_s = drop_after_s
         self.drops = 0
@@ -66,18 +76,15 @@ class WorkerWatch:
         self._task = None
         self._probing.clear()
 
-    def probe_soon(self, w: Any) -> None:
+    def probe_soon(self, w: Worker) -> None:
         """Re-check ``w``'s health now (a stream from it broke)."""
         if w.url in self._probing:
-            return
-        check = getattr(self.registry, "_check", None)
-        if check is None:
             return
 
         async def probe() -> None:
             try:
                 self.probes += 1
-                await check(w)
+                await self.registry.check(w)
                 self.tick()
             except Exception:  # pragma: no cover - the poll loop probes again anyway
                 log.debug("probe of %s failed", w.url, exc_info=True)
@@ -116,18 +123,14 @@ class WorkerWatch:
                 self._dropped.discard(url)
 
     def _drop(self, url: str, why: str) -> None:
-        if self.subscriber is None or not hasattr(self.subscriber, "drop_worker_state"):
-            return
-        n = self.subscriber.drop_worker_state(url, WORKER_DOWN)
+        n = self.drop_worker_state(url, WORKER_DOWN)
         if n:
             self.drops += 1
             log.warning("worker %s is down (%s): its index state is dropped", url, why)
 
 
-def load_only(subscriber: Any, engine: tuple[str, int]) -> bool:
+def load_only(subscriber: Subscriber, engine: EngineId) -> bool:
     """True when ``engine``'s index state cannot be trusted for hits (degraded)."""
-    if subscriber is None:
-        return False
     try:
         return bool(subscriber.is_degraded(engine))
     except Exception:  # pragma: no cover

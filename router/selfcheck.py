@@ -1,4 +1,4 @@
-"""Start-up (and on-join) self-check of every worker (issue 9).
+"""Start-up (and on-join) self-check of every worker.
 
 Per worker, once it is healthy and its event discovery has had a chance to run:
 
@@ -31,16 +31,16 @@ import logging
 import secrets
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
+from indexer.index import EngineId, PrefixIndex
+from indexer.subscriber import SourceStatus
 from router.proxy import cached_tokens_of
-from router.tokenize import decode_tokenize_response
-
-if TYPE_CHECKING:
-    from router.app import Router
-    from router.workers import Worker
+from router.tokenize import LocalTokenizer, decode_tokenize_response
+from router.workers import Worker, WorkerRegistry
 
 __all__ = ["SelfCheck"]
 
@@ -55,8 +55,30 @@ _dec = msgspec.json.Decoder()
 
 
 class SelfCheck:
-    def __init__(self, router: Router, *, timeout_s: float = 5.0, poll_s: float = 0.5) -> None:
-        self.router = router
+    """Checks every worker of ``registry`` once (new ones as they join).
+
+    ``local_tokenizer()`` is the router's verified local tokenizer (None: tokenization is
+    remote), ``sources(url)`` the subscriber's rows of a worker's event sources, ``root(model)``
+    the index root of a model's namespace; ``block_size`` is the configured KV block size."""
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        index: PrefixIndex,
+        *,
+        local_tokenizer: Callable[[], LocalTokenizer | None],
+        sources: Callable[[str], list[SourceStatus]],
+        root: Callable[[str | None], int],
+        block_size: int = 16,
+        timeout_s: float = 5.0,
+        poll_s: float = 0.5,
+    ) -> None:
+        self.registry = registry
+        self.index = index
+        self.local_tokenizer = local_tokenizer
+        self.sources = sources
+        self.root = root
+        self.block_size = block_size
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self.results: dict[str, dict[str, Any]] = {}
@@ -71,15 +93,13 @@ class SelfCheck:
         """Check the workers known now, waiting up to ``wait_s`` for those that are healthy (so a
         router that starts serving has checked its static fleet), then watch for joins."""
         self._launch()
-        healthy = [
-            self._running[w.url] for w in self.router.registry.healthy() if w.url in self._running
-        ]
+        healthy = [self._running[w.url] for w in self.registry.healthy() if w.url in self._running]
         if healthy and wait_s:
             await asyncio.wait(healthy, timeout=wait_s)
         self._task = asyncio.create_task(self._loop(), name="kvrouter-selfcheck")
 
     def _launch(self) -> None:
-        workers = self.router.registry.workers
+        workers = self.registry.workers
         for url, w in list(workers.items()):
             if url not in self.results and url not in self._running:
                 self.results[url] = {"events": "pending", "tokenizer": "pending"}
@@ -98,7 +118,7 @@ class SelfCheck:
         """Check every worker once (new ones as they join); forget workers that left."""
         while True:
             self._launch()
-            workers = self.router.registry.workers
+            workers = self.registry.workers
             for url in [u for u in self.results if u not in workers]:
                 self.results.pop(url, None)
                 self.fingerprints.pop(url, None)
@@ -106,12 +126,6 @@ class SelfCheck:
                 if t is not None:
                     t.cancel()
             await asyncio.sleep(self.poll_s)
-
-    async def recheck(self, url: str) -> dict[str, Any]:
-        """Run the check of one worker now (tests, admin use)."""
-        w = self.router.registry.workers[url]
-        await self._check_one(w)
-        return self.results[url]
 
     # ---------------------------------------------------------------- one worker
 
@@ -129,7 +143,7 @@ class SelfCheck:
             res.setdefault("tokenizer", "pending")
             res["checked_at"] = time.time()
             res["duration_s"] = round(time.monotonic() - t0, 3)
-            if w.url in self.router.registry.workers:
+            if w.url in self.registry.workers:
                 self.results[w.url] = res
             self._running.pop(w.url, None)
         self._report(w.url, res)
@@ -144,8 +158,6 @@ class SelfCheck:
             await asyncio.sleep(0.05)
 
     async def _check(self, w: Worker) -> dict[str, Any]:
-        r = self.router
-        res: dict[str, Any] = {}
         if not await self._wait(lambda: w.healthy and bool(w.models), self.timeout_s * 2):
             return {
                 "events": "error",
@@ -153,39 +165,61 @@ class SelfCheck:
                 f"({w.last_health_error or 'no answer'})",
                 "tokenizer": "unchecked",
             }
-        model = r.registry.models.base
-        # 1. tokenizer
-        prompt_ids = await self._tokenize(w, {"prompt": _PROMPT, "add_special_tokens": True}, model)
-        chat_ids = await self._tokenize(w, {"messages": _CHAT}, model)
-        self.fingerprints[w.url] = (tuple(prompt_ids), tuple(chat_ids))
-        local = r.tokenizer.local
-        if local is not None:
-            problems = []
-            with contextlib.suppress(Exception):
-                if local.encode_prompt(_PROMPT, True) != prompt_ids:
-                    problems.append("prompt")
-            try:
-                if local.encode_chat({"messages": _CHAT}) != chat_ids:
-                    problems.append("chat")
-            except Exception as exc:
-                problems.append(f"chat ({exc})")
-            res["tokenizer"] = "mismatch" if problems else "ok"
-            if problems:
-                res["tokenizer_detail"] = f"local tokenizer differs on: {', '.join(problems)}"
-        else:
-            res["tokenizer"] = "remote"
-        # 2. events: wait for discovery to subscribe (a worker without events never does)
+        model = self.registry.models.base
+        res = await self._check_tokenizer(w, model)
+        # Events: wait for discovery to subscribe (a worker without events never does).
         no_sources = None
         if w.events_endpoint is None and not w.subscribed:
             no_sources = await self._no_event_sources(w)
         subscribed = no_sources is None and await self._wait(lambda: w.subscribed, self.timeout_s)
-        if not subscribed or r.subscriber is None:
+        if not subscribed:
             res["events"] = "missing"
             res["events_detail"] = no_sources or await self._why_no_events(w)
             res["hits"] = "unchecked"
             return res
         await self._wait(lambda: self._connected(w), self.timeout_s)
-        bs = r.cfg.model.block_size or 16
+        ids = await self._probe_ids(w, model)
+        root = self.root(model)
+        engines = w.engines()
+        events_before = self._events(w)
+        first = await self._probe(w, ids, model)
+        if first is None:
+            res["events"] = "error"
+            res["events_detail"] = "the probe completion failed"
+            res["hits"] = "unchecked"
+            return res
+        res.update(await self._check_events(w, ids, root, engines, events_before))
+        res.update(await self._check_hits(w, ids, root, model, rank=first[0]))
+        return res
+
+    async def _check_tokenizer(self, w: Worker, model: str | None) -> dict[str, Any]:
+        """The worker's /tokenize on a fixed prompt and chat, against the local tokenizer if
+        there is one (else recorded as a fingerprint to compare with the rest of the fleet)."""
+        res: dict[str, Any] = {}
+        prompt_ids = await self._tokenize(w, {"prompt": _PROMPT, "add_special_tokens": True}, model)
+        chat_ids = await self._tokenize(w, {"messages": _CHAT}, model)
+        self.fingerprints[w.url] = (tuple(prompt_ids), tuple(chat_ids))
+        local = self.local_tokenizer()
+        if local is None:
+            res["tokenizer"] = "remote"
+            return res
+        problems = []
+        with contextlib.suppress(Exception):
+            if local.encode_prompt(_PROMPT, True) != prompt_ids:
+                problems.append("prompt")
+        try:
+            if local.encode_chat({"messages": _CHAT}) != chat_ids:
+                problems.append("chat")
+        except Exception as exc:
+            problems.append(f"chat ({exc})")
+        res["tokenizer"] = "mismatch" if problems else "ok"
+        if problems:
+            res["tokenizer_detail"] = f"local tokenizer differs on: {', '.join(problems)}"
+        return res
+
+    async def _probe_ids(self, w: Worker, model: str | None) -> list[int]:
+        """A unique prompt of a few blocks, in token ids valid for the worker's vocabulary."""
+        bs = self.block_size
         n = max(6 * bs + bs // 2 + 1, 217)
         seed = await self._tokenize(
             w,
@@ -198,55 +232,64 @@ class SelfCheck:
         )
         if len(seed) < 8:
             seed = seed + list(range(200, 264))  # a tokenizer that merges everything: pad
-        ids = (seed * (n // len(seed) + 1))[:n]
-        _, root = r.namespace_root({"model": model})
-        engines = w.engines()
-        events_before = self._events(w)
-        first = await self._probe(w, ids, model)
-        if first is None:
-            res["events"] = "error"
-            res["events_detail"] = "the probe completion failed"
-            res["hits"] = "unchecked"
-            return res
-        rank, _ = first
+        return (seed * (n // len(seed) + 1))[:n]
+
+    async def _check_events(
+        self, w: Worker, ids: list[int], root: int, engines: list[EngineId], events_before: int
+    ) -> dict[str, Any]:
+        """After the first probe: does the index show its blocks on the worker?"""
+        n = len(ids)
 
         def found() -> int:
-            m = r.index.match(ids, root, engines)
+            m = self.index.match(ids, root, engines)
             return max((x.gpu_tokens for x in m.values()), default=0)
 
         if await self._wait(lambda: found() > 0, self.timeout_s):
-            res["events"] = "ok"
-            res["events_detail"] = f"probe of {n} tokens indexed ({found()} tokens matched)"
-        elif self._events(w) > events_before:
-            res["events"] = "unmatched"
-            res["events_detail"] = (
-                f"events arrive ({self._events(w) - events_before} since the probe) but none "
-                f"describes the {n}-token probe: the worker's tokens or block size differ from "
-                "what its events say"
-            )
-        else:
-            res["events"] = "missing"
-            res["events_detail"] = (
+            return {
+                "events": "ok",
+                "events_detail": f"probe of {n} tokens indexed ({found()} tokens matched)",
+            }
+        if self._events(w) > events_before:
+            return {
+                "events": "unmatched",
+                "events_detail": (
+                    f"events arrive ({self._events(w) - events_before} since the probe) but none "
+                    f"describes the {n}-token probe: the worker's tokens or block size differ "
+                    "from what its events say"
+                ),
+            }
+        return {
+            "events": "missing",
+            "events_detail": (
                 f"no KV event arrived within {self.timeout_s:.1f}s of a {n}-token probe "
                 f"(subscribed to {w.events_endpoint}; events disabled on the worker, or its "
                 "ZMQ port unreachable)"
-            )
-        # 3. the same probe again: the worker's cached_tokens vs the index's prediction
-        m = r.index.match(ids, root, [(w.url, rank)]).get((w.url, rank))
+            ),
+        }
+
+    async def _check_hits(
+        self, w: Worker, ids: list[int], root: int, model: str | None, rank: int
+    ) -> dict[str, Any]:
+        """The same probe again: the worker's cached_tokens vs the index's prediction."""
+        e = (w.url, rank)
+        m = self.index.match(ids, root, [e]).get(e)
         predicted = (m.gpu_tokens + m.cpu_tokens) if m is not None else 0
         second = await self._probe(w, ids, model, rank)
         if second is None:
-            res["hits"] = "error"
-        elif second[1] is None:
-            res["hits"] = "unreported"
-            res["hits_detail"] = (
-                "the worker reports no usage.prompt_tokens_details.cached_tokens "
-                "(vLLM: --enable-prompt-tokens-details); per-request verification is off for it"
-            )
-        else:
-            res["hits"] = "ok" if second[1] == predicted else "mismatch"
-            res["hits_detail"] = f"predicted {predicted}, worker cached {second[1]}"
-        return res
+            return {"hits": "error"}
+        if second[1] is None:
+            return {
+                "hits": "unreported",
+                "hits_detail": (
+                    "the worker reports no usage.prompt_tokens_details.cached_tokens "
+                    "(vLLM: --enable-prompt-tokens-details); per-request verification is off "
+                    "for it"
+                ),
+            }
+        return {
+            "hits": "ok" if second[1] == predicted else "mismatch",
+            "hits_detail": f"predicted {predicted}, worker cached {second[1]}",
+        }
 
     async def _tokenize(self, w: Worker, payload: dict[str, Any], model: str | None) -> list[int]:
         if model is not None:
@@ -281,15 +324,15 @@ class SelfCheck:
         if rank is None:
             rank = 0
             if w.dp_size > 1:  # find the rank whose event stream moved
-                rank = max(w.engines(), key=lambda e: self.router.index.resident_blocks(e))[1]
+                rank = max(w.engines(), key=lambda e: self.index.resident_blocks(e))[1]
         return rank, cached
 
     def _events(self, w: Worker) -> int:
-        return sum(getattr(s, "events", 0) for s in self.router._sub_status().get(w.url, []))
+        return sum(s.events for s in self.sources(w.url))
 
     def _connected(self, w: Worker) -> bool:
-        rows = self.router._sub_status().get(w.url, [])
-        return bool(rows) and all(getattr(s, "connected", False) for s in rows)
+        rows = self.sources(w.url)
+        return bool(rows) and all(s.connected for s in rows)
 
     async def _no_event_sources(self, w: Worker) -> str | None:
         """Why the worker cannot be subscribed, if it says so itself (else None)."""
@@ -304,8 +347,6 @@ class SelfCheck:
         return None
 
     async def _why_no_events(self, w: Worker) -> str:
-        if self.router.subscriber is None:
-            return "the router has no event subscriber (indexer unavailable)"
         try:
             resp = await w.client.get("/kv_event_sources", timeout=self.timeout_s)
         except Exception as exc:
@@ -356,7 +397,7 @@ class SelfCheck:
         if (
             not self._fleet_warned
             and done
-            and len(done) == len(self.router.registry.workers)
+            and len(done) == len(self.registry.workers)
             and all(x.get("events") != "ok" for x in done)
         ):
             self._fleet_warned = True
@@ -412,7 +453,7 @@ class SelfCheck:
         return (self.results.get(url) or {}).get("events") == "ok"
 
     def ready(self) -> tuple[bool, str]:
-        healthy = self.router.registry.healthy()
+        healthy = self.registry.healthy()
         if not healthy:
             return False, "no healthy worker"
         for w in healthy:

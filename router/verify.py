@@ -1,4 +1,4 @@
-"""Self-verification: how right is the index? (issue 9)
+"""Self-verification: how right is the index?
 
 For every proxied request the router knows the hit it predicted on the engine that served it
 (the index's GPU hit plus CPU extension, ``PrefixMatch.gpu_tokens + cpu_tokens``) and the worker

@@ -19,13 +19,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 
+from indexer.index import EngineId
 from router.config import WorkerSpec
 from router.event_sources import parse_event_sources
-from router.policy import WorkerLoad
+from router.load import EngineLoad
 from router.upstream import UpstreamClient
 
 __all__ = ["ModelNames", "Worker", "WorkerRegistry", "parse_vllm_metrics"]
@@ -77,16 +77,6 @@ def parse_vllm_metrics(text: str) -> dict[int, dict[str, float]]:
 
 
 @dataclass
-class EngineLoad:
-    inflight: int = 0
-    prefilling: int = 0
-    queued_prefill_tokens: int = 0
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-
-
-@dataclass
 class Worker:
     spec: WorkerSpec
     client: UpstreamClient
@@ -109,10 +99,11 @@ class Worker:
     def host(self) -> str:
         return self.spec.host
 
-    def engines(self) -> list[tuple[str, int]]:
+    def engines(self) -> list[EngineId]:
         return [(self.url, r) for r in range(self.dp_size)]
 
     def load(self, rank: int) -> EngineLoad:
+        """The live load record of engine ``rank`` (created on first use)."""
         ld = self.loads.get(rank)
         if ld is None:
             ld = self.loads[rank] = EngineLoad()
@@ -120,18 +111,7 @@ class Worker:
 
     @property
     def inflight(self) -> int:
-        return sum(x.inflight for x in self.loads.values())
-
-    def worker_load(self, rank: int) -> WorkerLoad:
-        ld = self.load(rank)
-        return WorkerLoad(
-            inflight_requests=ld.inflight,
-            queued_prefill_tokens=ld.queued_prefill_tokens,
-            running=ld.running,
-            waiting=ld.waiting,
-            kv_usage=ld.kv_usage,
-            prefilling_requests=ld.prefilling,
-        )
+        return sum(x.inflight_requests for x in self.loads.values())
 
 
 class ModelNames:
@@ -233,7 +213,7 @@ class WorkerRegistry:
             return None
         w = self.workers[spec.url] = self._new_worker(spec)
         if self._started:
-            await self._check(w)
+            await self.check(w)
             if self.workers.get(spec.url) is w:  # not removed while probing
                 self._start_loops(w)
         return w
@@ -262,7 +242,7 @@ class WorkerRegistry:
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        await asyncio.gather(*(self._check(w) for w in self.workers.values()))
+        await asyncio.gather(*(self.check(w) for w in self.workers.values()))
         for w in list(self.workers.values()):
             self._start_loops(w)
         self._started = True
@@ -292,7 +272,8 @@ class WorkerRegistry:
 
     # ---------------------------------------------------------------- loops
 
-    async def _check(self, w: Worker) -> None:
+    async def check(self, w: Worker) -> None:
+        """Probe ``w``'s /health and, when healthy, read its /metrics gauges."""
         try:
             r = await self._probe.get(w.url + "/health")
             ok = r.status_code == 200
@@ -333,7 +314,7 @@ class WorkerRegistry:
         while True:
             await asyncio.sleep(self.poll_interval_s)
             try:
-                await self._check(w)
+                await self.check(w)
             except Exception:  # never let one bad answer kill the loop
                 log.exception("health/metrics poll of %s failed", w.url)
 
@@ -387,7 +368,3 @@ class WorkerRegistry:
         w.topic = first.topic or w.topic
         w.dp_size = max(len(sources), w.spec.dp_size)
         return True
-
-
-def host_of(url: str) -> str:
-    return urlsplit(url).hostname or "127.0.0.1"

@@ -1,4 +1,4 @@
-"""Bad HTTP input, fuzzed (issue 8): hypothesis-generated bodies, JSON shapes, headers, methods.
+"""Bad HTTP input, fuzzed: hypothesis-generated bodies, JSON shapes, headers, methods.
 
 The router's API routes read raw bodies (its OpenAPI schema has no request schemas), so
 schemathesis would only send empty bodies; this generates the inputs itself. Target: the real

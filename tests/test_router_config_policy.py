@@ -9,13 +9,13 @@ import sys
 import pytest
 
 from router.config import ConfigError, load_config, parse_config, parse_worker_arg
+from router.load import EngineLoad
 from router.policy import (
     Candidate,
     KvRouterPolicy,
     PolicyParams,
     RoundRobinPolicy,
     SpeculativeCache,
-    WorkerLoad,
     make_policy,
 )
 
@@ -94,7 +94,7 @@ def test_env_overrides():
 
 
 def test_policy_knobs_reach_the_policy_and_default_to_its_own_defaults():
-    from router.app import Router
+    from router.core import Router
 
     assert parse_config({}, env={}).policy == PolicyParams()
     cfg = parse_config(
@@ -137,28 +137,28 @@ def test_cli_reports_config_error(tmp_path):
 
 
 def cand(w: str, gpu: int = 0, cpu: int = 0, spec: int = 0, **load: float) -> Candidate:
-    return Candidate(w, gpu, cpu, WorkerLoad(**load), speculative_tokens=spec)  # type: ignore[arg-type]
+    return Candidate(w, gpu, cpu, EngineLoad(**load), speculative_tokens=spec)  # type: ignore[arg-type]
 
 
 def test_prefers_cached_prefix_and_counts_cpu_at_discount():
     p = KvRouterPolicy(PolicyParams(cpu_transfer_discount=0.25, near_tie_tokens=0), seed=1)
     d = p.choose([cand("a"), cand("b", gpu=512), cand("c", gpu=256, cpu=512)], 1025, 0.0)
-    costs = {c.worker: c.cost_tokens for c in d.costs}
+    costs = {c.engine: c.cost_tokens for c in d.costs}
     assert costs == {"a": 1025, "b": 513, "c": 257 + 512 * 0.25}
-    assert d.worker == "c" and d.ranked == ["c", "b", "a"]
+    assert d.engine == "c" and d.ranked == ["c", "b", "a"]
 
 
 def test_queued_prefill_outweighs_a_small_hit():
     p = KvRouterPolicy(PolicyParams(near_tie_tokens=0), seed=1)
     d = p.choose([cand("a", gpu=256, queued_prefill_tokens=4000), cand("b")], 1000, 0.0)
-    assert d.worker == "b"
+    assert d.engine == "b"
 
 
 def test_worker_metrics_correct_the_estimate():
     p = KvRouterPolicy(PolicyParams(near_tie_tokens=0, mean_prompt_tokens=1000), seed=1)
     # b's own queue is empty but the worker reports 3 waiting requests other routers sent.
     d = p.choose([cand("a", gpu=0), cand("b", gpu=512, waiting=3)], 1000, 0.0)
-    assert d.worker == "a"
+    assert d.engine == "a"
     # Waiting requests this router sent itself are already in queued_prefill_tokens.
     d = p.choose(
         [
@@ -168,14 +168,14 @@ def test_worker_metrics_correct_the_estimate():
         1000,
         0.0,
     )
-    assert d.worker == "b"
+    assert d.engine == "b"
 
 
 def test_near_ties_spread_by_inflight_then_random():
     p = KvRouterPolicy(PolicyParams(near_tie_tokens=64), seed=3)
     d = p.choose([cand("a", gpu=32, inflight_requests=3), cand("b", inflight_requests=1)], 500, 0)
-    assert d.worker == "b"  # 32-token advantage is a near-tie: fewer in-flight wins
-    chosen = {p.choose([cand("a"), cand("b"), cand("c")], 100, 0.0).worker for _ in range(50)}
+    assert d.engine == "b"  # 32-token advantage is a near-tie: fewer in-flight wins
+    chosen = {p.choose([cand("a"), cand("b"), cand("c")], 100, 0.0).engine for _ in range(50)}
     assert chosen == {"a", "b", "c"}
 
 
@@ -188,7 +188,7 @@ def test_speculative_entries_guide_siblings_then_expire():
     assert spec.hit_tokens("b", keys, 16, now=10.5) == 0
     p = KvRouterPolicy(PolicyParams(near_tie_tokens=64), seed=0)
     d = p.choose([cand("a", spec=spec.hit_tokens("a", keys, 16, 10.5)), cand("b")], 641, 10.5)
-    assert d.worker == "a" and d.costs[0].speculative
+    assert d.engine == "a" and d.costs[0].speculative
     assert spec.hit_tokens("a", keys, 16, now=12.01) == 0
     spec.expire(12.01)
     assert len(spec) == 0
@@ -228,9 +228,9 @@ def test_herd_spills_over_once_queue_outweighs_recompute(weight: float) -> None:
             for w in queued
         ]
         d = p.choose(cands, 1100, 0.0)
-        picks.append(d.worker)
-        queued[d.worker] += next(c.uncached_tokens for c in d.costs if c.worker == d.worker)
-        spec.record(d.worker, keys, 0.0)
+        picks.append(d.engine)
+        queued[d.engine] += next(c.uncached_tokens for c in d.costs if c.engine == d.engine)
+        spec.record(d.engine, keys, 0.0)
     holder = picks[0]
     first_spill = next(i for i, w in enumerate(picks) if w != holder)
     # The holder's queue starts with the first request's 1100-token prefill and grows by 76
@@ -243,16 +243,16 @@ def test_herd_spills_over_once_queue_outweighs_recompute(weight: float) -> None:
 
 def test_simple_policies():
     rr = RoundRobinPolicy()
-    assert [rr.choose([cand("a"), cand("b")], 10, 0).worker for _ in range(4)] == [
+    assert [rr.choose([cand("a"), cand("b")], 10, 0).engine for _ in range(4)] == [
         "a",
         "b",
         "a",
         "b",
     ]
     ll = make_policy("least_loaded", seed=0)
-    assert ll.choose([cand("a", inflight_requests=2), cand("b")], 10, 0).worker == "b"
+    assert ll.choose([cand("a", inflight_requests=2), cand("b")], 10, 0).engine == "b"
     rnd = make_policy("random", seed=0)
-    assert {rnd.choose([cand("a"), cand("b")], 10, 0).worker for _ in range(30)} == {"a", "b"}
+    assert {rnd.choose([cand("a"), cand("b")], 10, 0).engine for _ in range(30)} == {"a", "b"}
 
 
 def test_queued_prefill_drains_in_time_at_the_learned_rate() -> None:
@@ -319,8 +319,8 @@ def test_drained_worker_wins_over_an_equal_raw_count() -> None:
         100,
         23.0,
     )
-    assert d.worker == "a"
-    costs = {c.worker: c.queued_tokens for c in d.costs}
+    assert d.engine == "a"
+    costs = {c.engine: c.queued_tokens for c in d.costs}
     assert costs["b"] == 30_000 and costs["a"] < 10_000
 
 

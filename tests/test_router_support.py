@@ -12,8 +12,9 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from router.app import Router, create_apps
+from router.app import create_apps
 from router.config import Config, WorkerSpec
+from router.core import Router
 
 
 async def until(

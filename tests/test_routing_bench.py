@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import routing_bench
 from bench.approx import ApproxPrefixPolicy
 from bench.workloads import Req, TokenSource, chat, mooncake
-from router.policy import Candidate, WorkerLoad
+from router.load import EngineLoad
+from router.policy import Candidate
 
 
 def _last_json(capsys: pytest.CaptureFixture[str]) -> dict:
@@ -153,18 +154,18 @@ def test_chat_turns_extend_the_previous_prompt():
 
 def test_approx_prefix_follows_history_and_forgets_after_ttl():
     p = ApproxPrefixPolicy(unit=16, capacity_keys=1000, ttl_s=10.0, cache_threshold=0.5, seed=0)
-    cands = [Candidate(w, load=WorkerLoad(inflight_requests=0)) for w in ("a", "b", "c")]
+    cands = [Candidate(w, load=EngineLoad(inflight_requests=0)) for w in ("a", "b", "c")]
     p.keys = list(range(1, 65))  # a 1024-token prompt
-    first = p.choose(cands, 1024, now=0.0).worker
+    first = p.choose(cands, 1024, now=0.0).engine
     p.keys = list(range(1, 61))
     # the other workers are less loaded, history still wins
     cands = [
-        Candidate(w, load=WorkerLoad(inflight_requests=5 if w == first else 0))
+        Candidate(w, load=EngineLoad(inflight_requests=5 if w == first else 0))
         for w in ("a", "b", "c")
     ]
-    assert p.choose(cands, 960, now=1.0).worker == first
+    assert p.choose(cands, 960, now=1.0).engine == first
     late = p.choose(cands, 960, now=30.0)
-    assert late.worker != first  # entries expired: least loaded
+    assert late.engine != first  # entries expired: least loaded
 
 
 def test_hit_rate_counts_the_first_admission_not_a_preempted_requests_own_blocks():

@@ -1,4 +1,4 @@
-"""Security defaults (issue 8): admin port + token, API keys, Authorization forwarding, CORS
+"""Security defaults: admin port + token, API keys, Authorization forwarding, CORS
 off by default, prompts and token ids never in the logs at the default level."""
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ import pytest
 from redis_server import RedisServer, redis_server
 from test_router_support import until
 
+from indexer.index import EngineId
+from router.load import EngineLoad
 from router.shared_state import (
-    EngineId,
     ExportedEngine,
-    LoadTuple,
     RedisSharedState,
     SharedState,
     engine_key,
@@ -40,7 +40,7 @@ class Replica:
     """One RedisSharedState with a mutable local load table and recorded up/down calls."""
 
     def __init__(self, url: str, **kw: Any) -> None:
-        self.loads: dict[EngineId, LoadTuple] = {}
+        self.loads: dict[EngineId, EngineLoad] = {}
         self.ups: list[bool] = []
         self.exports: dict[EngineId, ExportedEngine] = {}
         kw.setdefault("heartbeat_ttl_s", 2.0)
@@ -77,7 +77,7 @@ async def test_embedded_state_is_local_only() -> None:
     assert type(st) is SharedState
     await st.start()
     assert ups == [False] and not st.up
-    assert st.remote_load(E0).requests == 0
+    assert st.remote_load(E0).inflight_requests == 0
     st.speculative.record(E0, [1, 2, 3], now=10.0)
     assert st.speculative.hit_tokens(E0, [1, 2, 3, 4], 16, now=10.5) == 48
     assert st.take_snapshot(E0) is None
@@ -88,22 +88,28 @@ async def test_embedded_state_is_local_only() -> None:
 async def test_load_is_shared_and_own_load_is_not_double_counted(srv: RedisServer) -> None:
     async with replica(srv.url) as a, replica(srv.url) as b:
         assert a.state.up and b.state.up and a.ups == [False, True]
-        a.loads[E0] = (3, 1, 700)
-        b.loads[E0] = (2, 2, 50)
-        b.loads[E1] = (1, 0, 0)
-        await until(lambda: b.state.remote_load(E0).requests == 3, 5, "b to see a's load")
+        a.loads[E0] = EngineLoad(3, 1, 700)
+        b.loads[E0] = EngineLoad(2, 2, 50)
+        b.loads[E1] = EngineLoad(1, 0, 0)
+        await until(lambda: b.state.remote_load(E0).inflight_requests == 3, 5, "b to see a's load")
         r = b.state.remote_load(E0)
-        assert (r.requests, r.prefilling, r.prefill_tokens) == (3, 1, 700)
-        await until(lambda: a.state.remote_load(E1).requests == 1, 5, "a to see b's E1 load")
+        assert (r.inflight_requests, r.prefilling_requests, r.queued_prefill_tokens) == (3, 1, 700)
+        await until(
+            lambda: a.state.remote_load(E1).inflight_requests == 1, 5, "a to see b's E1 load"
+        )
         r = a.state.remote_load(E0)
-        assert (r.requests, r.prefilling, r.prefill_tokens) == (2, 2, 50)  # b only, not a
+        assert (r.inflight_requests, r.prefilling_requests, r.queued_prefill_tokens) == (
+            2,
+            2,
+            50,
+        )  # b only, not a
         # Load drains: the zero is propagated too.
         a.loads.clear()
-        await until(lambda: b.state.remote_load(E0).requests == 0, 5, "a's load to drain")
+        await until(lambda: b.state.remote_load(E0).inflight_requests == 0, 5, "a's load to drain")
         assert b.state.status()["other_replicas"] == [a.state.replica_id] or True
         # A clean stop removes the contribution at once (no TTL wait).
-        a.loads[E0] = (5, 0, 0)
-        await until(lambda: b.state.remote_load(E0).requests == 5, 5)
+        a.loads[E0] = EngineLoad(5, 0, 0)
+        await until(lambda: b.state.remote_load(E0).inflight_requests == 5, 5)
     st = b.state.status()
     assert st["backend"] == "redis" and st["counters"]["load_refreshes"] > 0
 
@@ -113,14 +119,16 @@ async def test_killed_replica_leaves_no_phantom_load_after_ttl(srv: RedisServer)
     async with replica(srv.url, heartbeat_ttl_s=ttl) as b:
         a = Replica(srv.url, heartbeat_ttl_s=ttl)
         await a.state.start()
-        a.loads[E0] = (4, 4, 4000)
-        await until(lambda: b.state.remote_load(E0).requests == 4, 5, "b to see a's load")
+        a.loads[E0] = EngineLoad(4, 4, 4000)
+        await until(lambda: b.state.remote_load(E0).inflight_requests == 4, 5, "b to see a's load")
         # Crash: a's tasks stop without the clean goodbye (no DEL, no ZREM).
         for t in a.state._tasks:
             t.cancel()
         await asyncio.gather(*a.state._tasks, return_exceptions=True)
         killed = time.monotonic()
-        await until(lambda: b.state.remote_load(E0).requests == 0, 5 * ttl, "TTL to expire it")
+        await until(
+            lambda: b.state.remote_load(E0).inflight_requests == 0, 5 * ttl, "TTL to expire it"
+        )
         gone_after = time.monotonic() - killed
         assert gone_after <= ttl + 1.0, gone_after
         a.state._up = False  # skip the goodbye in stop(): it is dead
@@ -147,14 +155,14 @@ async def test_speculative_entries_reach_every_replica(srv: RedisServer) -> None
 
 async def test_redis_outage_degrades_then_recovers(srv: RedisServer) -> None:
     async with replica(srv.url) as a, replica(srv.url) as b:
-        a.loads[E0] = (2, 0, 10)
-        await until(lambda: b.state.remote_load(E0).requests == 2, 5)
+        a.loads[E0] = EngineLoad(2, 0, 10)
+        await until(lambda: b.state.remote_load(E0).inflight_requests == 2, 5)
         srv.kill()
         await until(lambda: not b.state.up, 5, "b to notice Redis is gone")
         await until(lambda: not a.state.up, 5, "a to notice Redis is gone")
         assert b.ups[-1] is False and b.ups.count(False) == 2  # start + one transition
         # Per-replica state now: the other replica's load is forgotten, calls stay cheap.
-        assert b.state.remote_load(E0).requests == 0
+        assert b.state.remote_load(E0).inflight_requests == 0
         t = time.perf_counter()
         for _ in range(1000):
             b.state.speculative.record(E0, [1, 2], time.monotonic())
@@ -166,7 +174,7 @@ async def test_redis_outage_degrades_then_recovers(srv: RedisServer) -> None:
         await until(lambda: a.state.up and b.state.up, 10, "both to reconnect")
         assert b.ups[-1] is True
         # The restarted Redis is empty: a's next push restores its load there.
-        await until(lambda: b.state.remote_load(E0).requests == 2, 5, "load shared again")
+        await until(lambda: b.state.remote_load(E0).inflight_requests == 2, 5, "load shared again")
         keys = [21, 22]
 
         async def seen() -> bool:

@@ -1,4 +1,4 @@
-"""Issue 9: the router verifies its predictions against what workers report, and handles drift.
+"""The router verifies its predictions against what workers report, and handles drift.
 
 Real HTTP on loopback, simulated vLLM workers (subprocesses), real ZMQ events. Every wait polls
 with a deadline. Misconfigurations: events off, a different chat template, a BOS-adding

@@ -1,4 +1,4 @@
-"""Fault-injection suite (issue 8): real simulator processes and the router on loopback.
+"""Fault-injection suite: real simulator processes and the router on loopback.
 
 Every test is bounded in time (pytest-timeout) and in requests; synchronisation is by polling
 state with deadlines (``until``), never by fixed sleeps.

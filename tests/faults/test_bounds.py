@@ -1,4 +1,4 @@
-"""Every configured bound, pushed past (issue 8). The router runs under uvicorn with the same
+"""Every configured bound, pushed past. The router runs under uvicorn with the same
 options as ``kvrouter serve`` (``router.limits.uvicorn_options``)."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import uvicorn
 from harness import FAST, all_connected
 from test_router_support import config_for, until, words
 
-from router.app import Router, create_apps
+from router.app import create_apps
 from router.config import Config
+from router.core import Router
 from router.limits import uvicorn_options
 from simulator.testing import running_fleet
 

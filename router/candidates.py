@@ -1,0 +1,59 @@
+"""Candidate assembly: what the policy is told about each engine for one prompt.
+
+A pure function of what the router knows at the moment of the decision, shared by the router
+(``router.core.Router.route``) and the routing benchmark, so that both score the same inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Iterable, Mapping
+
+from indexer.index import EngineId, PrefixMatch
+from router.load import EngineLoad
+from router.policy import Candidate
+
+__all__ = ["build_candidates"]
+
+_NONE: frozenset[EngineId] = frozenset()
+
+
+def build_candidates(
+    loads: Iterable[tuple[EngineId, EngineLoad]],
+    matches: Mapping[EngineId, PrefixMatch],
+    *,
+    block_size: int,
+    speculative: Mapping[EngineId, int] | None = None,
+    remote: Mapping[EngineId, EngineLoad] | None = None,
+    load_only: Container[EngineId] = _NONE,
+    unverified: Container[EngineId] = _NONE,
+) -> list[Candidate]:
+    """One :class:`Candidate` per engine of ``loads``, in that order.
+
+    * ``loads``: each engine with this router's live load record for it (copied, never kept);
+    * ``matches``: the index's prefix match per engine (absent: no hit);
+    * ``speculative``: tokens a speculative entry covers per engine, floored here to whole
+      blocks of ``block_size`` (the worker caches whole blocks only);
+    * ``remote``: other replicas' accounting per engine, added to this router's own;
+    * ``load_only``: engines whose index is degraded: their index hit is not trusted, a
+      speculative entry (this router's own recent decision) still is;
+    * ``unverified``: engines whose predictions drifted: no prefix credit at all until
+      re-verified.
+    """
+    spec = speculative or {}
+    others = remote or {}
+    out = []
+    for e, own in loads:
+        m = None if e in load_only else matches.get(e)
+        hit = spec.get(e, 0) // block_size * block_size
+        if e in unverified:
+            m, hit = None, 0
+        out.append(
+            Candidate(
+                engine=e,
+                gpu_hit_tokens=m.gpu_tokens if m else 0,
+                cpu_hit_tokens=m.cpu_tokens if m else 0,
+                load=own.plus(others.get(e)),
+                speculative_tokens=hit,
+            )
+        )
+    return out

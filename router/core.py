@@ -1,0 +1,398 @@
+"""The routing core: everything one router process holds, and the decision for one request.
+
+:class:`Router` builds the index, the event subscriber, the worker registry, the tokenizer, the
+policy, the shared state, the verifier and the self-check, and runs them (``start``/``stop``).
+:meth:`Router.route` decides one request: tokenize -> match the prompt against the index ->
+trust gating (degraded and unverified engines get no index credit) -> candidates
+(:func:`router.candidates.build_candidates`) -> ``policy.choose``. The HTTP layer
+(``router.app``) calls it and forwards; ``router.debug`` renders its state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Set
+from typing import Any
+
+import msgspec
+
+from indexer.index import EngineId, PrefixIndex, PrefixMatch
+from indexer.subscriber import SourceStatus, Subscriber
+from router import proxy
+from router.candidates import build_candidates
+from router.config import Config, WorkerSpec
+from router.discovery import Discovery
+from router.errors import BodyError
+from router.load import EngineLoad
+from router.metrics import RouterMetrics, fleet_state
+from router.policy import Candidate, Decision, make_policy
+from router.resilience import WorkerWatch, load_only
+from router.selfcheck import SelfCheck
+from router.shared_state import ExportedEngine, SharedState, make_shared_state, seed_subscriber
+from router.tokenize import (
+    LocalTokenizer,
+    PromptTokenizer,
+    TokenIds,
+    Tokenized,
+    TokenizeError,
+    decode_tokenize_response,
+)
+from router.verify import Verifier, VerifyCollector, VerifyParams
+from router.workers import Worker, WorkerRegistry
+
+__all__ = ["RouteResult", "Router"]
+
+log = logging.getLogger("kvrouter")
+
+_enc = msgspec.json.Encoder()
+_NONE: frozenset[EngineId] = frozenset()
+
+
+class RouteResult(msgspec.Struct):
+    decision: Decision
+    tokens: Tokenized | None
+    namespace: str
+    matches: dict[EngineId, PrefixMatch]
+    candidates: list[Candidate]
+    tokenize_error: str | None = None
+    churn: dict[EngineId, tuple[int, int]] = {}
+    """Each engine's (stored, removed) index counters when the decision was made."""
+
+
+class Router:
+    """Everything one router process holds; the app's endpoints call into it."""
+
+    def __init__(self, cfg: Config, *, seed: int | None = None) -> None:
+        self.cfg = cfg
+        block = cfg.model.block_size
+        unit = math.gcd(16, block) if block else 16
+        self.block_size = block or 16
+        self.index = PrefixIndex(
+            unit=unit, cpu_chunk_tokens=cfg.model.cpu_chunk_tokens, max_entries=cfg.index.max_blocks
+        )
+        self.metrics = RouterMetrics(
+            lambda: fleet_state(
+                self.registry.workers.values(), self.index, self.subscriber_status()
+            )
+        )
+        self.metrics.redis_up.set(0)
+        self.registry = _registry(cfg, on_events_ready=self._subscribe)
+        # Workers that join and leave at run time (Kubernetes pods); the static list is above.
+        self.discovery: Discovery | None = None
+        if cfg.discovery.kubernetes.enabled:
+            self.discovery = Discovery(
+                cfg.discovery.kubernetes, on_add=self._worker_joined, on_remove=self._worker_left
+            )
+        self.tokenizer = _tokenizer(cfg, unit)
+        self.policy = make_policy(cfg.policy.name, cfg.policy, seed=seed)
+        # In-flight load of other replicas, speculative entries seen by all, index snapshots:
+        # in Redis with redis.url, else embedded (this replica's own view).
+        self.shared: SharedState = make_shared_state(
+            cfg.redis.url,
+            key_prefix=cfg.redis.key_prefix,
+            heartbeat_ttl_s=cfg.redis.heartbeat_ttl_s,
+            snapshot_interval_s=cfg.redis.snapshot_interval_s,
+            speculative_ttl_s=cfg.policy.speculative_ttl_s,
+            local_loads=self._local_loads,
+            snapshot_engines=self.index.engines,
+            export_engine=self._export_engine,
+            on_redis_up=lambda up: self.metrics.redis_up.set(1 if up else 0),
+        )
+        self.speculative = self.shared.speculative
+        e = cfg.events
+        self.subscriber = Subscriber(
+            self.index,
+            queue_depth=e.queue_depth,
+            replay_timeout_s=e.replay_timeout_s,
+            replay_concurrency=e.replay_concurrency,
+            bind=e.bind,
+        )
+        self.proxy_limits = proxy.ProxyLimits.from_server(cfg.server)
+        self.watch = WorkerWatch(self.registry, self.subscriber.drop_worker_state)
+        # Predictions are checked against what workers report, and every worker is self-checked.
+        self.verifier = self._verifier() if cfg.verify.enabled else None
+        self.selfcheck = self._selfcheck() if cfg.verify.selfcheck else None
+        self.started = time.time()
+        self.draining = False
+        """Set on SIGTERM (router/serving.py): /ready answers 503 while requests finish."""
+
+    def _verifier(self) -> Verifier:
+        v = self.cfg.verify
+        verifier = Verifier(
+            self.index,
+            VerifyParams(
+                v.window, v.min_samples, v.min_accuracy, v.reset_after_misses, self.block_size
+            ),
+            sub_status=self.engine_status,
+            error_histogram=self.metrics.prediction_error,
+            tokenizer_mismatch=self._tokenizer_mismatch,
+        )
+        self.metrics.registry.register(
+            VerifyCollector(verifier, lambda: list(self.registry.workers))
+        )
+        self.registry.on_metrics = verifier.on_metrics
+        return verifier
+
+    def _selfcheck(self) -> SelfCheck:
+        return SelfCheck(
+            self.registry,
+            self.index,
+            local_tokenizer=lambda: self.tokenizer.local,
+            sources=lambda url: self.subscriber_status().get(url, []),
+            root=lambda model: self.namespace_root({"model": model})[1],
+            block_size=self.block_size,
+            timeout_s=self.cfg.verify.selfcheck_timeout_s,
+        )
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        await self.shared.start()  # loads index snapshots before any worker is subscribed
+        await self.subscriber.start()
+        await self.registry.start()
+        await self.watch.start()
+        if self.discovery is not None:
+            await self.discovery.start()
+        if self.tokenizer.local is not None:
+            await self._verify_local()
+        if self.selfcheck is not None:
+            await self.selfcheck.start(wait_s=self.cfg.verify.selfcheck_timeout_s + 1.0)
+
+    async def stop(self) -> None:
+        if self.selfcheck is not None:
+            await self.selfcheck.stop()
+        await self.watch.stop()
+        if self.discovery is not None:
+            await self.discovery.stop()
+        await self.registry.stop()
+        await self.shared.stop()
+        await self.subscriber.stop()
+
+    async def _verify_local(self) -> None:
+        try:
+            problems = await self.tokenizer.verify_local(self._remote_tokenize, self.cfg.model.name)
+        except TokenizeError as exc:
+            problems = [f"no worker to check against: {exc}"]
+        if problems:
+            log.error("local tokenizer disagrees with the workers; using remote: %s", problems)
+            self.tokenizer.local = None
+        else:
+            log.info("local tokenizer verified against a worker's /tokenize")
+
+    def _subscribe(self, w: Worker) -> None:
+        if w.subscribed:
+            return
+        model = self.registry.models.base or ""
+        if self.cfg.events.bind is not None:
+            self.subscriber.add_bound_worker(
+                w.url, w.topic, dp_size=w.dp_size, model=model, replay_endpoint=w.replay_endpoint
+            )
+        elif w.events_endpoint:
+            self.subscriber.add_worker(
+                w.url,
+                w.events_endpoint,
+                w.replay_endpoint,
+                dp_size=w.dp_size,
+                model=model,
+                host=w.host,
+            )
+        else:
+            return
+        self._warm_start(w)
+
+    def _warm_start(self, w: Worker) -> None:
+        """Right after subscribing (before any event is applied: no await since), import the
+        Redis snapshot of each engine and start its event source at the snapshot's seq."""
+        for e in w.engines():
+            snap = self.shared.take_snapshot(e)
+            if snap is None:
+                continue
+            try:
+                self.index.import_engine(e, snap.data)
+            except ValueError as exc:
+                log.warning("index snapshot of %s unusable: %s", e, exc)
+                continue
+            if seed_subscriber(self.subscriber, e, snap.seq, snap.event_ts):
+                self.shared.warm.add(snap, self.index.resident_blocks(e))
+                log.info("warm start of %s from seq %d (%d blocks)", e, snap.seq, snap.blocks)
+            else:
+                self.index.clear_engine(e)  # cannot resume at its seq: stay cold, stay exact
+
+    async def _worker_joined(self, spec: WorkerSpec) -> None:
+        await self.registry.add_worker(spec)  # its discovery loop then subscribes to events
+
+    def _worker_left(self, url: str) -> None:
+        if self.verifier is not None:
+            self.verifier.forget_worker(url)
+        if self.registry.remove_worker(url) is not None:
+            self.subscriber.remove_worker(url)  # closes its sockets, drops it from the index
+
+    # ---------------------------------------------------------------- shared state hooks
+
+    def _local_loads(self) -> dict[EngineId, EngineLoad]:
+        return {
+            (w.url, rank): ld
+            for w in self.registry.workers.values()
+            for rank, ld in w.loads.items()
+        }
+
+    def _export_engine(self, e: EngineId) -> ExportedEngine | None:
+        """An engine's exact index state and the seq it reflects (None unless exact)."""
+        row = self.engine_status(e)
+        if row is None or row.last_seq is None or row.degraded or row.replaying:
+            return None
+        data = self.index.export_engine(e)
+        return data, row.last_seq, self.index.resident_blocks(e), row.last_event_ts
+
+    # ---------------------------------------------------------------- tokenize + route
+
+    async def _remote_tokenize(self, payload: dict[str, Any] | bytes) -> TokenIds:
+        body = payload if isinstance(payload, bytes) else _enc.encode(payload)
+        last = "no healthy worker"
+        for w in self.registry.tokenizer_workers()[:2]:
+            try:
+                r = await w.client.post(
+                    "/tokenize",
+                    content=body,
+                    headers={"content-type": "application/json"},
+                    # bounded like a first byte: a hung worker must not hold every request
+                    timeout=min(
+                        self.cfg.server.connect_timeout_s, self.cfg.server.first_byte_timeout_s
+                    ),
+                )
+            except Exception as exc:
+                last = f"{w.url}: {type(exc).__name__}"
+                self.watch.probe_soon(w)
+                continue
+            if r.status_code == 200:
+                return decode_tokenize_response(r.content)
+            last = f"{w.url}/tokenize returned {r.status_code}"
+            if 400 <= r.status_code < 500:
+                break  # the request itself is bad; another worker would say the same
+        raise TokenizeError(last)
+
+    def namespace_root(self, body: dict[str, Any]) -> tuple[str, int]:
+        ns = self.registry.models.namespace(body.get("model"))
+        salt = body.get("cache_salt")
+        return ns, self.index.root(ns, salt if isinstance(salt, str) else None)
+
+    async def route(self, body: dict[str, Any], chat: bool, now: float) -> RouteResult:
+        ns, root = self.namespace_root(body)
+        tok: Tokenized | None = None
+        err = None
+        try:
+            tok = await self.tokenizer.tokenize(body, chat, root, self._remote_tokenize)
+        except TokenizeError as exc:
+            err = str(exc)
+        workers = self.registry.healthy() or list(self.registry.workers.values())
+        loads = [(e, w.load(e[1])) for w in workers for e in w.engines()]
+        engines = [e for e, _ in loads]
+        matches: dict[EngineId, PrefixMatch] = {}
+        speculative: dict[EngineId, int] = {}
+        if tok is not None and engines:
+            matches = self.index.match_keys(tok.keys, tok.n_tokens, engines)
+            unit = self.index.unit
+            speculative = {e: self.speculative.hit_tokens(e, tok.keys, unit, now) for e in engines}
+        cands = build_candidates(
+            loads,
+            matches,
+            block_size=self.block_size,
+            speculative=speculative,
+            remote=self.shared.remote_loads(),  # other replicas' in-flight work (Redis)
+            load_only={e for e in engines if load_only(self.subscriber, e)},
+            unverified=self._unverified(engines),
+        )
+        if not cands:
+            raise BodyError(503, "no workers configured")
+        n = tok.n_tokens if tok is not None else 0
+        decision = self.policy.choose(cands, n, now)
+        churn = {c.engine: self.index.churn(c.engine) for c in cands}
+        return RouteResult(decision, tok, ns, matches, cands, err, churn)
+
+    def _unverified(self, engines: list[EngineId]) -> Set[EngineId]:
+        """Engines whose predictions drifted: routed by load only until re-verified."""
+        if self.verifier is None:
+            return _NONE
+        return {e for e in engines if self.verifier.is_unverified(e)}
+
+    # ---------------------------------------------------------------- state for views
+
+    def subscriber_status(self) -> dict[str, list[SourceStatus]]:
+        """Each worker's event sources (one per DP rank), by worker URL."""
+        out: dict[str, list[SourceStatus]] = {}
+        with contextlib.suppress(Exception):
+            for s in self.subscriber.status():
+                out.setdefault(s.worker_id, []).append(s)
+        return out
+
+    def engine_status(self, e: EngineId) -> SourceStatus | None:
+        return next((s for s in self.subscriber_status().get(e[0], []) if s.dp_rank == e[1]), None)
+
+    def ids_portable(self) -> bool:
+        """False when the self-check found workers tokenizing a prompt differently: ids from one
+        worker's ``/tokenize`` (any worker may answer it) could then be wrong for another."""
+        return self.selfcheck is None or self.selfcheck.prompt_tokenizers_agree()
+
+    def _tokenizer_mismatch(self, url: str) -> str | None:
+        return self.selfcheck.tokenizer_detail(url) if self.selfcheck is not None else None
+
+    def verify_outcome(self, res: RouteResult, o: proxy.Outcome) -> None:
+        """The index's prediction for the engine that served the request vs the worker's usage."""
+        tok = res.tokens
+        if self.verifier is None or tok is None or o.engine is None or o.status != 200:
+            return
+        if o.cached_tokens is None:
+            return
+        m = res.matches.get(o.engine)
+        spec = next((c.speculative_tokens for c in res.candidates if c.engine == o.engine), 0)
+        stored0, removed0 = res.churn.get(o.engine, (0, 0))
+        stored1, removed1 = self.index.churn(o.engine)
+        self.verifier.observe(
+            o.engine,
+            predicted_gpu=m.gpu_tokens if m else 0,
+            predicted_cpu=m.cpu_tokens if m else 0,
+            n_tokens=tok.n_tokens,
+            cached=o.cached_tokens,
+            prompt_tokens=o.prompt_tokens,
+            speculative=spec,
+            stored_since=stored1 > stored0,
+            removed_since=removed1 > removed0,
+        )
+
+    def ready(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "draining: the router is shutting down"
+        if self.selfcheck is not None and self.cfg.verify.require_selfcheck:
+            return self.selfcheck.ready()
+        status = self.subscriber_status()
+        for w in self.registry.healthy():
+            if any(r.connected for r in status.get(w.url, [])):
+                return True, f"{w.url} healthy with a live event subscription"
+        if not self.registry.healthy():
+            return False, "no healthy worker"
+        return False, "no healthy worker has a live event subscription yet"
+
+
+def _registry(cfg: Config, on_events_ready: Callable[[Worker], None]) -> WorkerRegistry:
+    sc = cfg.server
+    return WorkerRegistry(
+        cfg.workers,
+        model_name=cfg.model.name,
+        connect_timeout_s=sc.connect_timeout_s,
+        first_byte_timeout_s=sc.first_byte_timeout_s,
+        max_connections=sc.max_connections_per_worker,
+        pool_timeout_s=sc.pool_timeout_s,
+        on_events_ready=on_events_ready,
+    )
+
+
+def _tokenizer(cfg: Config, unit: int) -> PromptTokenizer:
+    local = None
+    if cfg.tokenizer.mode == "local" and cfg.tokenizer.path:
+        local = LocalTokenizer(cfg.tokenizer.path)
+    return PromptTokenizer(
+        unit, cfg.tokenizer.cache_entries, cfg.tokenizer.cache_tokens, local=local
+    )

@@ -1,0 +1,157 @@
+"""The admin views of a router: ``/debug/index`` (its whole state) and ``/debug/route`` (why a
+request would go where it goes). Both are JSON documents whose keys are a contract with
+operators' tools and the tests; the Prometheus view is ``router.metrics``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any
+
+import msgspec
+
+from indexer.subscriber import SourceStatus
+from router.core import Router, RouteResult
+from router.workers import Worker
+
+__all__ = ["debug_index", "explain"]
+
+
+def debug_index(router: Router) -> dict[str, Any]:
+    """Every worker and engine (index residency, event source, load, verification, self-check)
+    and the router's totals, model names, shared state and discovery."""
+    status = router.subscriber_status()
+    out = []
+    total_blocks = 0
+    for w in router.registry.workers.values():
+        engines = _engines(router, w, status.get(w.url, []))
+        total_blocks += sum(x["resident_blocks"] for x in engines)
+        out.append(
+            {
+                "url": w.url,
+                "healthy": w.healthy,
+                "health_error": w.last_health_error,
+                "events_endpoint": w.events_endpoint,
+                "replay_endpoint": w.replay_endpoint,
+                "subscribed": w.subscribed,
+                "dp_size": w.dp_size,
+                "degraded": any(x["degraded"] for x in engines),
+                "resident_blocks": sum(x["resident_blocks"] for x in engines),
+                "engines": engines,
+                "unverified": any(
+                    (x["verify"] or {}).get("state") == "unverified" for x in engines
+                ),
+                "selfcheck": router.selfcheck.debug(w.url) if router.selfcheck else None,
+            }
+        )
+    tokenizer = router.tokenizer
+    models = router.registry.models
+    return {
+        "workers": out,
+        "totals": {
+            "workers": len(out),
+            "healthy_workers": sum(1 for w in out if w["healthy"]),
+            "resident_blocks": total_blocks,
+            "index_entries": router.index.total_entries,
+            "speculative_keys": len(router.speculative),
+            "tokenizer_cache_entries": len(tokenizer),
+            "tokenizer_stats": dict(tokenizer.stats),
+        },
+        "model": {
+            "namespace": models.base,
+            "aliases": sorted(models.aliases),
+            "loras": sorted(models.loras),
+        },
+        "policy": router.cfg.policy.name,
+        "shared_state": router.shared.status(),
+        "discovery": router.discovery.debug() if router.discovery is not None else None,
+        "process_rss_bytes": _rss_bytes(),
+        "uptime_s": round(time.time() - router.started, 3),
+    }
+
+
+def _engines(router: Router, w: Worker, rows: list[SourceStatus]) -> list[dict[str, Any]]:
+    index = router.index
+    out = []
+    for e in w.engines():
+        st = index.engine_stats(e)
+        srow = next((s for s in rows if s.dp_rank == e[1]), None)
+        degraded = False
+        with contextlib.suppress(Exception):
+            degraded = bool(router.subscriber.is_degraded(e))
+        out.append(
+            {
+                "dp_rank": e[1],
+                "resident_blocks": index.resident_blocks(e),
+                "resident": st.resident if st else {},
+                "groups": st.groups if st else {},
+                "hashes": st.hashes if st else 0,
+                "counters": st.counters if st else {},
+                "degraded": degraded,
+                "subscriber": msgspec.structs.asdict(srow) if srow is not None else None,
+                "load": msgspec.structs.asdict(w.load(e[1])),
+                "verify": router.verifier.debug(e) if router.verifier is not None else None,
+            }
+        )
+    return out
+
+
+def explain(router: Router, res: RouteResult, chat: bool, elapsed: float) -> dict[str, Any]:
+    """``/debug/route``: the decision for one request and every candidate's inputs and cost."""
+    d = res.decision
+    costs = {c.engine: c for c in d.costs}
+    rank = {e: i for i, e in enumerate(d.ranked)}
+    workers = []
+    for c in res.candidates:
+        url, dp = c.engine
+        m = res.matches.get(c.engine)
+        wc = costs.get(c.engine)
+        workers.append(
+            {
+                "url": url,
+                "dp_rank": dp,
+                "rank": rank.get(c.engine),
+                "gpu_hit_tokens": c.gpu_hit_tokens,
+                "cpu_hit_tokens": c.cpu_hit_tokens,
+                "speculative_hit_tokens": c.speculative_tokens,
+                "groups": [msgspec.structs.asdict(g) for g in m.groups] if m else [],
+                "load": msgspec.structs.asdict(c.load),
+                "cost": None
+                if wc is None
+                else {
+                    "tokens": round(wc.cost_tokens, 3),
+                    "uncached_tokens": wc.uncached_tokens,
+                    "cpu_tokens": wc.cpu_hit_tokens,
+                    "queued_tokens": wc.queued_tokens,
+                    "metrics_tokens": round(wc.metrics_tokens, 3),
+                    "expected_ttft_s": round(wc.expected_ttft_s, 6),
+                    "speculative": wc.speculative,
+                },
+            }
+        )
+    tok = res.tokens
+    return {
+        "kind": "chat" if chat else "completion",
+        "policy": router.policy.name,
+        "namespace": res.namespace,
+        "prompt_tokens": tok.n_tokens if tok else None,
+        "tokenization": tok.source if tok else "failed",
+        "tokenize_error": res.tokenize_error,
+        "chosen": d.engine[0],
+        "chosen_dp_rank": d.engine[1],
+        "reason": d.reason,
+        "predicted_hit_tokens": d.predicted_hit_tokens,
+        "decision_seconds": round(elapsed, 6),
+        "workers": workers,
+    }
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):  # pragma: no cover - non-Linux
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,24 @@
+"""The error a request is answered with when the router refuses or cannot route it."""
+
+from __future__ import annotations
+
+from starlette.responses import Response
+
+from router import proxy
+
+__all__ = ["BodyError"]
+
+
+class BodyError(Exception):
+    """A request the router answers itself with an OpenAI-style error (4xx: the request is
+    wrong; 5xx: the router cannot serve it)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    def response(self) -> Response:
+        """The OpenAI-style error answer for this error."""
+        etype = "invalid_request_error" if self.status < 500 else "service_unavailable"
+        return proxy.error_response(self.status, self.message, etype)

@@ -1,0 +1,585 @@
+"""Shared state in Redis: several router replicas route as if one router decided.
+
+:class:`RedisSharedState` is :class:`router.shared_local.SharedState` plus Redis; the keys,
+bounds and failure modes are described in :mod:`router.shared_state`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import msgspec
+
+from indexer.index import EngineId
+from router.load import EngineLoad
+from router.policy import Engine
+from router.shared_local import SharedState, Snapshot, engine_key, parse_engine_key
+
+__all__ = ["RedisSharedState"]
+
+log = logging.getLogger("kvrouter.shared")
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port:
+        host += f":{parts.port}"
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
+
+
+_RENEW_LUA = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+  return redis.call('pexpire', KEYS[1], ARGV[2])
+end
+return 0
+"""
+_RELEASE_LUA = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+  return redis.call('del', KEYS[1])
+end
+return 0
+"""
+
+
+class _SpecMsg(msgspec.Struct, array_like=True):
+    replica: str
+    url: str
+    rank: int
+    ttl_ms: int
+    keys: list[int]
+
+
+class RedisSharedState(SharedState):
+    """Shared state in Redis (see the module docstring for keys, bounds and failure modes)."""
+
+    backend = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        key_prefix: str = "{kvrouter}",
+        heartbeat_ttl_s: float = 10.0,
+        snapshot_interval_s: float = 30.0,
+        op_timeout_s: float = 0.1,
+        push_interval_s: float = 0.05,
+        refresh_interval_s: float = 0.1,
+        snapshot_timeout_s: float = 10.0,
+        startup_timeout_s: float = 3.0,
+        max_spec_keys: int = 2048,
+        max_spec_queue: int = 10_000,
+        backoff_s: tuple[float, float] = (0.1, 2.0),
+        **kw: Any,
+    ) -> None:
+        super().__init__(**kw)
+        self.url = url
+        self.prefix = key_prefix
+        self.ttl_s = heartbeat_ttl_s
+        self.snapshot_interval_s = snapshot_interval_s
+        self.op_timeout_s = op_timeout_s
+        self.push_interval_s = push_interval_s
+        self.refresh_interval_s = refresh_interval_s
+        self.snapshot_timeout_s = snapshot_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self.max_spec_keys = max_spec_keys
+        self.backoff_s = backoff_s
+        self.k_load = f"{key_prefix}:load:{self.replica_id}"
+        self.k_replicas = f"{key_prefix}:replicas"
+        self.k_spec = f"{key_prefix}:spec"
+        self.k_leader = f"{key_prefix}:snapshot:leader"
+        self.k_snaps = f"{key_prefix}:snaps"
+        self._up = False
+        self._down_logged = False
+        self._up_event = asyncio.Event()
+        self._down_event = asyncio.Event()
+        self._remote: dict[EngineId, EngineLoad] = {}
+        self._remote_at: float | None = None
+        self._live_replicas: list[str] = []
+        self._pushed: dict[str, str] | None = None
+        self._last_heartbeat = 0.0
+        self._spec_q: deque[bytes] = deque(maxlen=max_spec_queue)
+        self._spec_wake = asyncio.Event()
+        self._snapshots: dict[EngineId, Snapshot] = {}
+        self._written: dict[EngineId, int] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._client: Any = None
+        self._bulk: Any = None
+        self._pubsub_client: Any = None
+        self.leader = False
+        self.counters: dict[str, int] = {
+            "redis_errors": 0,
+            "transitions_down": 0,
+            "load_pushes": 0,
+            "load_refreshes": 0,
+            "spec_published": 0,
+            "spec_received": 0,
+            "spec_dropped": 0,
+            "snapshots_written": 0,
+            "snapshot_bytes_written": 0,
+        }
+        self.last_error: str | None = None
+        self.last_snapshot_at: float | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    def _make_client(self, timeout: float | None, **extra: Any) -> Any:
+        import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        return aioredis.Redis.from_url(
+            self.url,
+            socket_timeout=timeout,
+            socket_connect_timeout=self.op_timeout_s if timeout is None else min(timeout, 1.0),
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            **extra,
+        )
+
+    async def start(self) -> None:
+        self._client = self._make_client(self.op_timeout_s, max_connections=32)
+        self._bulk = self._make_client(self.snapshot_timeout_s, max_connections=4)
+        self._pubsub_client = self._make_client(None, health_check_interval=5)
+        if self.on_redis_up is not None:
+            self.on_redis_up(False)
+        deadline = time.monotonic() + self.startup_timeout_s
+        try:
+            await asyncio.wait_for(self._client.ping(), self.op_timeout_s * 5)
+            self._mark_up()
+        except Exception as exc:
+            self._mark_down(exc)
+        if self._up:
+            try:
+                left = max(deadline - time.monotonic(), 0.1)
+                await asyncio.wait_for(self._load_snapshots(), left)
+            except Exception as exc:
+                self.warm.load_error = f"{type(exc).__name__}: {exc}"
+                log.warning("could not load index snapshots from Redis: %s", self.warm.load_error)
+        loop = asyncio.get_running_loop()
+        for name, coro in (
+            ("push", self._push_loop()),
+            ("refresh", self._refresh_loop()),
+            ("probe", self._probe_loop()),
+            ("spec-publish", self._spec_publish_loop()),
+            ("spec-listen", self._spec_listen_loop()),
+            ("snapshot", self._snapshot_loop()),
+        ):
+            self._tasks.append(loop.create_task(coro, name=f"kvrouter-shared-{name}"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._up and self._client is not None:
+            # Leave cleanly: our load disappears now instead of after the TTL.
+            with contextlib.suppress(Exception):
+                async with self._client.pipeline(transaction=True) as p:
+                    p.delete(self.k_load)
+                    p.zrem(self.k_replicas, self.replica_id)
+                    await asyncio.wait_for(p.execute(), self.op_timeout_s * 3)
+            if self.leader:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(
+                        self._client.eval(_RELEASE_LUA, 1, self.k_leader, self.replica_id),
+                        self.op_timeout_s * 3,
+                    )
+        for c in (self._client, self._bulk, self._pubsub_client):
+            if c is not None:
+                with contextlib.suppress(Exception):
+                    await c.aclose()
+        self._client = self._bulk = self._pubsub_client = None
+        self._snapshots.clear()
+
+    # ------------------------------------------------------------------ up / down
+
+    def _mark_up(self) -> None:
+        if self._up:
+            return
+        self._up = True
+        self._down_logged = False
+        self._down_event.clear()
+        self._up_event.set()
+        self._last_heartbeat = 0.0  # push our contribution at once
+        self._pushed = None
+        log.info(
+            "Redis shared state reachable at %s (replica %s)", _redact(self.url), self.replica_id
+        )
+        if self.on_redis_up is not None:
+            self.on_redis_up(True)
+
+    def _mark_down(self, exc: BaseException) -> None:
+        self.counters["redis_errors"] += 1
+        self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        was_up = self._up
+        self._up = False
+        self._up_event.clear()
+        self._down_event.set()
+        self._remote = {}  # degrade to this replica's own view
+        self._remote_at = None
+        self._live_replicas = []
+        self.leader = False
+        if self._down_logged:
+            return  # one log line per transition
+        self._down_logged = True
+        self.counters["transitions_down"] += 1
+        log.warning(
+            "Redis shared state %s at %s (%s): routing on this replica's own state",
+            "lost" if was_up else "unreachable",
+            _redact(self.url),
+            self.last_error,
+        )
+        if was_up and self.on_redis_up is not None:
+            self.on_redis_up(False)  # (start() already reported the initial False)
+
+    async def _call(self, aw: Any, timeout: float | None = None) -> Any:
+        """Await one Redis operation with a hard bound; failures mark Redis down and raise."""
+        try:
+            return await asyncio.wait_for(aw, timeout or self.op_timeout_s * 2)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._mark_down(exc)
+            raise
+
+    async def _probe_loop(self) -> None:
+        lo, hi = self.backoff_s
+        while True:
+            await self._down_event.wait()
+            delay = lo
+            while not self._up:
+                await asyncio.sleep(delay)
+                try:
+                    # Pooled connections from before the outage are dead: drop them all so the
+                    # first calls after recovery do not fail (and flap the state) on them.
+                    for c in (self._client, self._bulk):
+                        with contextlib.suppress(Exception):
+                            await asyncio.wait_for(c.connection_pool.disconnect(), 1.0)
+                    await asyncio.wait_for(self._client.ping(), self.op_timeout_s * 2)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                    delay = min(delay * 2, hi)
+                    continue
+                self._mark_up()
+
+    # ------------------------------------------------------------------ load
+
+    def remote_loads(self) -> Mapping[EngineId, EngineLoad]:
+        return self._remote
+
+    def _local_fields(self) -> dict[str, str]:
+        out = {}
+        for e, ld in self.local_loads().items():
+            if not ld.is_idle():
+                out[engine_key(e)] = (
+                    f"{ld.inflight_requests},{ld.prefilling_requests},{ld.queued_prefill_tokens}"
+                )
+        return out
+
+    async def push_now(self) -> None:
+        fields = self._local_fields()
+        ttl_ms = max(int(self.ttl_s * 1000), 1)
+        async with self._client.pipeline(transaction=True) as p:
+            p.delete(self.k_load)
+            if fields:
+                p.hset(self.k_load, mapping=fields)
+                p.pexpire(self.k_load, ttl_ms)
+            p.zadd(self.k_replicas, {self.replica_id: time.time()})
+            await self._call(p.execute())
+        self._pushed = fields
+        self._last_heartbeat = time.monotonic()
+        self.counters["load_pushes"] += 1
+
+    async def _push_loop(self) -> None:
+        beat = self.ttl_s / 3
+        while True:
+            await self._up_event.wait()
+            try:
+                due = time.monotonic() - self._last_heartbeat >= beat
+                if due or self._local_fields() != self._pushed:
+                    await self.push_now()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                pass  # marked down by _call; the probe brings it back
+            await asyncio.sleep(self.push_interval_s)
+
+    async def refresh_now(self) -> None:
+        members = await self._call(self._client.zrange(self.k_replicas, 0, -1, withscores=True))
+        others = [(m.decode() if isinstance(m, bytes) else str(m), float(s)) for m, s in members]
+        others = [(m, s) for m, s in others if m != self.replica_id]
+        remote: dict[EngineId, EngineLoad] = {}
+        live: list[str] = []
+        stale: list[str] = []
+        if others:
+            async with self._client.pipeline(transaction=False) as p:
+                for m, _ in others:
+                    p.hgetall(f"{self.prefix}:load:{m}")
+                rows = await self._call(p.execute())
+            now = time.time()
+            for (m, score), row in zip(others, rows, strict=True):
+                if not row:
+                    # No hash: idle or dead. Forget the member once it is well past its TTL.
+                    if now - score > 3 * self.ttl_s:
+                        stale.append(m)
+                    continue
+                live.append(m)
+                for k, v in row.items():
+                    try:
+                        e = parse_engine_key(k.decode() if isinstance(k, bytes) else k)
+                        req, pre, tok = (
+                            int(x) for x in v.split(b"," if isinstance(v, bytes) else ",")
+                        )
+                    except ValueError:
+                        continue
+                    theirs = EngineLoad(req, pre, tok)
+                    r = remote.get(e)
+                    remote[e] = theirs if r is None else r.plus(theirs)
+        if stale:
+            with contextlib.suppress(Exception):
+                await self._call(self._client.zrem(self.k_replicas, *stale))
+        self._remote = remote
+        self._remote_at = time.monotonic()
+        self._live_replicas = live
+        self.counters["load_refreshes"] += 1
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await self._up_event.wait()
+            try:
+                await self.refresh_now()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                pass
+            await asyncio.sleep(self.refresh_interval_s)
+
+    # ------------------------------------------------------------------ speculative
+
+    def _publish_speculative(self, engine: Engine, keys: Sequence[int]) -> None:
+        if not self._up:
+            return  # nobody to tell; a replica that reconnects later does not need stale entries
+        try:
+            url, rank = engine  # type: ignore[misc]
+            msg = _SpecMsg(
+                self.replica_id,
+                url,
+                int(rank),
+                int(self.speculative.ttl_s * 1000),
+                list(keys[: self.max_spec_keys]),
+            )
+        except (TypeError, ValueError):
+            return
+        if len(self._spec_q) == self._spec_q.maxlen:
+            self.counters["spec_dropped"] += 1
+        self._spec_q.append(msgspec.msgpack.encode(msg))
+        self._spec_wake.set()
+
+    async def _spec_publish_loop(self) -> None:
+        while True:
+            await self._spec_wake.wait()
+            self._spec_wake.clear()
+            if not self._up:
+                self.counters["spec_dropped"] += len(self._spec_q)
+                self._spec_q.clear()
+                continue
+            batch = []
+            while self._spec_q and len(batch) < 256:
+                batch.append(self._spec_q.popleft())
+            if self._spec_q:
+                self._spec_wake.set()
+            try:
+                async with self._client.pipeline(transaction=False) as p:
+                    for m in batch:
+                        p.publish(self.k_spec, m)
+                    await self._call(p.execute())
+                self.counters["spec_published"] += len(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.counters["spec_dropped"] += len(batch)
+
+    def _on_spec(self, data: bytes) -> None:
+        try:
+            msg = msgspec.msgpack.decode(data, type=_SpecMsg)
+        except msgspec.MsgspecError:
+            return
+        if msg.replica == self.replica_id or not msg.keys:
+            return
+        self.counters["spec_received"] += 1
+        cache = self.speculative
+        ttl = msg.ttl_ms / 1000.0
+        now = time.monotonic()
+        if ttl != cache.ttl_s:  # the sender's TTL wins: shift "now" so the entry lasts ttl
+            now += ttl - cache.ttl_s
+        cache.record_remote((msg.url, msg.rank), msg.keys, now)
+
+    async def _spec_listen_loop(self) -> None:
+        lo, hi = self.backoff_s
+        delay = lo
+        while True:
+            pubsub = self._pubsub_client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await asyncio.wait_for(pubsub.subscribe(self.k_spec), self.op_timeout_s * 5)
+                delay = lo
+                while True:
+                    m = await pubsub.get_message(timeout=1.0)
+                    if m is not None and m.get("type") == "message":
+                        self._on_spec(m["data"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("speculative channel: %s", exc)
+            finally:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(pubsub.aclose(), 1.0)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, hi)
+
+    # ------------------------------------------------------------------ snapshots
+
+    def _snap_key(self, engine: EngineId) -> str:
+        return f"{self.prefix}:snap:{engine_key(engine)}"
+
+    async def _load_snapshots(self) -> None:
+        names = await self._call(self._bulk.zrange(self.k_snaps, 0, -1), self.snapshot_timeout_s)
+        keys = [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+        if not keys:
+            return
+        async with self._bulk.pipeline(transaction=False) as p:
+            for k in keys:
+                p.hgetall(f"{self.prefix}:snap:{k}")
+            rows = await self._call(p.execute(), self.snapshot_timeout_s)
+        for k, row in zip(keys, rows, strict=True):
+            if not row:
+                continue
+            try:
+                engine = parse_engine_key(k)
+                snap = Snapshot(
+                    engine=engine,
+                    data=bytes(row[b"data"]),
+                    seq=int(row[b"seq"]),
+                    written_at=float(row[b"ts"]),
+                    blocks=int(row.get(b"blocks", b"0")),
+                    writer=row.get(b"writer", b"?").decode(errors="replace"),
+                    event_ts=float(row[b"event_ts"]) if row.get(b"event_ts") else None,
+                )
+            except (KeyError, ValueError):
+                continue
+            self._snapshots[engine] = snap
+        self.warm.snapshots_found = len(self._snapshots)
+        log.info("loaded %d index snapshots from Redis", len(self._snapshots))
+
+    def take_snapshot(self, engine: EngineId) -> Snapshot | None:
+        return self._snapshots.pop(engine, None)
+
+    async def _hold_lease(self) -> bool:
+        lease_ms = int((2 * self.snapshot_interval_s + self.ttl_s) * 1000)
+        if self.leader:
+            ok = await self._call(
+                self._client.eval(_RENEW_LUA, 1, self.k_leader, self.replica_id, lease_ms)
+            )
+            self.leader = bool(ok)
+        if not self.leader:
+            ok = await self._call(
+                self._client.set(self.k_leader, self.replica_id, nx=True, px=lease_ms)
+            )
+            self.leader = bool(ok)
+        return self.leader
+
+    async def write_snapshots(self) -> int:
+        """Write every exact engine's snapshot (leader only; returns how many were written)."""
+        expire_ms = int(max(10 * self.snapshot_interval_s, 600.0) * 1000)
+        n = 0
+        for engine in list(self.snapshot_engines()):
+            got = self.export_engine(engine)  # sync: data and seq of one instant
+            if got is None:
+                continue
+            data, seq, blocks, event_ts = got
+            key = self._snap_key(engine)
+            now = time.time()
+            async with self._bulk.pipeline(transaction=True) as p:
+                if self._written.get(engine) == seq:
+                    p.hset(key, "ts", repr(now))  # unchanged since the last write: re-confirm
+                else:
+                    p.hset(
+                        key,
+                        mapping={
+                            "data": data,
+                            "seq": str(seq),
+                            "ts": repr(now),
+                            "blocks": str(blocks),
+                            "writer": self.replica_id,
+                            "event_ts": "" if event_ts is None else repr(event_ts),
+                        },
+                    )
+                    self.counters["snapshot_bytes_written"] += len(data)
+                p.pexpire(key, expire_ms)
+                p.zadd(self.k_snaps, {engine_key(engine): now})
+                await self._call(p.execute(), self.snapshot_timeout_s)
+            self._written[engine] = seq
+            n += 1
+            self.counters["snapshots_written"] += 1
+            await asyncio.sleep(0)  # one engine at a time: keep the loop responsive
+        # Forget index entries whose snapshot expired.
+        cutoff = time.time() - expire_ms / 1000.0
+        await self._call(self._client.zremrangebyscore(self.k_snaps, "-inf", cutoff))
+        self.last_snapshot_at = time.time()
+        return n
+
+    async def _snapshot_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.snapshot_interval_s)
+            if not self._up:
+                continue
+            try:
+                if await self._hold_lease():
+                    await self.write_snapshots()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("snapshot round failed: %s", exc)
+
+    # ------------------------------------------------------------------ debug
+
+    def status(self) -> dict[str, Any]:
+        out = super().status()
+        age = None if self._remote_at is None else time.monotonic() - self._remote_at
+        out.update(
+            {
+                "url": _redact(self.url),
+                "key_prefix": self.prefix,
+                "heartbeat_ttl_s": self.ttl_s,
+                "snapshot_interval_s": self.snapshot_interval_s,
+                "other_replicas": list(self._live_replicas),
+                "remote_load_age_s": None if age is None else round(age, 3),
+                "staleness_bound_s": round(
+                    self.push_interval_s + self.refresh_interval_s + 4 * self.op_timeout_s, 3
+                ),
+                "remote_inflight": {
+                    engine_key(e): r.inflight_requests for e, r in sorted(self._remote.items())
+                },
+                "snapshot_leader": self.leader,
+                "last_snapshot_at": self.last_snapshot_at,
+                "last_error": self.last_error,
+                "counters": dict(self.counters),
+            }
+        )
+        return out
