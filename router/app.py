@@ -164,7 +164,7 @@ def _add_admin_routes(app: FastAPI, router: Router) -> None:
         chat = "messages" in body
         _validate_request(body, chat)
         t = time.perf_counter()
-        res = await router.route(body, chat, time.monotonic())
+        res = await router.route(body, chat, time.monotonic(), dry_run=True)
         elapsed = time.perf_counter() - t
         return JSONResponse(debug.explain(router, res, chat, elapsed))
 

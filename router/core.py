@@ -279,7 +279,11 @@ class Router:
         salt = body.get("cache_salt")
         return ns, self.index.root(ns, salt if isinstance(salt, str) else None)
 
-    async def route(self, body: dict[str, Any], chat: bool, now: float) -> RouteResult:
+    async def route(
+        self, body: dict[str, Any], chat: bool, now: float, *, dry_run: bool = False
+    ) -> RouteResult:
+        """Tokenize, match, gate and choose. ``dry_run`` (``/debug/route``): the same decision,
+        leaving the policy's learned state untouched."""
         ns, root = self.namespace_root(body)
         tok: Tokenized | None = None
         err = None
@@ -308,7 +312,7 @@ class Router:
         if not cands:
             raise BodyError(503, "no workers configured")
         n = tok.n_tokens if tok is not None else 0
-        decision = self.policy.choose(cands, n, now)
+        decision = self.policy.choose(cands, n, now, dry_run=dry_run)
         churn = {c.engine: self.index.churn(c.engine) for c in cands}
         return RouteResult(decision, tok, ns, matches, cands, err, churn)
 

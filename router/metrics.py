@@ -111,7 +111,8 @@ class RouterMetrics:
         )
         self.ttft = Histogram(
             "kvrouter_ttft_seconds",
-            "Time from request arrival to the first response byte from the worker",
+            "Time to first token: request arrival to the first chunk of a streamed answer "
+            "(buffered answers: kvrouter_request_duration_seconds)",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )

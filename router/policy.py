@@ -29,6 +29,7 @@ The routing benchmark drives this module directly with a simulated clock:
 
 from __future__ import annotations
 
+import copy
 import random
 from collections import deque
 from collections.abc import Hashable, Sequence
@@ -81,7 +82,8 @@ class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
     cpu_transfer_discount: float = 0.25
     near_tie_tokens: int = 64
     prefill_tokens_per_s: float = 8000.0
-    """Converts token cost to seconds for reporting (same for every worker: ranks don't change)."""
+    """Converts token cost to seconds for ``/debug/route``'s ``expected_ttft_s`` until an engine's
+    own prefill rate has been learned (ranking compares tokens, never seconds)."""
     mean_prompt_tokens: float = 1024.0
     """Assumed prompt size of a waiting request the router did not send (other routers)."""
     running_request_tokens: float = 16.0
@@ -116,10 +118,14 @@ class EngineCost:
     metrics_tokens: float
     cost_tokens: float
     expected_ttft_s: float
+    """``cost_tokens`` at ``prefill_tokens_per_s``: an estimate for reading, not for ranking."""
     rank_tokens: float
     """What the ranking compares: ``cost_tokens`` plus ``(recompute_weight - 1) * uncached``."""
     speculative: bool
     """True when the speculative entry supplied the hit."""
+    prefill_tokens_per_s: float = 0.0
+    """The engine's learned prefill rate, else the configured ``prefill_tokens_per_s``."""
+    rate_learned: bool = False
 
 
 @dataclass(slots=True)
@@ -134,9 +140,20 @@ class Decision:
 
 
 class Policy:
+    """``choose`` ranks the candidates for one request. ``dry_run=True`` (``/debug/route``)
+    decides the same way but leaves the policy's state (round-robin turn, learned queue drain)
+    as it was, so asking why changes no later decision."""
+
     name = "base"
 
-    def choose(self, candidates: Sequence[Candidate], prompt_tokens: int, now: float) -> Decision:
+    def choose(
+        self,
+        candidates: Sequence[Candidate],
+        prompt_tokens: int,
+        now: float,
+        *,
+        dry_run: bool = False,
+    ) -> Decision:
         raise NotImplementedError
 
 
@@ -174,7 +191,7 @@ class KvRouterPolicy(Policy):
         self._drain: dict[Engine, _Drain] = {}
         """Per-engine queue-drain state: the only state besides the RNG; fed ``now``."""
 
-    def queued_estimate(self, c: Candidate, now: float) -> float:
+    def queued_estimate(self, c: Candidate, now: float, commit: bool = True) -> float:
         """Prefill tokens still queued on ``c.engine``, decayed in time.
 
         ``queued_prefill_tokens`` holds a request's whole uncached prompt until its first token,
@@ -186,14 +203,17 @@ class KvRouterPolicy(Policy):
         work in one interval are partly hidden, and an engine that went idle mid-interval
         counts the whole interval as busy, so the learned rate errs low: an underestimated
         rate only falls back toward the undecayed count, while an overestimated one would make
-        a busy engine look idle and draw a herd. Only observes ``EngineLoad``: a dry-run
-        decision (``/debug/route``) or a decision the proxy then fails over does not skew it.
+        a busy engine look idle and draw a herd. ``commit=False`` (a dry run) computes the
+        same estimate and keeps no observation.
         """
         q = c.load.queued_prefill_tokens
         st = self._drain.get(c.engine)
         if st is None:
-            st = self._drain[c.engine] = _Drain(float(q), q, now)
+            if commit:
+                self._drain[c.engine] = _Drain(float(q), q, now)
             return float(q)
+        if not commit:
+            st = copy.copy(st)
         dt = max(0.0, now - st.t)
         if st.last_q >= DRAIN_SATURATED_TOKENS:
             st.busy_s += dt
@@ -210,7 +230,21 @@ class KvRouterPolicy(Policy):
         st.t = now
         return st.est
 
-    def cost(self, c: Candidate, prompt_tokens: int, queued: float | None = None) -> EngineCost:
+    def prefill_rate(self, engine: Engine) -> float | None:
+        """Tokens/s this engine has been seen to prefill while backlogged (its learned drain
+        rate), or None before there is enough evidence."""
+        st = self._drain.get(engine)
+        if st is None or st.busy_s < DRAIN_MIN_BUSY_S or st.released <= 0:
+            return None
+        return st.released / st.busy_s
+
+    def cost(
+        self,
+        c: Candidate,
+        prompt_tokens: int,
+        queued: float | None = None,
+        rate: float | None = None,
+    ) -> EngineCost:
         p = self.params
         max_hit = max(prompt_tokens - 1, 0)
         spec = c.speculative_tokens > c.gpu_hit_tokens
@@ -234,18 +268,35 @@ class KvRouterPolicy(Policy):
             queued_tokens=queued,
             metrics_tokens=metrics,
             cost_tokens=total,
-            expected_ttft_s=total / p.prefill_tokens_per_s,
+            expected_ttft_s=total / (rate or p.prefill_tokens_per_s),
+            prefill_tokens_per_s=rate or p.prefill_tokens_per_s,
+            rate_learned=rate is not None,
             rank_tokens=total + (p.recompute_weight - 1.0) * uncached,
             speculative=spec,
         )
 
-    def choose(self, candidates: Sequence[Candidate], prompt_tokens: int, now: float) -> Decision:
+    def choose(
+        self,
+        candidates: Sequence[Candidate],
+        prompt_tokens: int,
+        now: float,
+        *,
+        dry_run: bool = False,
+    ) -> Decision:
         if not candidates:
             raise ValueError("no candidates")
-        if len(self._drain) > 2 * len(candidates) + 16:  # engines left the fleet: forget them
+        if not dry_run and len(self._drain) > 2 * len(candidates) + 16:  # engines left: forget
             live = {c.engine for c in candidates}
             self._drain = {e: st for e, st in self._drain.items() if e in live}
-        costs = [self.cost(c, prompt_tokens, self.queued_estimate(c, now)) for c in candidates]
+        costs = [
+            self.cost(
+                c,
+                prompt_tokens,
+                self.queued_estimate(c, now, commit=not dry_run),
+                self.prefill_rate(c.engine),
+            )
+            for c in candidates
+        ]
         best = min(x.rank_tokens for x in costs)
         tie = self.params.near_tie_tokens * max(self.params.recompute_weight, 1.0)
         # Rank: near-ties of the best by in-flight requests, then a random tie-break; everything
@@ -287,11 +338,19 @@ class RoundRobinPolicy(Policy):
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, candidates: Sequence[Candidate], prompt_tokens: int, now: float) -> Decision:
+    def choose(
+        self,
+        candidates: Sequence[Candidate],
+        prompt_tokens: int,
+        now: float,
+        *,
+        dry_run: bool = False,
+    ) -> Decision:
         if not candidates:
             raise ValueError("no candidates")
         i = self._next % len(candidates)
-        self._next += 1
+        if not dry_run:
+            self._next += 1
         order = list(range(i, len(candidates))) + list(range(i))
         return Decision(
             engine=candidates[i].engine,
@@ -308,7 +367,14 @@ class LeastLoadedPolicy(Policy):
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def choose(self, candidates: Sequence[Candidate], prompt_tokens: int, now: float) -> Decision:
+    def choose(
+        self,
+        candidates: Sequence[Candidate],
+        prompt_tokens: int,
+        now: float,
+        *,
+        dry_run: bool = False,
+    ) -> Decision:
         if not candidates:
             raise ValueError("no candidates")
         keyed = sorted(
@@ -335,7 +401,14 @@ class RandomPolicy(Policy):
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def choose(self, candidates: Sequence[Candidate], prompt_tokens: int, now: float) -> Decision:
+    def choose(
+        self,
+        candidates: Sequence[Candidate],
+        prompt_tokens: int,
+        now: float,
+        *,
+        dry_run: bool = False,
+    ) -> Decision:
         if not candidates:
             raise ValueError("no candidates")
         order = list(range(len(candidates)))

@@ -177,6 +177,7 @@ class Outcome:
     status: int
     worker: str | None
     ttft_s: float | None
+    """Arrival to the first chunk of a streamed answer (None for a buffered one)."""
     cached_tokens: int | None
     prompt_tokens: int | None = None
     """``usage.prompt_tokens`` the worker reported (verification: tokens as the worker saw them)."""
@@ -480,7 +481,7 @@ async def _forward(
         done_e = _tag_engine(done, att.engine)
         if stream:
             return _stream(resp, w, ticket, t0, done_e, ctx, att.engine)
-        return await _buffered(resp, w, ticket, t0, watcher, done_e, ctx, att.engine)
+        return await _buffered(resp, w, ticket, watcher, done_e, ctx, att.engine)
     done(Outcome(last_status, None, None, None))
     etype = {504: "timeout", 503: "service_unavailable"}.get(last_status, "bad_gateway")
     return error_response(last_status, last_error, etype)
@@ -575,7 +576,6 @@ async def _buffered(
     resp: UpstreamResponse,
     w: Worker,
     ticket: Ticket,
-    t0: float,
     watcher: asyncio.Future[None],
     done: Callable[[Outcome], None],
     ctx: _Ctx,
@@ -585,7 +585,6 @@ async def _buffered(
         parts = [chunk async for chunk in resp.aiter_raw()]
         return b"".join(parts)
 
-    ttft = time.perf_counter() - t0
     data = resp.take_complete()
     try:
         if data is None:
@@ -623,7 +622,9 @@ async def _buffered(
                 doc = _usage_dec.decode(body)
                 cached, prompt = cached_tokens_of(doc), prompt_tokens_of(doc)
         try:
-            done(Outcome(resp.status_code, w.url, ttft, cached, prompt))
+            # No time to first token: the client gets every token at once, at the end
+            # (kvrouter_request_duration_seconds measures that).
+            done(Outcome(resp.status_code, w.url, None, cached, prompt))
         except Exception:
             log.exception("recording the outcome of a request to %s", w.url)
 
