@@ -277,6 +277,10 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
         except BodyError as exc:
             m.requests.labels(policy_name, str(exc.status)).inc()
             return exc.response()
+        except ClientDisconnect:  # gone while sending its body: nothing to answer, nothing broke
+            m.requests.labels(policy_name, "499").inc()
+            log.info("client disconnected before its request body was complete (499)")
+            return Response(status_code=499)
         decided = time.perf_counter() - t0
         tok = res.tokens
         attempts = _attempts(res)

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from test_router_support import config_for, serve_app, serve_router, until
@@ -201,3 +202,37 @@ async def test_worker_removed_before_forwarding_is_skipped() -> None:
             assert seen == ["ok"]
             await until(lambda: outcomes, 5, "the outcome (recorded after the answer)")
             assert [o.status for o in outcomes] == [200]
+
+
+async def test_client_gone_mid_upload_is_a_499_not_an_internal_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    seen: list[str] = []
+    async with (
+        serve_app(_worker("ok", seen)) as ok,
+        serve_router(config_for([ok])) as (
+            base,
+            router,
+        ),
+    ):
+        if True:
+            host, port = base.rsplit("/", 1)[1].split(":")
+            _r, w = await asyncio.open_connection(host, int(port))
+            w.write(
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: 100000\r\n\r\n" + b'{"prompt": "' + b"x" * 1000
+            )
+            await w.drain()
+            w.close()
+            await w.wait_closed()
+
+            def counted(status: str) -> float:
+                v = router.metrics.registry.get_sample_value(
+                    "kvrouter_requests_total", {"policy": "kvrouter", "status": status}
+                )
+                return v or 0.0
+
+            await until(lambda: counted("499") == 1, 10, "the 499 counted")
+            assert counted("500") == 0 and seen == []
+            assert not any(x.exc_info for x in caplog.records), caplog.text
+            assert "internal error" not in caplog.text
