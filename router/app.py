@@ -907,9 +907,14 @@ def create_apps(cfg: Config, *, seed: int | None = None) -> tuple[FastAPI, FastA
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await router.start()
+        from router.epp import serve_epp  # imported here: grpcio is the optional extra "epp"
+
+        epp = await serve_epp(router) if cfg.server.epp_port is not None else None
         try:
             yield
         finally:
+            if epp is not None:
+                await epp.stop()
             await router.stop()
 
     app = FastAPI(title="kvrouter", lifespan=lifespan, docs_url=None, redoc_url=None)

@@ -65,6 +65,12 @@ class ServerConfig(_Section):
     """Wait for a free upstream connection, then 503."""
     max_header_bytes: int = 32_768
     """Request line + headers; 431 above (router/limits.py)."""
+    epp_port: int | None = None
+    """gRPC port of the Endpoint Picker (Envoy ext_proc, router/epp.py); None: no EPP."""
+    epp_tls: bool = False
+    """Serve the EPP over TLS with a self-signed certificate made at start."""
+    epp_endpoints: int = 1
+    """How many ranked endpoints the EPP names (a fallback list for gateways that walk it)."""
 
 
 class ModelConfig(_Section):
@@ -380,7 +386,7 @@ def _check_url(where: str, url: str, schemes: tuple[str, ...]) -> None:
 
 
 def _check_server(s: ServerConfig) -> None:
-    for key, port in (("port", s.port), ("admin_port", s.admin_port)):
+    for key, port in (("port", s.port), ("admin_port", s.admin_port), ("epp_port", s.epp_port)):
         if port is not None and not 0 <= port <= 65535:
             raise ConfigError(f"server.{key}: {port} is not a TCP port (0-65535)")
     if s.max_body_bytes <= 0:
@@ -395,6 +401,8 @@ def _check_server(s: ServerConfig) -> None:
         raise ConfigError("server.max_header_bytes: must be >= 1024")
     if s.max_connections_per_worker < 1:
         raise ConfigError("server.max_connections_per_worker: must be >= 1")
+    if s.epp_endpoints < 1:
+        raise ConfigError("server.epp_endpoints: must be >= 1")
     if s.log_level.lower() not in LOG_LEVELS:
         raise ConfigError(
             f"server.log_level: {s.log_level!r} is not one of {', '.join(LOG_LEVELS)}"
