@@ -121,6 +121,10 @@ class KubernetesDiscoveryConfig(_Section):
     events_port_annotation: str = "kvrouter.io/events-port"
     replay_port_annotation: str = "kvrouter.io/replay-port"
     dp_size_annotation: str = "kvrouter.io/dp-size"
+    inference_pool: str | None = None
+    """An InferencePool (inference.networking.k8s.io/v1) of ``namespace``: its selector
+    replaces ``label_selector`` and each of its ``targetPorts`` is one worker per pod
+    (router/discovery.py)."""
 
 
 class DiscoveryConfig(_Section):

@@ -27,6 +27,14 @@ kubeconfig with tokens, client certificates or exec plugins), and the list+watch
 small asyncio loop over ``httpx`` that is cancelled instantly and whose protocol handling is
 visible and tested (against a fake API server in ``tests/test_discovery.py``).
 
+**InferencePool mode** (``discovery.kubernetes.inference_pool``): the pool
+(``inference.networking.k8s.io/v1``) is read first; its ``selector.matchLabels`` replaces
+``label_selector`` and each ``targetPorts`` entry ``i`` makes one worker per pod, ``url =
+http://<podIP>:<port_i>`` with events and replay at the annotated ports ``+ i`` (a vLLM DP rank
+served by its own API server publishes at the configured port plus its rank) and ``dp_size`` 1.
+The pool is read again whenever a watch ends (the server's ``timeoutSeconds``), so a changed
+selector or port list applies within ``watch_timeout_s``.
+
 **Pod to worker.** ``url = http://<podIP>:<port>``; ``events = tcp://<podIP>:<events-port>``,
 ``replay = tcp://<podIP>:<replay-port>`` and ``dp_size`` from the annotations named in
 ``discovery.kubernetes`` (defaults 5557, 5558, 1; an unparsable annotation falls back to the
@@ -57,7 +65,9 @@ __all__ = [
     "DEFAULT_REPLAY_PORT",
     "ApiAccess",
     "Discovery",
+    "PoolMembers",
     "pod_worker",
+    "pool_workers",
 ]
 
 log = logging.getLogger("kvrouter.discovery")
@@ -182,6 +192,48 @@ def pod_worker(pod: dict[str, Any], cfg: KubernetesDiscoveryConfig) -> WorkerSpe
     )
 
 
+POOL_API = "/apis/inference.networking.k8s.io/v1"
+
+
+@dataclass(frozen=True)
+class PoolMembers:
+    """What an InferencePool says about its members: the pods' labels and the ports."""
+
+    selector: str
+    ports: tuple[int, ...]
+
+    @classmethod
+    def from_pool(cls, pool: dict[str, Any]) -> PoolMembers:
+        spec = pool.get("spec") or {}
+        labels = (spec.get("selector") or {}).get("matchLabels") or {}
+        if not labels:
+            raise ValueError("InferencePool has no selector.matchLabels")
+        ports = tuple(int(p["number"]) for p in spec.get("targetPorts") or [])
+        if not ports:
+            raise ValueError("InferencePool has no targetPorts")
+        return cls(",".join(f"{k}={v}" for k, v in sorted(labels.items())), ports)
+
+
+def pool_workers(
+    pod: dict[str, Any], cfg: KubernetesDiscoveryConfig, ports: tuple[int, ...]
+) -> list[WorkerSpec | None]:
+    """One worker per pool port (rank ``i`` at port ``ports[i]``, events/replay ``+ i``)."""
+    base = pod_worker(pod, cfg)
+    if base is None:
+        return [None] * len(ports)
+    host = base.url.rsplit(":", 1)[0]
+    ev_host, ev_port = base.events.rsplit(":", 1) if base.events else ("", "0")
+    rp_host, rp_port = base.replay.rsplit(":", 1) if base.replay else ("", "0")
+    return [
+        WorkerSpec(
+            url=f"{host}:{port}",
+            events=f"{ev_host}:{int(ev_port) + i}",
+            replay=f"{rp_host}:{int(rp_port) + i}",
+        )
+        for i, port in enumerate(ports)
+    ]
+
+
 @dataclass
 class _Status:
     lists: int = 0
@@ -231,6 +283,7 @@ class Discovery:
         self._client: httpx.AsyncClient | None = None
         self.status = _Status()
         self._synced = asyncio.Event()
+        self.pool: PoolMembers | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -281,7 +334,9 @@ class Discovery:
         return {
             "kubernetes": self.cfg.enabled,
             "namespace": self.cfg.namespace,
-            "label_selector": self.cfg.label_selector,
+            "label_selector": self._selector,
+            "inference_pool": self.cfg.inference_pool,
+            "pool_ports": list(self.pool.ports) if self.pool else None,
             "api": self.api.host if self.api else None,
             "resource_version": s.resource_version,
             "watch_connected": s.connected,
@@ -334,6 +389,38 @@ class Discovery:
     # ------------------------------------------------------------------ list + watch
 
     @property
+    def _selector(self) -> str:
+        return self.pool.selector if self.pool is not None else self.cfg.label_selector
+
+    def _pod_specs(self, pod: dict[str, Any]) -> dict[str, WorkerSpec | None]:
+        """Keys of ``_pods`` for one pod object and the worker behind each (None: not ready)."""
+        key = _pod_key(pod)
+        if self.pool is None:
+            return {key: pod_worker(pod, self.cfg)}
+        specs = pool_workers(pod, self.cfg, self.pool.ports)
+        return {f"{key}#{i}": spec for i, spec in enumerate(specs)}
+
+    async def _read_pool(self) -> bool:
+        """Read the InferencePool; a changed selector or port list drops the pods seen so far
+        (the relist that follows reports the new ones). True when it changed."""
+        assert self._client is not None
+        ns, name = self.cfg.namespace, self.cfg.inference_pool
+        r = await self._client.get(
+            f"{POOL_API}/namespaces/{ns}/inferencepools/{name}", headers=self._headers()
+        )
+        r.raise_for_status()
+        members = PoolMembers.from_pool(_json.decode(r.content))
+        if members != self.pool:
+            for key in list(self._pods):
+                await self._set_pod(key, None)
+            log.info(
+                "InferencePool %s/%s: pods %s, ports %s", ns, name, members.selector, members.ports
+            )
+            self.pool = members
+            return True
+        return False
+
+    @property
     def _path(self) -> str:
         return f"/api/v1/namespaces/{self.cfg.namespace}/pods"
 
@@ -351,11 +438,15 @@ class Discovery:
         while True:
             try:
                 if rv is None:
+                    if self.cfg.inference_pool:
+                        await self._read_pool()
                     rv = await self._list()
                     self._synced.set()
                     delay = lo
                 rv = await self._watch(rv)
                 delay = lo  # a watch that ended normally: resume at once
+                if self.cfg.inference_pool and await self._read_pool():
+                    rv = None  # the pool changed: list its (new) pods
                 continue
             except asyncio.CancelledError:
                 raise
@@ -379,7 +470,7 @@ class Discovery:
         cont: str | None = None
         rv = ""
         while True:
-            params: dict[str, Any] = {"labelSelector": self.cfg.label_selector}
+            params: dict[str, Any] = {"labelSelector": self._selector}
             if self.page_size:
                 params["limit"] = self.page_size
             if cont:
@@ -390,7 +481,7 @@ class Discovery:
             r.raise_for_status()
             body = _json.decode(r.content)
             for pod in body.get("items") or []:
-                seen[_pod_key(pod)] = pod_worker(pod, self.cfg)
+                seen.update(self._pod_specs(pod))
             meta = body.get("metadata") or {}
             rv = str(meta.get("resourceVersion") or "")
             cont = meta.get("continue") or None
@@ -408,7 +499,7 @@ class Discovery:
     async def _watch(self, rv: str) -> str:
         assert self._client is not None
         params = {
-            "labelSelector": self.cfg.label_selector,
+            "labelSelector": self._selector,
             "watch": "1",
             "resourceVersion": rv,
             "allowWatchBookmarks": "true",
@@ -447,11 +538,12 @@ class Discovery:
             self.status.bookmarks += 1
             return new_rv
         self.status.events += 1
-        key = _pod_key(obj)
         if etype in ("ADDED", "MODIFIED"):
-            await self._set_pod(key, pod_worker(obj, self.cfg))
+            for key, spec in self._pod_specs(obj).items():
+                await self._set_pod(key, spec)
         elif etype == "DELETED":
-            await self._set_pod(key, None)
+            for key in self._pod_specs(obj):
+                await self._set_pod(key, None)
         return new_rv
 
 
