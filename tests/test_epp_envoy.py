@@ -115,14 +115,15 @@ def envoy_config(
     *,
     listen: int,
     admin: int,
-    epp: int,
+    epp: int | None,
     workers: list[int],
     request_body: str = "FULL_DUPLEX_STREAMED",
     response_body: str = "FULL_DUPLEX_STREAMED",
     fail_open: bool = False,
     tls: bool = False,
 ) -> dict[str, Any]:
-    """An Envoy bootstrap like a GAIE gateway's (see the module docstring)."""
+    """An Envoy bootstrap like a GAIE gateway's (see the module docstring); ``epp=None``:
+    no ext_proc filter, every request goes round robin (the baseline gateway)."""
     picked_route = {
         "match": {"prefix": "/", "headers": [{"name": DEST, "present_match": True}]},
         "route": {"cluster": "picked", "timeout": "120s"},
@@ -144,11 +145,17 @@ def envoy_config(
             _header_to_metadata(
                 "request_rules", SUBSET, SUBSET_HINT, type="PROTOBUF_VALUE", encode="BASE64"
             ),
-            {
-                "name": "envoy.filters.http.ext_proc",
-                "typed_config": _ext_proc(epp, request_body, response_body, fail_open),
-            },
-            _header_to_metadata("response_rules", SERVED, LB, type="STRING"),
+            *(
+                []
+                if epp is None
+                else [
+                    {
+                        "name": "envoy.filters.http.ext_proc",
+                        "typed_config": _ext_proc(epp, request_body, response_body, fail_open),
+                    },
+                    _header_to_metadata("response_rules", SERVED, LB, type="STRING"),
+                ]
+            ),
             {
                 "name": "envoy.filters.http.router",
                 "typed_config": _typed("extensions.filters.http.router.v3.Router"),
@@ -161,7 +168,7 @@ def envoy_config(
     )
     epp_cluster = _static(
         "epp",
-        [epp],
+        [epp or 1],
         typed_extension_protocol_options={
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": http2
         },
