@@ -94,7 +94,7 @@ def parse_json_object(data: bytes) -> dict[str, Any]:
     return body
 
 
-def _validate_request(body: dict[str, Any], chat: bool) -> None:
+def validate_request(body: dict[str, Any], chat: bool) -> None:
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -162,7 +162,7 @@ def _add_admin_routes(app: FastAPI, router: Router) -> None:
         data = await read_body(request, router.cfg.server.max_body_bytes)
         body = parse_json_object(data)
         chat = "messages" in body
-        _validate_request(body, chat)
+        validate_request(body, chat)
         t = time.perf_counter()
         res = await router.route(body, chat, time.monotonic(), dry_run=True)
         elapsed = time.perf_counter() - t
@@ -272,7 +272,7 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
             _check_key(request, keys)
             data = await read_body(request, cfg.server.max_body_bytes)
             body = parse_json_object(data)
-            _validate_request(body, chat)
+            validate_request(body, chat)
             res = await router.route(body, chat, time.monotonic())
         except BodyError as exc:
             m.requests.labels(policy_name, str(exc.status)).inc()
@@ -396,9 +396,14 @@ def create_apps(cfg: Config, *, seed: int | None = None) -> tuple[FastAPI, FastA
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await router.start()
+        from router.epp import serve_epp  # imported here: grpcio is the optional extra "epp"
+
+        epp = await serve_epp(router) if cfg.server.epp_port is not None else None
         try:
             yield
         finally:
+            if epp is not None:
+                await epp.stop()
             await router.stop()
 
     app = FastAPI(title="kvrouter", lifespan=lifespan, docs_url=None, redoc_url=None)

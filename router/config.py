@@ -71,6 +71,12 @@ class ServerConfig(_Section):
     drain_delay_s: float = 5.0
     """On SIGTERM: ``/ready`` answers 503 at once, but new requests are still accepted this
     long (within ``drain_timeout_s``), while load balancers take the replica out."""
+    epp_port: int | None = None
+    """gRPC port of the Endpoint Picker (Envoy ext_proc, router/epp.py); None: no EPP."""
+    epp_tls: bool = False
+    """Serve the EPP over TLS with a self-signed certificate made at start."""
+    epp_endpoints: int = 1
+    """How many ranked endpoints the EPP names (a fallback list for gateways that walk it)."""
 
 
 class ModelConfig(_Section):
@@ -130,6 +136,10 @@ class KubernetesDiscoveryConfig(_Section):
     events_port_annotation: str = "kvrouter.io/events-port"
     replay_port_annotation: str = "kvrouter.io/replay-port"
     dp_size_annotation: str = "kvrouter.io/dp-size"
+    inference_pool: str | None = None
+    """An InferencePool (inference.networking.k8s.io/v1) of ``namespace``: its selector
+    replaces ``label_selector`` and each of its ``targetPorts`` is one worker per pod
+    (router/discovery.py)."""
 
 
 class DiscoveryConfig(_Section):
@@ -395,7 +405,7 @@ def _check_url(where: str, url: str, schemes: tuple[str, ...]) -> None:
 
 
 def _check_server(s: ServerConfig) -> None:
-    for key, port in (("port", s.port), ("admin_port", s.admin_port)):
+    for key, port in (("port", s.port), ("admin_port", s.admin_port), ("epp_port", s.epp_port)):
         if port is not None and not 0 <= port <= 65535:
             raise ConfigError(f"server.{key}: {port} is not a TCP port (0-65535)")
     if s.max_body_bytes <= 0:
@@ -412,6 +422,8 @@ def _check_server(s: ServerConfig) -> None:
         raise ConfigError("server.max_header_bytes: must be >= 1024")
     if s.max_connections_per_worker < 1:
         raise ConfigError("server.max_connections_per_worker: must be >= 1")
+    if s.epp_endpoints < 1:
+        raise ConfigError("server.epp_endpoints: must be >= 1")
     if s.log_level.lower() not in LOG_LEVELS:
         raise ConfigError(
             f"server.log_level: {s.log_level!r} is not one of {', '.join(LOG_LEVELS)}"

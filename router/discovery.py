@@ -27,6 +27,14 @@ kubeconfig with tokens, client certificates or exec plugins), and the list+watch
 small asyncio loop over ``httpx`` that is cancelled instantly and whose protocol handling is
 visible and tested (against a fake API server in ``tests/test_discovery.py``).
 
+**InferencePool mode** (``discovery.kubernetes.inference_pool``): the pool
+(``inference.networking.k8s.io/v1``) is read first; its ``selector.matchLabels`` replaces
+``label_selector`` and each ``targetPorts`` entry ``i`` makes one worker per pod, ``url =
+http://<podIP>:<port_i>`` with events and replay at the annotated ports ``+ i`` (a vLLM DP rank
+served by its own API server publishes at the configured port plus its rank) and ``dp_size`` 1.
+The pool is read again whenever a watch ends (the server's ``timeoutSeconds``), so a changed
+selector or port list applies within ``watch_timeout_s``.
+
 **Pod to worker.** ``url = http://<podIP>:<port>``. Its event sources come from the pod's own
 ``GET /kv_event_sources`` first (as for static workers); only when that has none (an older
 vLLM) are ``events = tcp://<podIP>:<events-port>``, ``replay = tcp://<podIP>:<replay-port>``
@@ -60,7 +68,9 @@ from router.config import KubernetesDiscoveryConfig, WorkerSpec
 __all__ = [
     "ApiAccess",
     "Discovery",
+    "PoolMembers",
     "pod_worker",
+    "pool_workers",
 ]
 
 log = logging.getLogger("kvrouter.discovery")
@@ -195,6 +205,54 @@ def pod_worker(pod: dict[str, Any], cfg: KubernetesDiscoveryConfig) -> WorkerSpe
     )
 
 
+POOL_API = "/apis/inference.networking.k8s.io/v1"
+
+
+@dataclass(frozen=True)
+class PoolMembers:
+    """What an InferencePool says about its members: the pods' labels and the ports."""
+
+    selector: str
+    ports: tuple[int, ...]
+
+    @classmethod
+    def from_pool(cls, pool: dict[str, Any]) -> PoolMembers:
+        spec = pool.get("spec") or {}
+        labels = (spec.get("selector") or {}).get("matchLabels") or {}
+        if not labels:
+            raise ValueError("InferencePool has no selector.matchLabels")
+        ports = tuple(int(p["number"]) for p in spec.get("targetPorts") or [])
+        if not ports:
+            raise ValueError("InferencePool has no targetPorts")
+        return cls(",".join(f"{k}={v}" for k, v in sorted(labels.items())), ports)
+
+
+def pool_workers(
+    pod: dict[str, Any], cfg: KubernetesDiscoveryConfig, ports: tuple[int, ...]
+) -> list[WorkerSpec | None]:
+    """One worker per pool port (rank ``i`` at port ``ports[i]``, events/replay ``+ i``)."""
+    base = pod_worker(pod, cfg)
+    if base is None:
+        return [None] * len(ports)
+    host = base.url.rsplit(":", 1)[0]
+    return [
+        WorkerSpec(
+            url=f"{host}:{port}",
+            events=_offset_port(base.events, i),
+            replay=_offset_port(base.replay, i),
+            prefer_event_sources=True,
+        )
+        for i, port in enumerate(ports)
+    ]
+
+
+def _offset_port(endpoint: str | None, i: int) -> str | None:
+    if endpoint is None:
+        return None
+    host, port = endpoint.rsplit(":", 1)
+    return f"{host}:{int(port) + i}"
+
+
 @dataclass
 class _Status:
     lists: int = 0
@@ -240,13 +298,16 @@ class Discovery:
         """Pod (namespace/name) -> its worker, for pods currently Ready."""
         self._workers: dict[str, WorkerSpec] = {}
         """Every reported worker by URL (static + pods)."""
-        self.namespaces = list(cfg.namespaces) or [cfg.namespace]
+        # An InferencePool selects pods of its own namespace only.
+        pool = bool(cfg.inference_pool)
+        self.namespaces = [cfg.namespace] if pool else list(cfg.namespaces) or [cfg.namespace]
         self._tasks: list[asyncio.Task[None]] = []
         self._client: httpx.AsyncClient | None = None
         self.statuses = {ns: _Status() for ns in self.namespaces}
         self.status = self.statuses[self.namespaces[0]]
         """The first namespace's list+watch state (the only one, usually)."""
         self._synced = {ns: asyncio.Event() for ns in self.namespaces}
+        self.pool: PoolMembers | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -308,7 +369,9 @@ class Discovery:
                 ns: {"resource_version": st.resource_version, "watch_connected": st.connected}
                 for ns, st in self.statuses.items()
             },
-            "label_selector": self.cfg.label_selector,
+            "label_selector": self._selector,
+            "inference_pool": self.cfg.inference_pool,
+            "pool_ports": list(self.pool.ports) if self.pool else None,
             "api": self.api.host if self.api else None,
             "resource_version": s.resource_version,
             "watch_connected": s.connected,
@@ -360,6 +423,38 @@ class Discovery:
 
     # ------------------------------------------------------------------ list + watch
 
+    @property
+    def _selector(self) -> str:
+        return self.pool.selector if self.pool is not None else self.cfg.label_selector
+
+    def _pod_specs(self, pod: dict[str, Any]) -> dict[str, WorkerSpec | None]:
+        """Keys of ``_pods`` for one pod object and the worker behind each (None: not ready)."""
+        key = _pod_key(pod)
+        if self.pool is None:
+            return {key: pod_worker(pod, self.cfg)}
+        specs = pool_workers(pod, self.cfg, self.pool.ports)
+        return {f"{key}#{i}": spec for i, spec in enumerate(specs)}
+
+    async def _read_pool(self) -> bool:
+        """Read the InferencePool; a changed selector or port list drops the pods seen so far
+        (the relist that follows reports the new ones). True when it changed."""
+        assert self._client is not None
+        ns, name = self.cfg.namespace, self.cfg.inference_pool
+        r = await self._client.get(
+            f"{POOL_API}/namespaces/{ns}/inferencepools/{name}", headers=self._headers()
+        )
+        r.raise_for_status()
+        members = PoolMembers.from_pool(_json.decode(r.content))
+        if members != self.pool:
+            for key in list(self._pods):
+                await self._set_pod(key, None)
+            log.info(
+                "InferencePool %s/%s: pods %s, ports %s", ns, name, members.selector, members.ports
+            )
+            self.pool = members
+            return True
+        return False
+
     @staticmethod
     def _path(ns: str) -> str:
         return f"/api/v1/namespaces/{ns}/pods"
@@ -379,11 +474,15 @@ class Discovery:
         while True:
             try:
                 if rv is None:
+                    if self.cfg.inference_pool:
+                        await self._read_pool()
                     rv = await self._list(ns)
                     self._synced[ns].set()
                     delay = lo
                 rv = await self._watch(ns, rv)
                 delay = lo  # a watch that ended normally: resume at once
+                if self.cfg.inference_pool and await self._read_pool():
+                    rv = None  # the pool changed: list its (new) pods
                 continue
             except asyncio.CancelledError:
                 raise
@@ -408,7 +507,7 @@ class Discovery:
         cont: str | None = None
         rv = ""
         while True:
-            params: dict[str, Any] = {"labelSelector": self.cfg.label_selector}
+            params: dict[str, Any] = {"labelSelector": self._selector}
             if self.page_size:
                 params["limit"] = self.page_size
             if cont:
@@ -419,7 +518,7 @@ class Discovery:
             r.raise_for_status()
             body = _json.decode(r.content)
             for pod in body.get("items") or []:
-                seen[_pod_key(pod)] = pod_worker(pod, self.cfg)
+                seen.update(self._pod_specs(pod))
             meta = body.get("metadata") or {}
             rv = str(meta.get("resourceVersion") or "")
             cont = meta.get("continue") or None
@@ -438,7 +537,7 @@ class Discovery:
         assert self._client is not None
         status = self.statuses[ns]
         params = {
-            "labelSelector": self.cfg.label_selector,
+            "labelSelector": self._selector,
             "watch": "1",
             "resourceVersion": rv,
             "allowWatchBookmarks": "true",
@@ -478,11 +577,12 @@ class Discovery:
             status.bookmarks += 1
             return new_rv
         status.events += 1
-        key = _pod_key(obj)
         if etype in ("ADDED", "MODIFIED"):
-            await self._set_pod(key, pod_worker(obj, self.cfg))
+            for key, spec in self._pod_specs(obj).items():
+                await self._set_pod(key, spec)
         elif etype == "DELETED":
-            await self._set_pod(key, None)
+            for key in self._pod_specs(obj):
+                await self._set_pod(key, None)
         return new_rv
 
 

@@ -631,3 +631,77 @@ def test_grace_period_covers_the_routers_drain(r: Rendered) -> None:
     pod = named(r.objs, "Deployment", "kvrouter")["spec"]["template"]["spec"]
     drain = r.config.get("server", {}).get("drain_timeout_s", ServerConfig().drain_timeout_s)
     assert pod["terminationGracePeriodSeconds"] > drain, "SIGKILL would cut streams mid-drain"
+
+
+# ---------------------------------------------------------------------------------------------
+# components/epp: kvrouter as an InferencePool's Endpoint Picker
+
+
+def test_epp_component_wires_pool_service_port_and_rbac(tmp_path: Path) -> None:
+    if not KUBECTL:
+        pytest.skip("kubectl is not installed: it renders the overlays (`kubectl kustomize`)")
+    import os
+
+    single = os.path.relpath(K8S / "overlays" / "single", tmp_path)
+    epp = os.path.relpath(K8S / "components" / "epp", tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"namespace: kvrouter\nresources: [{single}]\ncomponents: [{epp}]\n"
+    )
+    proc = subprocess.run(
+        [KUBECTL, "kustomize", str(tmp_path)], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    objs = tuple(d for d in yaml.safe_load_all(proc.stdout) if d)
+
+    dep = named(objs, "Deployment", ROUTER)
+    (c,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == ROUTER]
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+    assert set(env) - {"HOME"} <= env_names(contract()), "EPP env vars are config keys"
+    epp_port = int(env["KVROUTER_SERVER_EPP_PORT"])
+    assert epp_port == 9002
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["grpc"] == epp_port and ports["http"] == 8000  # the base ports are kept
+
+    svc = named(objs, "Service", "kvrouter-epp")
+    assert selects(svc["spec"]["selector"], dep["spec"]["template"]["metadata"]["labels"])
+    (sp,) = svc["spec"]["ports"]
+    assert sp["port"] == epp_port and sp["targetPort"] == "grpc"
+
+    pool = named(objs, "InferencePool", env["KVROUTER_DISCOVERY_KUBERNETES_INFERENCE_POOL"])
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["metadata"]["namespace"] == "kvrouter"
+    ref = pool["spec"]["endpointPickerRef"]
+    assert ref["name"] == "kvrouter-epp" and ref["port"]["number"] == sp["port"]
+    worker = example_worker()
+    labels = worker["spec"]["template"]["metadata"]["labels"]
+    assert selects(pool["spec"]["selector"], labels)
+    worker_ports = {
+        p["containerPort"]
+        for c in worker["spec"]["template"]["spec"]["containers"]
+        for p in c.get("ports", [])
+    }
+    assert {p["number"] for p in pool["spec"]["targetPorts"]} <= worker_ports
+
+    route = named(objs, "HTTPRoute", "vllm")
+    (backend,) = route["spec"]["rules"][0]["backendRefs"]
+    assert (backend["kind"], backend["name"]) == ("InferencePool", pool["metadata"]["name"])
+
+    role = named(objs, "Role", "kvrouter-inferencepool-reader")
+    assert role["rules"] == [
+        {
+            "apiGroups": ["inference.networking.k8s.io"],
+            "resources": ["inferencepools"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    binding = named(objs, "RoleBinding", "kvrouter-inferencepool-reader")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    sa = dep["spec"]["template"]["spec"]["serviceAccountName"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": "kvrouter"}]
+
+    gw = named(objs, "NetworkPolicy", "vllm-workers-from-gateway")
+    assert selects(gw["spec"]["podSelector"], labels)
+    assert {p["port"] for p in gw["spec"]["ingress"][0]["ports"]} == set(
+        p["number"] for p in pool["spec"]["targetPorts"]
+    )

@@ -1,0 +1,180 @@
+"""The EPP's ext_proc conversation, driven message by message by a real gRPC client.
+
+What a gateway cannot easily be made to do on cue: a request held open while the next one is
+picked (shedding), a response served by the fallback endpoint, the exact message shapes of the
+BUFFERED mode. The router runs in-process (its EPP started by the app's lifespan) in front of
+simulated workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from router.epp_core import endpoint_of
+from simulator.testing import find_port_block, running_fleet
+from tests.test_router_support import config_for, serve_router, until, words
+
+pytestmark = pytest.mark.timeout(120)
+
+FAST = {"decode_ms": 1, "prefill_tps": 400000, "step_overhead_ms": 0.1}
+Mode = processing_mode_pb2.ProcessingMode
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[list[Any]]:
+    with running_fleet(2, num_gpu_blocks=512, **FAST) as workers:
+        yield workers
+
+
+def headers_msg(
+    mode: int = Mode.FULL_DUPLEX_STREAMED, meta: dict[str, Any] | None = None
+) -> pb.ProcessingRequest:
+    hm = base_pb2.HeaderMap(
+        headers=[
+            base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions"),
+            base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+        ]
+    )
+    req = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=hm),
+        protocol_config=pb.ProtocolConfiguration(
+            request_body_mode=mode, response_body_mode=Mode.FULL_DUPLEX_STREAMED
+        ),
+    )
+    for ns, fields in (meta or {}).items():
+        req.metadata_context.filter_metadata[ns].update(fields)
+    return req
+
+
+def body_msg(prompt: str) -> pb.ProcessingRequest:
+    data = json.dumps({"model": "sim-model", "prompt": prompt, "max_tokens": 2}).encode()
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=True))
+
+
+def response_headers_msg(served: str | None) -> pb.ProcessingRequest:
+    hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")])
+    req = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=hm))
+    if served is not None:
+        req.metadata_context.filter_metadata["envoy.lb"].update(
+            {"x-gateway-destination-endpoint-served": served}
+        )
+    return req
+
+
+class Stream:
+    """One ext_proc stream, fed and read one message at a time."""
+
+    def __init__(self, stub: pb_grpc.ExternalProcessorStub) -> None:
+        self.q: asyncio.Queue[pb.ProcessingRequest | None] = asyncio.Queue()
+        self.call = stub.Process(self._requests())
+
+    async def _requests(self) -> AsyncIterator[pb.ProcessingRequest]:
+        while (m := await self.q.get()) is not None:
+            yield m
+
+    async def send(self, m: pb.ProcessingRequest, answers: int) -> list[pb.ProcessingResponse]:
+        await self.q.put(m)
+        return [await asyncio.wait_for(self.call.read(), 10) for _ in range(answers)]
+
+    async def close(self) -> None:
+        await self.q.put(None)
+        with pytest.raises((grpc.aio.AioRpcError, StopAsyncIteration, asyncio.CancelledError)):
+            while True:
+                if await self.call.read() == grpc.aio.EOF:
+                    raise StopAsyncIteration
+
+
+async def epp_router(fleet: list[Any], **server: Any) -> Any:
+    cfg = config_for(fleet, policy={"speculative_ttl_s": 0.0})
+    cfg.server.epp_port = find_port_block(1)
+    for k, v in server.items():
+        setattr(cfg.server, k, v)
+    return cfg
+
+
+def destination(resp: pb.ProcessingResponse) -> str:
+    common = resp.request_headers.response if resp.HasField("request_headers") else None
+    if common is None:
+        common = resp.request_body.response
+    hdrs = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+    meta = resp.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert (
+        meta["x-gateway-destination-endpoint"].string_value
+        == hdrs["x-gateway-destination-endpoint"]
+    )
+    assert common.clear_route_cache
+    return hdrs["x-gateway-destination-endpoint"]
+
+
+async def test_shedding_answers_429_until_a_request_finishes(fleet):
+    cfg = await epp_router(fleet[:1], max_connections_per_worker=1)
+    async with (
+        serve_router(cfg) as (_base, router),
+        grpc.aio.insecure_channel(f"127.0.0.1:{cfg.server.epp_port}") as ch,
+    ):
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        first = Stream(stub)
+        assert await first.send(headers_msg(), 0) == []
+        head, body = await first.send(body_msg(words(64, "shed-1")), 2)
+        assert destination(head) == endpoint_of(fleet[0].url)
+        assert body.request_body.response.body_mutation.streamed_response.end_of_stream
+        second = Stream(stub)
+        await second.send(headers_msg(), 0)
+        (refused,) = await second.send(body_msg(words(64, "shed-2")), 1)
+        assert refused.immediate_response.status.code == 429
+        err = json.loads(refused.immediate_response.body)["error"]
+        assert err["code"] == 429 and "limit" in err["message"]
+        await first.send(response_headers_msg(None), 1)
+        done = pb.ProcessingRequest(response_body=pb.HttpBody(body=b"{}", end_of_stream=True))
+        (echo,) = await first.send(done, 1)
+        assert echo.response_body.response.body_mutation.streamed_response.body == b"{}"
+        assert router.registry.workers[fleet[0].url].inflight == 0
+        third = Stream(stub)
+        await third.send(headers_msg(), 0)
+        head, _ = await third.send(body_msg(words(64, "shed-3")), 2)
+        assert destination(head) == endpoint_of(fleet[0].url)
+
+
+async def test_fallback_endpoint_that_served_carries_the_load(fleet):
+    cfg = await epp_router(fleet, epp_endpoints=2)
+    async with serve_router(cfg) as (_base, router):
+        await until(lambda: len(router.registry.healthy()) == 2, 10, "workers healthy")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cfg.server.epp_port}") as ch:
+            s = Stream(pb_grpc.ExternalProcessorStub(ch))
+            await s.send(headers_msg(), 0)
+            head, _ = await s.send(body_msg(words(64, "fallback")), 2)
+            primary, fallback = destination(head).split(",")
+            by_ep = {endpoint_of(u): w for u, w in router.registry.workers.items()}
+            assert by_ep[primary].inflight == 1 and by_ep[fallback].inflight == 0
+            await s.send(response_headers_msg(fallback), 1)
+            assert by_ep[primary].inflight == 0 and by_ep[fallback].inflight == 1
+            await s.close()  # the gateway gave up before the response ended
+            await until(lambda: by_ep[fallback].inflight == 0, 5, "load released on close")
+
+
+async def test_buffered_mode_answers_headers_at_once_and_picks_on_the_body(fleet):
+    cfg = await epp_router(fleet)
+    async with (
+        serve_router(cfg) as (_base, _router),
+        grpc.aio.insecure_channel(f"127.0.0.1:{cfg.server.epp_port}") as ch,
+    ):
+        s = Stream(pb_grpc.ExternalProcessorStub(ch))
+        (h,) = await s.send(headers_msg(Mode.BUFFERED), 1)
+        assert h.HasField("request_headers") and not h.request_headers.response.ListFields()
+        (b,) = await s.send(body_msg(words(64, "buffered")), 1)
+        assert destination(b) in {endpoint_of(w.url) for w in fleet}
+        assert not b.request_body.response.HasField("body_mutation")
+        subset = {"envoy.lb.subset_hint": {"x-gateway-destination-endpoint-subset": []}}
+        s2 = Stream(pb_grpc.ExternalProcessorStub(ch))
+        await s2.send(headers_msg(Mode.BUFFERED, subset), 1)
+        (refused,) = await s2.send(body_msg(words(64, "none")), 1)
+        assert refused.immediate_response.status.code == 503
