@@ -30,8 +30,9 @@ The routing benchmark drives this module directly with a simulated clock:
 from __future__ import annotations
 
 import copy
+import heapq
+import itertools
 import random
-from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -434,56 +435,78 @@ def make_policy(name: str, params: PolicyParams | None = None, seed: int | None 
     raise ValueError(f"unknown policy {name!r}")
 
 
+SAMPLE_STRIDE = 16
+"""Records shared between replicas carry every ``SAMPLE_STRIDE``-th key of a prompt and its
+deepest one (keys are chained, so each names its whole prefix): 33 keys instead of 512 for an
+8k-token prompt. A sibling's hit from such a record is found at that stride (256 tokens at the
+default unit of 16), which :meth:`SpeculativeCache.hit_tokens` searches first."""
+
+
 class SpeculativeCache:
     """Short-lived "this engine is about to hold this prefix" entries, as content keys.
 
     ``record(engine, keys, now)`` after routing a prompt whose content keys (one per ``unit``
     tokens, chained) are ``keys``; ``hit_tokens(engine, keys, unit, now)`` returns how many
-    leading tokens of another prompt such entries cover. Entries expire ``ttl_s`` after they
-    were recorded (re-recording refreshes them). Keys are chained, so one key names a whole
-    prefix and the covered run is found by binary search.
+    leading tokens of another prompt such entries cover. Entries expire ``ttl`` after they
+    were recorded (re-recording refreshes them, never shortens them). Keys are chained, so one
+    key names a whole prefix: the covered run is found by a binary search over every
+    ``SAMPLE_STRIDE``-th position (a record from another replica has those and its deepest
+    key), then the deepest live key within the stride after the last covered one.
 
     Layout, for the request path: every routed request records one key per 16 tokens (512 for
     an 8k prompt), so recording is one C-level ``dict.update``. Expiry is incremental: records
-    are kept in time order (``ttl_s`` is fixed and the clock monotonic), and each ``record``
-    first retires the records whose time has passed, deleting their keys unless a later record
-    refreshed them. Why: a periodic sweep of every entry stops the event loop for a time that
-    grows with the number of keys held, once per sweep under load. Bounded by ``max_keys``:
-    past it, the oldest records are retired early, so at most ``max_keys`` keys are held after
-    every ``record``. The key sequences are kept by reference (the tokenizer's cache holds them
-    anyway) and must not be changed after recording.
+    sit in a heap by expiry time, and each ``record`` first retires the records whose time has
+    passed, deleting their keys unless a later record refreshed them. Why: a periodic sweep of
+    every entry stops the event loop for a time that grows with the number of keys held, once
+    per sweep under load; and records of other replicas may carry another TTL, so expiry times
+    do not arrive in order. Bounded by ``max_keys``: past it, the records closest to expiry are
+    retired early, so at most ``max_keys`` keys are held after every ``record``. The key
+    sequences are kept by reference (the tokenizer's cache holds them anyway) and must not be
+    changed after recording.
     """
 
     def __init__(self, ttl_s: float = 2.0, max_keys: int = 1_000_000) -> None:
         self.ttl_s = ttl_s
         self.max_keys = max_keys
         self._entries: dict[Engine, dict[int, float]] = {}
-        # (until, engine, keys) per record, oldest first.
-        self._records: deque[tuple[float, Engine, Sequence[int]]] = deque()
+        # (until, tie-break, engine, keys) per record, a heap: soonest expiry first.
+        self._records: list[tuple[float, int, Engine, Sequence[int]]] = []
+        self._count = itertools.count()
+        self._latest = float("-inf")  # the latest expiry recorded so far
         self._size = 0  # keys held, over all engines
 
     def __len__(self) -> int:
         return self._size
 
-    def record(self, engine: Engine, keys: Sequence[int], now: float) -> None:
-        if self.ttl_s <= 0 or not keys:
+    def record(
+        self, engine: Engine, keys: Sequence[int], now: float, ttl_s: float | None = None
+    ) -> None:
+        ttl = self.ttl_s if ttl_s is None else ttl_s
+        if ttl <= 0 or not keys:
             return
         self.expire(now)
-        until = now + self.ttl_s
+        until = now + ttl
         entries = self._entries.setdefault(engine, {})
         before = len(entries)
-        entries.update(dict.fromkeys(keys, until))
+        if until >= self._latest:  # the common case: later than every entry, one C-level pass
+            entries.update(dict.fromkeys(keys, until))
+            self._latest = until
+        else:  # a shorter TTL (another replica's): refresh, never shorten
+            get = entries.get
+            for k in keys:
+                if get(k, until) <= until:
+                    entries[k] = until
         self._size += len(entries) - before
-        self._records.append((until, engine, keys))
+        heapq.heappush(self._records, (until, next(self._count), engine, keys))
         while self._size > self.max_keys and self._records:
-            self._retire(*self._records.popleft())
+            self._retire(*heapq.heappop(self._records))
 
     def expire(self, now: float) -> None:
         records = self._records
         while records and records[0][0] <= now:
-            self._retire(*records.popleft())
+            self._retire(*heapq.heappop(records))
 
-    def _retire(self, until: float, engine: Engine, keys: Sequence[int]) -> None:
+    def _retire(self, until: float, _n: int, engine: Engine, keys: Sequence[int]) -> None:
         entries = self._entries.get(engine)
         if entries is None:
             return
@@ -520,13 +543,18 @@ class SpeculativeCache:
             t = entries.get(keys[i])
             return t is not None and t > now
 
-        if not live(0):
-            return 0
-        lo, hi = 0, len(keys) - 1  # invariant: live(lo)
+        stride = SAMPLE_STRIDE
+        lo, hi = 0, len(keys) // stride  # invariant: positions stride*j-1 live for j <= lo
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if live(mid):
+            if live(mid * stride - 1):
                 lo = mid
             else:
                 hi = mid - 1
-        return (lo + 1) * unit
+        covered = lo * stride
+        # Within the next stride, the deepest live key wins: a key names its whole prefix, and
+        # a record from another replica holds only its own deepest key there.
+        for i in range(min(covered + stride - 1, len(keys) - 1), covered - 1, -1):
+            if live(i):
+                return (i + 1) * unit
+        return covered * unit

@@ -109,14 +109,18 @@ class SharedSpeculativeCache(SpeculativeCache):
         super().__init__(ttl_s, max_keys)
         self.publish = publish
 
-    def record(self, engine: Engine, keys: Sequence[int], now: float) -> None:
-        super().record(engine, keys, now)
+    def record(
+        self, engine: Engine, keys: Sequence[int], now: float, ttl_s: float | None = None
+    ) -> None:
+        super().record(engine, keys, now, ttl_s)
         if self.publish is not None and self.ttl_s > 0 and keys:
             self.publish(engine, keys)
 
-    def record_remote(self, engine: Engine, keys: Sequence[int], now: float) -> None:
-        """An entry another replica published (not re-published)."""
-        super().record(engine, keys, now)
+    def record_remote(
+        self, engine: Engine, keys: Sequence[int], now: float, ttl_s: float | None = None
+    ) -> None:
+        """An entry another replica published (not re-published), lasting its ``ttl_s``."""
+        super().record(engine, keys, now, ttl_s)
 
 
 def seed_subscriber(

@@ -19,7 +19,7 @@ import msgspec
 
 from indexer.index import EngineId
 from router.load import EngineLoad
-from router.policy import Engine
+from router.policy import SAMPLE_STRIDE, Engine
 from router.shared_local import SharedState, Snapshot, engine_key, parse_engine_key
 
 __all__ = ["RedisSharedState"]
@@ -52,6 +52,15 @@ return 0
 """
 
 
+def sampled_keys(keys: Sequence[int], max_keys: int) -> list[int]:
+    """What a speculative record tells the other replicas: every ``SAMPLE_STRIDE``-th key and
+    the deepest (each names its whole prefix), at most ``max_keys``."""
+    out = list(keys[SAMPLE_STRIDE - 1 :: SAMPLE_STRIDE][:max_keys])
+    if len(keys) % SAMPLE_STRIDE and len(out) < max_keys:
+        out.append(keys[-1])
+    return out
+
+
 class _SpecMsg(msgspec.Struct, array_like=True):
     replica: str
     url: str
@@ -80,6 +89,7 @@ class RedisSharedState(SharedState):
         max_spec_keys: int = 2048,
         max_spec_queue: int = 10_000,
         backoff_s: tuple[float, float] = (0.1, 2.0),
+        down_after_failures: int = 3,
         **kw: Any,
     ) -> None:
         super().__init__(**kw)
@@ -94,6 +104,10 @@ class RedisSharedState(SharedState):
         self.startup_timeout_s = startup_timeout_s
         self.max_spec_keys = max_spec_keys
         self.backoff_s = backoff_s
+        self.down_after_failures = down_after_failures
+        """Consecutive failed calls before Redis counts as down: one slow call under load must
+        not drop every other replica's load to zero and back (a herding signal)."""
+        self._failures = 0
         self.k_load = f"{key_prefix}:load:{self.replica_id}"
         self.k_replicas = f"{key_prefix}:replicas"
         self.k_spec = f"{key_prefix}:spec"
@@ -123,6 +137,7 @@ class RedisSharedState(SharedState):
             "load_pushes": 0,
             "load_refreshes": 0,
             "spec_published": 0,
+            "spec_published_bytes": 0,
             "spec_received": 0,
             "spec_dropped": 0,
             "snapshots_written": 0,
@@ -209,6 +224,7 @@ class RedisSharedState(SharedState):
     # ------------------------------------------------------------------ up / down
 
     def _mark_up(self) -> None:
+        self._failures = 0
         if self._up:
             return
         self._up = True
@@ -223,8 +239,16 @@ class RedisSharedState(SharedState):
         if self.on_redis_up is not None:
             self.on_redis_up(True)
 
-    def _mark_down(self, exc: BaseException) -> None:
+    def _failed(self, exc: BaseException) -> None:
+        """A call failed: Redis is down after ``down_after_failures`` in a row (at once while
+        it is not up yet)."""
         self.counters["redis_errors"] += 1
+        self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        self._failures += 1
+        if not self._up or self._failures >= self.down_after_failures:
+            self._mark_down(exc)
+
+    def _mark_down(self, exc: BaseException) -> None:
         self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         was_up = self._up
         self._up = False
@@ -250,12 +274,14 @@ class RedisSharedState(SharedState):
     async def _call(self, aw: Any, timeout: float | None = None) -> Any:
         """Await one Redis operation with a hard bound; failures mark Redis down and raise."""
         try:
-            return await asyncio.wait_for(aw, timeout or self.op_timeout_s * 2)
+            out = await asyncio.wait_for(aw, timeout or self.op_timeout_s * 2)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self._mark_down(exc)
+            self._failed(exc)
             raise
+        self._failures = 0
+        return out
 
     async def _probe_loop(self) -> None:
         lo, hi = self.backoff_s
@@ -383,13 +409,15 @@ class RedisSharedState(SharedState):
                 url,
                 int(rank),
                 int(self.speculative.ttl_s * 1000),
-                list(keys[: self.max_spec_keys]),
+                sampled_keys(keys, self.max_spec_keys),
             )
         except (TypeError, ValueError):
             return
         if len(self._spec_q) == self._spec_q.maxlen:
             self.counters["spec_dropped"] += 1
-        self._spec_q.append(msgspec.msgpack.encode(msg))
+        data = msgspec.msgpack.encode(msg)
+        self.counters["spec_published_bytes"] += len(data)
+        self._spec_q.append(data)
         self._spec_wake.set()
 
     async def _spec_publish_loop(self) -> None:
@@ -424,12 +452,10 @@ class RedisSharedState(SharedState):
         if msg.replica == self.replica_id or not msg.keys:
             return
         self.counters["spec_received"] += 1
-        cache = self.speculative
+        # The sender's TTL, on this replica's clock: its record lasts as long as it meant,
+        # and retires nothing of this replica's own before their time.
         ttl = msg.ttl_ms / 1000.0
-        now = time.monotonic()
-        if ttl != cache.ttl_s:  # the sender's TTL wins: shift "now" so the entry lasts ttl
-            now += ttl - cache.ttl_s
-        cache.record_remote((msg.url, msg.rank), msg.keys, now)
+        self.speculative.record_remote((msg.url, msg.rank), msg.keys, time.monotonic(), ttl)
 
     async def _spec_listen_loop(self) -> None:
         lo, hi = self.backoff_s

@@ -234,3 +234,68 @@ async def test_snapshots_one_leader_and_a_late_replica_loads_them(srv: RedisServ
             "the other replica to take the lease",
         )
         await leader.state.start()  # let the context manager's stop() run normally
+
+
+def test_a_longer_remote_ttl_retires_no_local_record_early() -> None:
+    s = SharedState(speculative_ttl_s=2.0)
+    cache = s.speculative
+    cache.record(E0, [1, 2, 3], 0.0)
+    cache.record_remote(E1, [7, 8], 1.0, 10.0)  # another replica's 10 s record, at t = 1
+    assert cache.hit_tokens(E0, [1, 2, 3], 16, 1.5) == 48, "the local record was retired early"
+    assert cache.hit_tokens(E1, [7, 8], 16, 10.5) == 32
+    cache.expire(2.5)
+    assert len(cache) == 2 and cache.hit_tokens(E0, [1, 2, 3], 16, 2.5) == 0
+
+
+def test_records_expire_in_time_order_whatever_their_ttl() -> None:
+    cache = SharedState(speculative_ttl_s=2.0).speculative
+    cache.record(E0, [1, 2], 0.0)  # until 2.0
+    cache.record_remote(E1, [5, 6, 7], 0.1, 0.5)  # until 0.6, recorded after
+    cache.expire(0.7)
+    assert len(cache) == 2, "the shorter record was not retired in its turn"
+    # A shorter record never shortens a key a longer one holds.
+    cache.record_remote(E0, [1, 2], 0.8, 0.5)
+    assert cache.hit_tokens(E0, [1, 2], 16, 1.9) == 32
+    cache.expire(2.1)
+    assert len(cache) == 0
+
+
+def test_a_sampled_remote_record_covers_its_prefix_at_the_stride() -> None:
+    from router.policy import SAMPLE_STRIDE
+    from router.shared_redis import sampled_keys
+
+    keys = list(range(1000, 1000 + 512))  # an 8k-token prompt's chained keys
+    sent = sampled_keys(keys, 2048)
+    assert len(sent) == 512 // SAMPLE_STRIDE and sent[-1] == keys[-1]
+    odd = keys[:300]
+    assert sampled_keys(odd, 2048)[-1] == odd[-1] and len(sampled_keys(odd, 2048)) == 19
+    cache = SharedState(speculative_ttl_s=2.0).speculative
+    cache.record_remote(E1, sent, 0.0, 2.0)
+    assert cache.hit_tokens(E1, keys, 16, 1.0) == 512 * 16  # the same prompt: all of it
+    sibling = keys[:200] + [1] * 312  # shares 200 keys: found at the stride below
+    assert cache.hit_tokens(E1, sibling, 16, 1.0) == 192 * 16
+    cache.record_remote(E0, sampled_keys(odd, 2048), 0.0, 2.0)
+    longer = [*odd, 2, 3, 4]  # the next turn of the 300-key conversation: its whole prefix
+    assert cache.hit_tokens(E0, longer, 16, 1.0) == 300 * 16
+
+
+async def test_one_slow_call_does_not_mark_redis_down(srv: RedisServer) -> None:
+    async with replica(srv.url) as a:
+        await until(lambda: a.state.up, 5, "redis up")
+        for _ in range(a.state.down_after_failures - 1):
+            with pytest.raises(TimeoutError):
+                await a.state._call(asyncio.sleep(1), timeout=0.01)
+        assert a.state.up and a.ups == [False, True], "one slow call flipped the shared state"
+        await a.state._call(a.state._client.ping())  # a success resets the count
+        for _ in range(a.state.down_after_failures):
+            with pytest.raises(TimeoutError):
+                await a.state._call(asyncio.sleep(1), timeout=0.01)
+        assert not a.state.up and a.ups[-1] is False
+
+
+async def test_speculative_bytes_per_routed_8k_prompt(srv: RedisServer) -> None:
+    async with replica(srv.url) as a:
+        await until(lambda: a.state.up, 5, "redis up")
+        a.state.speculative.record(E0, list(range(2**62, 2**62 + 512)), time.monotonic())
+        per_request = a.state.counters["spec_published_bytes"]
+        assert 0 < per_request < 400, per_request  # 33 keys; all 512 were ~4.7 KB
