@@ -4,6 +4,8 @@ A pure data structure (no I/O, no clocks): ``apply(engine, events)`` and ``match
 docs/design.md explains the design; the decisions that make it exact are written next to the
 code that makes them:
 
+* indexer/types.py -- engine ids, media, group kinds (the router's vocabulary too);
+* indexer/engine_state.py -- what the index keeps per engine;
 * indexer/residency.py -- who holds which block: engine bitmasks per (group, medium);
 * indexer/ingest.py -- vLLM events into residency (sparse, placeholder, pending, re-announce);
 * indexer/hit_rules.py -- vLLM's hit rules, pure functions over residency tables;
@@ -83,7 +85,6 @@ class PrefixIndex:
         self.cpu_chunk_tokens = cpu_chunk_tokens
         self.max_entries = max_entries
         self._engines: dict[EngineId, EngineState] = {}
-        self._by_slot: dict[int, EngineState] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._residency = Residency()
@@ -147,7 +148,6 @@ class PrefixIndex:
             self._next_slot += 1
         e = EngineState(engine, slot, model, bit=1 << slot)
         self._engines[engine] = e
-        self._by_slot[slot] = e
         return e
 
     def remove_engine(self, engine: EngineId) -> None:
@@ -156,7 +156,6 @@ class PrefixIndex:
         if e is None:
             return
         self._residency.drop(e)
-        del self._by_slot[e.slot]
         self._free_slots.append(e.slot)
 
     def clear_engine(self, engine: EngineId) -> None:

@@ -97,10 +97,11 @@ def _match_layout(
         start = (fa_hit[e.slot] // align) * align
         point, per_group = fit_point(other_groups, e.bit, keys, start, align, unit)
         explain = [GroupHit(g, FULL, groups[g].block_size, fa_per_group[g][e.slot]) for g in full]
-        explain.extend(
-            GroupHit(g, spec.kind, spec.block_size, hit, spec.sliding_window)
-            for g, (spec, _res), hit in zip(others, other_groups, per_group, strict=True)
-        )
+        if others:
+            explain.extend(
+                GroupHit(g, spec.kind, spec.block_size, hit, spec.sliding_window)
+                for g, (spec, _res), hit in zip(others, other_groups, per_group, strict=True)
+            )
         explain.sort(key=lambda x: x.group_idx)
         cpu = cpu_extension(cpu_tables, e.bit, keys, point, n_tokens, cpu_chunk_tokens, unit)
         out[e.engine] = PrefixMatch(point, cpu, explain)
