@@ -5,13 +5,13 @@
 The loops every routed request runs (indexer/native.py): turning a vLLM ``/tokenize``
 answer's ``"tokens"`` array (8,192 ids in [0, 32000), ~45 KB of JSON) into uint32 bytes,
 chaining the 512 content keys of 16-token units over those bytes, and
-``PrefixIndex._full_run`` over those keys (``full_run_us``). p50 over many runs, in us.
+``full_attention_run`` over those keys (``full_run_us``). p50 over many runs, in us.
 
 ``full_run_us``: a real PrefixIndex (engines fed ``BlockStored`` events as tests/test_index.py
 does) where 1 or 16 engines each hold all 512 blocks of the prompt (the longest scan: no engine
-drops out), ``_full_run`` timed with ``indexer.index.run_scan`` set to C ("native") and to the
-Python fallback (as fast as the loop it replaced: 38 us both, measured once). The same 512
-entries are looked up on every run, so they stay in the CPU caches: in a large index most
+drops out), ``full_attention_run`` timed with ``indexer.hit_rules.run_scan`` set to C ("native")
+and to the Python fallback (as fast as the loop it replaced: 38 us both, measured once). The same
+512 entries are looked up on every run, so they stay in the CPU caches: in a large index most
 lookups miss them and every variant is slower by about the same number of memory accesses.
 """
 
@@ -29,10 +29,12 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import indexer.index
-from indexer.index import GPU, PrefixIndex
+import indexer.hit_rules
+from indexer.hit_rules import full_attention_run
+from indexer.index import PrefixIndex
 from indexer.keys import _chain_keys_py, tokens_to_bytes
 from indexer.native import _ids_from_json_py, _ids_to_json_py, _run_scan_py
+from indexer.types import GPU
 from indexer.wire import BlockStored
 
 try:
@@ -57,7 +59,7 @@ def p50_us(fn: Callable[[], object], reps: int = REPS) -> float:
 
 
 def full_run_us(n_engines: int, rng: random.Random) -> dict[str, float]:
-    """p50 of _full_run for a 512-block prompt that every one of n_engines holds whole."""
+    """p50 of full_attention_run for a 512-block prompt that every one of n_engines holds whole."""
     bs = UNIT
     tokens = [rng.randrange(32000) for _ in range(TOKENS)]
     index = PrefixIndex()
@@ -80,7 +82,8 @@ def full_run_us(n_engines: int, rng: random.Random) -> dict[str, float]:
         index.apply(engine, [event])
     query = [*tokens, 7]  # 8,193 tokens: the hit is capped at 8,192, all 512 blocks
     keys = index.prompt_keys(query, index.root("m"))
-    members = list(index._engines.values())
+    res = index._residency.tables[(0, GPU)]
+    alive = (1 << n_engines) - 1
     limit = TOKENS
     want = dict.fromkeys(range(n_engines), TOKENS)
     out: dict[str, float] = {}
@@ -88,9 +91,9 @@ def full_run_us(n_engines: int, rng: random.Random) -> dict[str, float]:
     if _native is not None:
         impls["native"] = _native.run_scan
     for name, impl in impls.items():
-        indexer.index.run_scan = impl  # type: ignore[assignment]
-        assert index._full_run(0, bs, members, keys, limit) == want
-        out[name] = p50_us(lambda: index._full_run(0, bs, members, keys, limit))
+        indexer.hit_rules.run_scan = impl  # type: ignore[assignment]
+        assert full_attention_run(res, keys, bs, UNIT, limit, alive) == want
+        out[name] = p50_us(lambda: full_attention_run(res, keys, bs, UNIT, limit, alive))
     return out
 
 
@@ -128,11 +131,11 @@ def main() -> None:
         result["total_fallback_us"] = round(before, 2)
         result["total_native_us"] = round(after, 2)
         result["speedup"] = round(before / after, 1)
-    saved = indexer.index.run_scan
+    saved = indexer.hit_rules.run_scan
     try:
         result["full_run_us"] = {f"engines_{n}": full_run_us(n, random.Random(n)) for n in (1, 16)}
     finally:
-        indexer.index.run_scan = saved
+        indexer.hit_rules.run_scan = saved
     print(json.dumps(result))
 
 

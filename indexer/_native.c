@@ -4,7 +4,7 @@
  *   ids_from_json(raw)                     -> bytes      (a /tokenize "tokens" array as uint32 LE)
  *   chain_keys(seed, data, unit, limit)    -> list[int]  (indexer.keys.chain_keys over bytes)
  *   run_scan(tables, keys, first, step, count, alive)
- *                                          -> (b, now)   (PrefixIndex._full_run's block loop)
+ *                                          -> (b, now)   (full_attention_run's block loop)
  *   ids_to_json(data)                      -> bytes      (uint32 LE ids as a compact JSON array)
  *
  * indexer/native.py is the public face and holds the pure-Python equivalents; the tests check

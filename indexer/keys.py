@@ -1,4 +1,4 @@
-"""Content keys: kvrouter's own names for prefixes (design.md, "Identity of a prefix").
+"""Content keys: kvrouter's own names for prefixes (docs/design.md, "Identity of a prefix").
 
 vLLM's block hashes cannot be recomputed by a router (algorithm, per-process seeds before 0.25,
 LoRA paths missing from events, only the low 64 bits published), so every prefix is named by a
@@ -24,7 +24,14 @@ from types import ModuleType
 
 import xxhash
 
-__all__ = ["DEFAULT_UNIT", "chain_keys", "mix_extra", "namespace_root", "tokens_to_bytes"]
+__all__ = [
+    "DEFAULT_UNIT",
+    "NamespaceRoots",
+    "chain_keys",
+    "mix_extra",
+    "namespace_root",
+    "tokens_to_bytes",
+]
 
 DEFAULT_UNIT = 16
 
@@ -59,6 +66,28 @@ def namespace_root(model: str, cache_salt: str | None = None) -> int:
     # with salt "" apart from one with no salt, as vLLM does (an empty salt is still a salt).
     flag = "0" if cache_salt is None else "1"
     return _xxh64(f"kvrouter/1\0{model}\0{flag}{salt}".encode())
+
+
+class NamespaceRoots:
+    """``namespace_root`` with a memo, as the index asks for the same few roots again and again.
+
+    Bounded: namespaces are few, but salts may be many, so the memo is emptied past ``limit``.
+    """
+
+    __slots__ = ("_memo", "limit")
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._memo: dict[tuple[str, str | None], int] = {}
+        self.limit = limit
+
+    def __call__(self, model: str, cache_salt: str | None = None) -> int:
+        key = (model, cache_salt)
+        root = self._memo.get(key)
+        if root is None:
+            if len(self._memo) > self.limit:
+                self._memo.clear()
+            root = self._memo[key] = namespace_root(model, cache_salt)
+        return root
 
 
 def tokens_to_bytes(tokens: Sequence[int]) -> bytes:

@@ -2,15 +2,11 @@
 
 Why: for every request the router (1) turns the ``"tokens"`` array of a worker's ``/tokenize``
 answer into the uint32 bytes every content key is computed over, and (2) chains one xxh3_64 per
-16-token unit over those bytes (indexer/keys.py). For an 8,192-token prompt (46 KB of compact
-JSON, 512 keys), measured with bench/native_bench.py (p50):
-
-    (1) msgspec into 8,192 int objects, then array("I")     ~180 us  ->  C: ~24 us
-    (2) 512 bytes slices and xxhash calls                   ~47 us   ->  C:  ~7 us
-
-all on the router's one event loop. (3) ``run_scan`` is the block loop of
-``PrefixIndex._full_run`` (one residency lookup per block of the prompt, 512 for 8k tokens),
-whose interpreter overhead grows in the busy router process; numbers in bench/native_bench.py.
+16-token unit over those bytes (indexer/keys.py), all on the router's one event loop. In Python,
+(1) makes one int object per token before packing them, and (2) one bytes slice and one call
+per unit. (3) ``run_scan`` is the block loop of ``hit_rules.full_attention_run`` (one residency
+lookup per block of the prompt, 512 for 8k tokens), whose interpreter overhead grows in the busy
+router process. bench/native_bench.py measures each against its fallback.
 
 The C parser reads digits straight into the output bytes;
 for compact arrays it finds each id from a bitmap of the commas (64 bytes at a time) rather
@@ -89,7 +85,7 @@ def _run_scan_py(
     count: int,
     alive: int,
 ) -> tuple[int, int]:
-    """Python ``run_scan``: the loop ``PrefixIndex._full_run`` ran before, with the checks of C."""
+    """Python ``run_scan``: the plain block loop, with the checks of the C version."""
     first, step, count = _clamp_ssize(first), _clamp_ssize(step), _clamp_ssize(count)
     if not isinstance(tables, tuple):
         raise TypeError(f"run_scan: tables must be a tuple, not {type(tables).__name__}")

@@ -1,23 +1,22 @@
 """Big int-keyed maps split into dicts that grow at different moments.
 
-CPython grows a dict in one step that re-inserts every entry: about 40-55 ns each, so a 3 M-entry
-map stops the event loop for ~150 ms when it grows, and while the subscriber catches up with
-what queued meanwhile the lag stays high for several times that. The index keeps millions of
-entries in a few residency maps and one hash map per engine, so:
+CPython grows a dict in one step that re-inserts every entry, so a map of millions of entries
+stops the event loop for the whole re-insertion when it grows, and while the subscriber catches
+up with what queued meanwhile the lag stays high for several times that. The index keeps
+millions of entries in a few residency maps and one hash map per engine, so:
 
 * Every map is a *table*: a tuple of ``SLOTS`` references to ``SHARDS`` dicts: one subscript
   more per lookup. Residency tables are indexed by ``key & SLOT_MASK`` (content keys are uniform
   64-bit ints); engine hash maps by ``hash(h) & SLOT_MASK`` (vLLM hashes may be bytes). Each
   growth step is then 1/16 of the map.
 * The shards get unequal shares -- shard ``i`` about ``2 ** (i / 16)`` -- so they reach their
-  growth points at different moments instead of all at once (measured on 3.6 M inserts: worst
-  100 ms of insert work 171 ms with one dict, 107 ms with 16 equal shards, 43 ms staggered).
+  growth points at different moments instead of all at once (equal shards would all grow
+  together, which splits the work but not the stall).
 * Maps filled at the same rate (the hash maps of 16 engines under the same load) still grow
-  their shard ``i`` at about the same moment; but that is 1/16 of their entries. Before the
-  engine maps were split, 16 maps of 175 k entries grew within the same few milliseconds, and
-  three such moments made lag p99 in ``bench/subscriber_bench.py`` 200-250 ms; split, it is
-  9-33 ms. (Giving each map its own shares would need far more slots to tell 256 growth points
-  apart, and the 16-way split already brings the stall under a few milliseconds.)
+  their shard ``i`` at about the same moment; but that is 1/16 of their entries, where unsplit
+  maps would all re-insert every entry within the same few milliseconds. (Giving each map its
+  own shares would need far more slots to tell 256 growth points apart, and the 16-way split
+  already keeps each stall short.)
 
 Batches stay C-level: ``map`` over ``table.__getitem__`` and ``dict.get`` / ``dict.__setitem__``.
 """

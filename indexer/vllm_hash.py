@@ -3,16 +3,16 @@
 Sliding-window and mamba groups publish *sparse* ``BlockStored`` events: ``block_hashes`` lists
 only the blocks that can serve a hit, while ``token_ids`` covers the whole range, so a listed
 hash's position is not given. In hybrid models the full-attention group publishes the same hash
-values densely and the engine map resolves them (design.md). A model with *no* full-attention
-group (e.g. all layers sliding window) has no dense group to learn from.
+values densely and the engine map resolves them (docs/design.md). A model with *no*
+full-attention group (e.g. all layers sliding window) has no dense group to learn from.
 
 For that case only, this module recomputes vLLM's default chain (vLLM >= 0.25 default
 ``--prefix-caching-hash-algo sha256``: ``sha256(pickle((parent_digest, tokens, extra_keys)))``
 with ``NONE_HASH = sha256(pickle(seed))``, seed ``"vllm-none-hash"`` or ``PYTHONHASHSEED``;
-reference §6) and places each listed hash where the recomputed low 64 bits equal it. A match is
-an exact identification (a false match has probability ~2**-64). When the worker uses another
-algorithm, a random seed, LoRA or a cache salt (whose internal keys carry data events omit), no
-position matches and the hashes are counted as unresolved: never guessed.
+docs/vllm-reference.md) and places each listed hash where the recomputed low 64 bits equal it.
+A match is an exact identification (a false match has probability ~2**-64). When the worker
+uses another algorithm, a random seed, LoRA or a cache salt (whose internal keys carry data
+events omit), no position matches and the hashes are counted as unresolved: never guessed.
 
 Bounded: the digests of recently seen boundaries (needed to continue a chain from a parent) are
 kept in an LRU of ``max_entries``.

@@ -481,7 +481,7 @@ def test_residency_is_split_into_staggered_shards():
     prompts = [prompt(16 * 64, start=100_000 * i) for i in range(100)]  # 6,400 blocks
     for p in prompts:
         idx.apply(W0, [eng.stored(p, 0, 64, 16)])
-    sizes = sorted(len(d) for d in shards(idx._residency[(0, "GPU")]))
+    sizes = sorted(len(d) for d in shards(idx._residency.tables[(0, "GPU")]))
     assert sum(sizes) == 6400 == idx.total_entries
     assert sizes[-1] <= 0.12 * 6400
     assert 1.5 <= sizes[-1] / sizes[0] <= 2.6

@@ -4,8 +4,9 @@ A tiny vLLM-like simulator drives random event streams for 3-4 engines into both
 a reference. The reference never calls index internals: it names every block by its true
 identity, the *token prefix it ends at* ``(model, tokens[:T])``, learned by replaying each
 ``BlockStored`` the way vLLM means it (the parent's prefix + ``token_ids``), and keeps, per engine
-and per ``(group, medium)``, a multiset of such prefixes. Its hit rule is written from design.md
-"Cache hit rules" and reference §5 / §4.3, by brute force (one residency probe per block).
+and per ``(group, medium)``, a multiset of such prefixes. Its hit rule is written from
+docs/design.md "Cache hit rules" and docs/vllm-reference.md §5 / §4.3, by brute force (one
+residency probe per block).
 
 Engines differ in layout (single full-attention group with 16- or 32-token blocks, or a hybrid
 full-attention + sliding-window pair in either group order, dense or sparse SWA events), in CPU
@@ -18,8 +19,8 @@ each group's blocks from its hit point (so blocks between the hybrid hit and the
 run are stored again: real duplicates with a parent); evictions remove one resident block (any
 group, so sliding-window-only removals happen); CPU chunks are offloaded from GPU-resident
 blocks; ``AllBlocksCleared`` resets an engine. One documented special case is modelled exactly
-like the index does (index.py, ``_store``): a GPU ``BlockStored`` with parent ``None`` whose
-blocks are all already resident in that group is vLLM's ``kv_cache_report_mode=full``
+like the index does (indexer/ingest.py, ``_is_reannounce``): a GPU ``BlockStored`` with parent
+``None`` that the engine would already hit as a whole is vLLM's ``kv_cache_report_mode=full``
 re-announce and adds no reference.
 """
 
@@ -221,7 +222,7 @@ class RefEngine:
         """vLLM's ``kv_cache_report_mode=full`` re-announce: a GPU store from token 0 that the
         engine, by the hit rules over all its groups, would already hit as a whole (aligned to
         the LCM of the group block sizes). It adds no reference. Decided once per prefix per
-        batch: the per-group events of one request step are judged alike (index.py
+        batch: the per-group events of one request step are judged alike (indexer/ingest.py
         ``_is_reannounce``, the documented special case)."""
         if not self.groups:
             return False
@@ -792,14 +793,15 @@ def test_eviction_on_one_engine_never_changes_another(
     assert b_view() == before
 
 
-# --------------------------------------------------------------------------- found bugs
+# --------------------------------------------------------------------------- single cases
 
 
 def test_group_learned_from_empty_sparse_event() -> None:
-    """vLLM emits a sparse SWA BlockStored even when it lists no block (reference §3.1: "can
-    even be empty: the event is still emitted"), e.g. the first chunked-prefill step of a long
-    prompt, where no block of the chunk lies at a semantic boundary. Its kind, block size and
-    window are still facts about the group (design.md: learn them from BlockStored)."""
+    """vLLM emits a sparse SWA BlockStored even when it lists no block (docs/vllm-reference.md
+    §3.1: "can even be empty: the event is still emitted"), e.g. the first chunked-prefill step
+    of a long prompt, where no block of the chunk lies at a semantic boundary. Its kind, block
+    size and window are still facts about the group (docs/design.md: learn them from
+    BlockStored)."""
     idx = make_index()
     cfg = EngineCfg(
         ("w0", 0), MODEL, [Group(0, FA, 16), Group(1, SWA, 16, 32)], True, None, 0, False

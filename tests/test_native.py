@@ -22,7 +22,7 @@ import xxhash
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-import indexer.index
+import indexer.hit_rules
 from indexer import keys
 from indexer.index import PrefixIndex
 from indexer.keys import tokens_to_bytes
@@ -362,7 +362,7 @@ def test_ids_from_json_both_agree_on_damaged_long_arrays(raw: bytes) -> None:
 
 def test_ids_from_json_bad_byte_in_an_id_that_crosses_a_block() -> None:
     """Every single-byte damage of arrays whose ids straddle the C fast path's 64-byte blocks
-    (a bad byte before a block boundary once went unchecked)."""
+    (a bad byte just before a block boundary is the case a block-at-a-time scan can miss)."""
     for digits in range(1, 9):
         raw = ("[" + ",".join([str(10 ** (digits - 1) + 3)] * 40) + "]").encode()
         for pos in range(1, len(raw) - 1):
@@ -582,7 +582,7 @@ def test_run_scan_index_error_only_when_reached(impl: ScanFn) -> None:
     step_tokens=st.sampled_from([16, 32]),
 )
 def test_full_run_same_hits_with_either_scan(runs: list[int], step_tokens: int) -> None:
-    """PrefixIndex._full_run over run_scan, C or Python: engine i holds the first runs[i] blocks
+    """The full-attention run over run_scan, C or Python: engine i holds the first runs[i] blocks
     of one 20-block prompt (up to 70 engines: masks beyond 64 bits) and gets that many blocks."""
     index, p = PrefixIndex(), list(range(1000, 1000 + 20 * step_tokens))
     engines = [(f"http://w{i}", 0) for i in range(len(runs))]
@@ -595,7 +595,7 @@ def test_full_run_same_hits_with_either_scan(runs: list[int], step_tokens: int) 
     impls: list[ScanFn] = [_run_scan_py] + ([_c.run_scan] if _c is not None else [])
     for impl in impls:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(indexer.index, "run_scan", impl)
+            mp.setattr(indexer.hit_rules, "run_scan", impl)
             got = index.match(query, index.root("m"))
         assert {e: m.gpu_tokens for e, m in got.items()} == want
 

@@ -1,0 +1,57 @@
+"""What the index keeps per engine: its bit, its hash map, its groups and its counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from indexer.staggered import HashMap
+from indexer.types import EngineId, GroupSpec
+from indexer.vllm_hash import VllmHashLocator
+from indexer.wire import BlockHash, BlockStored
+
+__all__ = ["COUNTERS", "EngineState"]
+
+COUNTERS = (
+    "batches",
+    "blocks_stored",
+    "blocks_removed",
+    "cleared",
+    "duplicates",
+    "reannounced",
+    "unknown_parent",
+    "pending_applied",
+    "pending_expired",
+    "unresolved_hashes",
+    "unknown_removes",
+    "unaligned_blocks",
+    "malformed_events",
+    "overflow_resets",
+)
+
+
+@dataclass(slots=True)
+class EngineState:
+    """One engine's share of the index.
+
+    ``hashes``: engine hash -> content key; ``extra_refs``: engine hash -> references beyond the
+    first (see indexer/residency.py). ``groups`` are the group facts in use, learned from events
+    or taken from ``configured_groups``; ``group_facts`` the raw facts last seen per group.
+    ``resident`` counts entries per (group, medium). ``pending`` holds stores waiting for an
+    unknown parent, with the batch number they arrived in; ``pending_removed`` the hashes removed
+    while they wait.
+    """
+
+    engine: EngineId
+    slot: int
+    model: str
+    hashes: HashMap = field(default_factory=HashMap)
+    extra_refs: dict[BlockHash, int] = field(default_factory=dict)
+    groups: dict[int, GroupSpec] = field(default_factory=dict)
+    configured_groups: dict[int, GroupSpec] = field(default_factory=dict)
+    group_facts: dict[int, tuple[str | None, int, int | None]] = field(default_factory=dict)
+    resident: dict[tuple[int, str], int] = field(default_factory=dict)
+    pending: list[tuple[BlockStored, int]] = field(default_factory=list)
+    pending_removed: set[BlockHash] = field(default_factory=set)
+    locator: VllmHashLocator | None = None
+    bit: int = 0
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))

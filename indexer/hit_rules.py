@@ -1,0 +1,220 @@
+"""vLLM's prefix-cache hit rules, as pure functions over residency tables.
+
+A *residency lookup* is a table (indexer/staggered.py): ``res[key & SLOT_MASK].get(key, 0)`` is
+the bitmask of the engines holding the block whose content key is ``key``; ``bit`` selects one
+engine. A plain ``{key: mask}`` dict repeated ``SLOTS`` times is one too (the tests build theirs
+that way). ``keys[i]`` is the content key at token ``(i + 1) * unit`` of the prompt, so the block
+``b`` of a group with blocks of ``bs`` tokens ends at key ``keys[(b + 1) * bs // unit - 1]``.
+
+The rules (vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` and its managers):
+
+* the hit is at most ``n - 1`` tokens (the last prompt token is always computed) and a multiple
+  of the LCM of every group's block size;
+* full attention needs the unbroken run of blocks from token 0;
+* a sliding window of ``W`` tokens needs the ``cdiv(W - 1, bs)`` blocks ending at the point (or
+  a shorter run from block 0);
+* mamba needs the one state block ending at the point;
+* chunked local attention needs the blocks from the start of the point's chunk;
+* the hit is the largest point every group accepts.
+
+CPU offload adds whole chunks beyond the GPU hit (:func:`cpu_extension`).
+
+These run once per block or per candidate point on the request path, so each is one plain
+function with its loops inline; ``full_attention_run`` hands its block loop to ``run_scan``
+(C when built, indexer/native.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+from indexer.native import run_scan
+from indexer.staggered import SLOT_MASK, Table
+from indexer.types import CHUNKED, MAMBA, SLIDING, GroupSpec
+
+__all__ = [
+    "alignment",
+    "best_point",
+    "cpu_extension",
+    "fit_point",
+    "full_attention_run",
+    "group_accepts",
+    "hit_limit",
+]
+
+
+def alignment(specs: Iterable[GroupSpec]) -> int:
+    """Every hit is a multiple of this: the LCM of the groups' block sizes."""
+    return math.lcm(*(s.block_size for s in specs))
+
+
+def hit_limit(n_tokens: int, n_keys: int, unit: int, align: int) -> int:
+    """The longest hit a prompt of ``n_tokens`` allows: ``n - 1`` tokens, within the ``n_keys``
+    keys given, aligned down to ``align``."""
+    max_hit = max(n_tokens - 1, 0)
+    # Callers may pass keys for fewer tokens than n_tokens; never read past them.
+    max_hit = min(max_hit, n_keys * unit)
+    return (max_hit // align) * align
+
+
+def full_attention_run(
+    res: Table, keys: Sequence[int], block_size: int, unit: int, limit: int, alive: int
+) -> dict[int, int]:
+    """For every engine bit set in ``alive``: tokens of its unbroken run of resident blocks from
+    token 0, at most ``limit``. Keyed by slot (bit position).
+
+    All engines at once (bitmask), stopping as soon as none is still running.
+    """
+    step = block_size // unit
+    if step == 0:  # blocks smaller than the unit are never indexed (unaligned_blocks)
+        return dict.fromkeys(_slots(alive), 0)
+    hits: dict[int, int] = {}
+    nblocks = limit // block_size
+    # One lookup per block (keyed by its last unit): an 8k-token prompt is 512 lookups, most
+    # of them cache misses in a large index. run_scan (C when built) runs them until some
+    # engine drops out, so this loop turns once per distinct drop point, not once per block.
+    # Blocks without a key (keys for fewer than limit tokens) are not scanned, and engines
+    # still alive after the last scanned block get nblocks * block_size.
+    scan = min(nblocks, len(keys) // step)
+    b = 0
+    while alive:
+        b, now = run_scan(res, keys, b, step, scan, alive)
+        if b == scan:
+            break
+        dropped = alive & ~now
+        while dropped:
+            low = dropped & -dropped
+            hits[low.bit_length() - 1] = b * block_size
+            dropped ^= low
+        alive = now
+        b += 1
+    while alive:
+        low = alive & -alive
+        hits[low.bit_length() - 1] = nblocks * block_size
+        alive ^= low
+    return hits
+
+
+def _slots(mask: int) -> list[int]:
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+def group_accepts(
+    spec: GroupSpec, res: Table | None, bit: int, keys: Sequence[int], point: int, unit: int
+) -> bool:
+    """Whether a group accepts a hit ending at ``point`` for the engine ``bit``.
+
+    ``res`` is the group's GPU table (None: the group holds nothing). Full attention needs every
+    block from 0 (matching uses the faster fleet-wide :func:`full_attention_run` for it)."""
+    if point == 0:
+        return True
+    if res is None:
+        return False
+    bs = spec.block_size
+    step = bs // unit
+    end_block = point // bs  # blocks [0, end_block) end at or before point
+    if spec.kind == SLIDING:
+        window = spec.sliding_window or bs
+        need = -(-(window - 1) // bs)  # cdiv(W - 1, block_size)
+        first = max(end_block - need, 0)  # a shorter run from block 0 also counts
+    elif spec.kind == MAMBA:
+        first = end_block - 1  # only the state block ending exactly at the point
+    elif spec.kind == CHUNKED:
+        chunk = spec.attention_chunk or bs
+        first = ((point // chunk) * chunk) // bs
+        if first >= end_block:
+            return True
+    else:
+        first = 0
+    return all(
+        res[k & SLOT_MASK].get(k, 0) & bit
+        for k in (keys[(b + 1) * step - 1] for b in range(first, end_block))
+    )
+
+
+def best_point(
+    spec: GroupSpec,
+    res: Table | None,
+    bit: int,
+    keys: Sequence[int],
+    start: int,
+    align: int,
+    unit: int,
+) -> int:
+    """Largest multiple of ``align`` at most ``start`` that the group accepts (0 at worst)."""
+    point = (max(start, 0) // align) * align
+    while point > 0 and not group_accepts(spec, res, bit, keys, point, unit):
+        point -= align
+    return max(point, 0)
+
+
+def fit_point(
+    groups: Sequence[tuple[GroupSpec, Table | None]],
+    bit: int,
+    keys: Sequence[int],
+    start: int,
+    align: int,
+    unit: int,
+) -> tuple[int, list[int]]:
+    """Largest aligned point <= start that every one of ``groups`` accepts (vLLM's fixed point),
+    and each group's own best point from ``start``, in the order given.
+
+    ``groups`` are the non-full-attention groups with their GPU tables; ``start`` is the
+    full-attention run, aligned. Full attention is downward-closed, so any point below its run
+    is fine for it; each other group's rule is checked at candidate points from right to left.
+    """
+    if not groups:
+        return start, []
+    per_group = [best_point(spec, res, bit, keys, start, align, unit) for spec, res in groups]
+    point = min(per_group)
+    while point > 0 and not all(
+        group_accepts(spec, res, bit, keys, point, unit) for spec, res in groups
+    ):
+        point = min(
+            best_point(spec, res, bit, keys, point - align, align, unit) for spec, res in groups
+        )
+    return point, per_group
+
+
+def cpu_extension(
+    tables: Sequence[Table | None],
+    bit: int,
+    keys: Sequence[int],
+    gpu_hit: int,
+    n_tokens: int,
+    chunk: int,
+    unit: int,
+) -> int:
+    """Tokens loadable from CPU chunks beyond the GPU hit, as vLLM's OffloadingConnector
+    counts them (``OffloadingConnectorScheduler.get_num_new_matched_tokens``):
+
+    * the lookup covers the request's whole chunks (``n // chunk``) and starts at chunk
+      ``gpu_hit // chunk``; present chunks must be contiguous from there;
+    * the loaded part must be at least one whole chunk, else nothing is loaded;
+    * a chunk is present when its tail key (the offload key is the chunk's last block hash)
+      is resident on CPU in every one of ``tables`` (None: that group holds nothing on CPU);
+    * if GPU + CPU cover the whole prompt, the scheduler recomputes the last token
+      (``num_computed_tokens -= 1`` after the load), so the usable extension is one less.
+    """
+    if any(t is None for t in tables):
+        return 0
+    whole = n_tokens // chunk
+    if whole * chunk - gpu_hit < chunk:
+        return 0
+    step = chunk // unit
+    k = gpu_hit // chunk
+    while k < whole:
+        key = keys[(k + 1) * step - 1] if (k + 1) * step <= len(keys) else None
+        if key is None or not all(t[key & SLOT_MASK].get(key, 0) & bit for t in tables):  # type: ignore[index]
+            break
+        k += 1
+    loaded = k * chunk - gpu_hit
+    if loaded < chunk:
+        return 0
+    return min(loaded, n_tokens - 1 - gpu_hit)

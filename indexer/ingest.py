@@ -1,0 +1,421 @@
+"""Read one engine's vLLM KV events into the residency tables.
+
+``BlockStored`` events name blocks by the engine's own hashes; ingest turns them into content
+keys (indexer/keys.py) and records them. The cases that make this exact:
+
+* *dense* events list one hash per block of ``token_ids``: keys are chained from the parent's
+  key (or the namespace root) over the tokens;
+* *sparse* events (sliding-window and mamba groups) list only some blocks: their hashes are
+  resolved through the engine's hash map, through the dense events later in the same batch
+  (look-ahead), or, for models with no full-attention group, by recomputing vLLM's hash chain
+  (indexer/vllm_hash.py);
+* CPU placeholders carry one chunk-tail hash per chunk and no tokens: resolved through the map;
+* an event whose parent is unknown waits a few batches for it (replay may fill the gap);
+* a GPU store from token 0 that the engine would already hit is vLLM's full-report re-announce
+  and adds no reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from indexer.engine_state import EngineState
+from indexer.hit_rules import alignment, group_accepts
+from indexer.keys import chain_keys, mix_extra, tokens_to_bytes
+from indexer.residency import Residency
+from indexer.staggered import SLOT_MASK
+from indexer.types import CHUNKED, FULL, GPU, GroupSpec, group_kind
+from indexer.vllm_hash import VllmHashLocator
+from indexer.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
+
+__all__ = ["Ingest"]
+
+
+class Ingest:
+    """Applies event batches to ``residency``; ``root(model, cache_salt)`` names namespaces.
+
+    ``pending_batches`` / ``max_pending_events``: how many later batches a store with an unknown
+    parent waits, and how many may wait per engine. ``vllm_hash_seed`` / ``locator_entries``:
+    the seed and memory bound of the hash-chain locator (indexer/vllm_hash.py).
+    """
+
+    def __init__(
+        self,
+        residency: Residency,
+        unit: int,
+        root: Callable[[str, str | None], int],
+        pending_batches: int,
+        max_pending_events: int,
+        vllm_hash_seed: str,
+        locator_entries: int,
+    ) -> None:
+        self.residency = residency
+        self.unit = unit
+        self.root = root
+        self.pending_batches = pending_batches
+        self.max_pending_events = max_pending_events
+        self.vllm_hash_seed = vllm_hash_seed
+        self.locator_entries = locator_entries
+
+    def apply(self, e: EngineState, events: Sequence[Event]) -> None:
+        """Apply one batch of events of one engine, in list order (vLLM's order)."""
+        e.counters["batches"] += 1
+        lookahead: dict[BlockHash, int] | None = None
+        # One re-announce decision per prefix per batch: vLLM sends one event per group for the
+        # same request step, and storing the first must not change how the next is judged.
+        reannounce: dict[int, bool] = {}
+        i, n = 0, len(events)
+        while i < n:
+            ev = events[i]
+            kind = type(ev)
+            i += 1
+            if kind is BlockStored:
+                if not self._store(e, ev, reannounce):  # type: ignore[arg-type]
+                    continue
+                # A sparse event listed hashes we could not resolve yet: vLLM sends the
+                # sliding-window group's event *before* the full-attention group's event of the
+                # same step (group order), so learn the mappings the rest of this batch brings.
+                if lookahead is None:
+                    lookahead = self._learn_ahead(e, events, i)
+                self._store_sparse(e, ev, lookahead)  # type: ignore[arg-type]
+            elif kind is BlockRemoved:
+                # vLLM's GPU pool sends one single-hash BlockRemoved per evicted block, in runs:
+                # a run with one group and medium is applied as one pass (same order, same
+                # result, a fraction of the per-event cost).
+                g = ev.group_idx or 0  # type: ignore[union-attr]
+                medium = ev.medium or GPU  # type: ignore[union-attr]
+                hashes = ev.block_hashes  # type: ignore[union-attr]
+                if i < n and type(events[i]) is BlockRemoved:
+                    hashes = list(hashes)
+                    while i < n:
+                        nxt = events[i]
+                        if (
+                            type(nxt) is not BlockRemoved
+                            or (nxt.group_idx or 0) != g  # type: ignore[union-attr]
+                            or (nxt.medium or GPU) != medium  # type: ignore[union-attr]
+                        ):
+                            break
+                        hashes.extend(nxt.block_hashes)  # type: ignore[union-attr]
+                        i += 1
+                # Stores waiting for a parent must not bring back a block removed meanwhile.
+                waiting = e.pending_removed if e.pending else None
+                self.residency.remove(e, hashes, g, medium, waiting)
+            elif kind is AllBlocksCleared:
+                self.residency.drop(e)
+                e.counters["cleared"] += 1
+        if e.pending:
+            self._retry_pending(e)
+
+    # ------------------------------------------------------------------ stores
+
+    def _store(self, e: EngineState, ev: BlockStored, reannounce: dict[int, bool]) -> bool:
+        """Apply a BlockStored. Returns True when it is sparse and still needs resolving."""
+        hashes = ev.block_hashes
+        g = ev.group_idx or 0
+        medium = ev.medium or GPU
+        if (
+            medium == GPU
+            and ev.block_size > 0
+            and (ev.kv_cache_spec_kind is not None or g not in e.groups)
+        ):
+            # Before anything else: even a sparse event listing no block tells us the group
+            # exists, and matching without it would ignore that group's rule (over-predict).
+            self._learn_group(e, g, ev)
+        if not hashes:
+            return False  # sparse groups may list nothing; the event is still sent
+        if ev.block_size <= 0 or not ev.token_ids:
+            # CPU placeholder (vLLM OffloadingConnector default): one chunk-tail hash per chunk,
+            # no tokens. The same hash was published for the chunk's last GPU block.
+            for h in hashes:
+                v = e.hashes.get(h)
+                if v is None:
+                    e.counters["unresolved_hashes"] += 1
+                else:
+                    self.residency.add(e, g, medium, h, v)
+            return False
+        nblocks = len(ev.token_ids) // ev.block_size
+        if len(hashes) > nblocks:
+            e.counters["malformed_events"] += 1
+            return False
+        if len(hashes) < nblocks:
+            return True  # sparse: resolved through the engine map by the caller
+        if ev.parent_block_hash is not None and ev.parent_block_hash not in e.hashes:
+            e.counters["unknown_parent"] += 1
+            if len(e.pending) >= self.max_pending_events:
+                e.pending.pop(0)
+                e.counters["pending_expired"] += 1
+            e.pending.append((ev, e.counters["batches"]))
+            return False
+        keys = self._block_keys(e, ev)
+        if keys is None:
+            return False
+        from_root_on_gpu = ev.parent_block_hash is None and medium == GPU
+        if from_root_on_gpu and self._is_reannounce(e, ev, keys, reannounce):
+            e.counters["reannounced"] += 1
+            return False
+        self.residency.add_many(e, g, medium, self.residency.table(g, medium), hashes, keys)
+        return False
+
+    def _store_sparse(
+        self, e: EngineState, ev: BlockStored, lookahead: dict[BlockHash, int]
+    ) -> None:
+        g = ev.group_idx or 0
+        medium = ev.medium or GPU
+        hashes_map = e.hashes
+        located: dict[int, int] | None = None
+        for h in ev.block_hashes:
+            v = hashes_map.get(h)
+            if v is not None:
+                self.residency.add(e, g, medium, h, v)
+                continue
+            key = lookahead.get(h)
+            if key is None:
+                if located is None:
+                    located = self._locate(e, ev)
+                key = located.get(h)  # type: ignore[arg-type]
+            if key is None:
+                e.counters["unresolved_hashes"] += 1
+            else:
+                self.residency.add(e, g, medium, h, key)
+
+    def _retry_pending(self, e: EngineState) -> None:
+        now = e.counters["batches"]
+        still: list[tuple[BlockStored, int]] = []
+        progress = True
+        waiting = e.pending
+        while progress:
+            progress = False
+            e.pending = []
+            for ev, born in waiting:
+                if ev.parent_block_hash in e.hashes:
+                    removed = e.pending_removed
+                    if removed and any(h in removed for h in ev.block_hashes):
+                        # A later BlockRemoved already evicted part of it: applying it now
+                        # would create phantom residency.
+                        e.counters["pending_expired"] += 1
+                        continue
+                    if self._store(e, ev, {}):
+                        self._store_sparse(e, ev, {})
+                    e.counters["pending_applied"] += 1
+                    progress = True
+                elif now - born >= self.pending_batches:
+                    e.counters["pending_expired"] += 1
+                else:
+                    still.append((ev, born))
+            waiting, still = still, []
+        e.pending = waiting
+        if not e.pending:
+            e.pending_removed.clear()
+
+    # ------------------------------------------------------------------ content keys
+
+    def _root(self, e: EngineState, ev: BlockStored, extra0: Any) -> tuple[int, Any]:
+        """Namespace root of a chain that starts at token 0, and block 0's remaining extras.
+
+        vLLM's event ``extra_keys`` are untagged (0.24+ events): per block, the LoRA name, then
+        multimodal ``(id, offset)`` items, then the ``cache_salt`` string (block 0 only), then a
+        prompt-embeds digest. The LoRA name is the namespace already; on block 0 the first
+        remaining string is the salt.
+        """
+        salt: str | None = None
+        rest = extra0
+        if extra0 is not None:
+            items = [x for x in _as_tuple(extra0) if x != ev.lora_name or ev.lora_name is None]
+            for j, item in enumerate(items):
+                if isinstance(item, str):
+                    salt = item
+                    del items[j]
+                    break
+            rest = tuple(items) or None
+        model = ev.lora_name if ev.lora_name is not None else e.model
+        return self.root(model, salt), rest
+
+    def _block_keys(self, e: EngineState, ev: BlockStored) -> list[int] | None:
+        """Content key at the end of every block of ``ev``'s token range, or None (counted)."""
+        bs = ev.block_size
+        unit = self.unit
+        if bs <= 0 or bs % unit:
+            e.counters["unaligned_blocks"] += len(ev.block_hashes)
+            return None
+        if ev.parent_block_hash is None:
+            extras = ev.extra_keys
+            seed, rest0 = self._root(e, ev, extras[0] if extras else None)
+            if extras:
+                extras = [rest0, *extras[1:]]
+        else:
+            v = e.hashes.get(ev.parent_block_hash)
+            if v is None:
+                return None  # caller handles the unknown parent
+            seed = v
+            extras = ev.extra_keys
+        step = bs // unit
+        nblocks = len(ev.token_ids) // bs
+        # Common case first: no extras at all (a C-level count, not a Python loop).
+        block_extras = None
+        if extras and extras.count(None) != len(extras):
+            block_extras = [_strip_lora(x, ev.lora_name) for x in extras]
+        try:
+            data = tokens_to_bytes(ev.token_ids)
+        except ValueError:  # token ids outside [0, 2**32): not a real prompt
+            e.counters["malformed_events"] += 1
+            return None
+        if block_extras is None or block_extras.count(None) == len(block_extras):
+            keys = chain_keys(seed, data, unit, nblocks * step)
+            return keys[step - 1 :: step] if step > 1 else keys
+        # Rare path: multimodal or prompt-embeds extras fold into the chain block by block
+        # (dense events only: extra_keys has one entry per listed block).
+        out: list[int] = []
+        for b in range(nblocks):
+            seed = chain_keys(seed, data[b * bs * 4 : (b + 1) * bs * 4], unit)[-1]
+            extra = block_extras[b] if b < len(block_extras) else None
+            if extra is not None:
+                seed = mix_extra(seed, extra)
+            out.append(seed)
+        return out
+
+    def _chain_from(self, seed: int, ev: BlockStored) -> list[int] | None:
+        bs = ev.block_size
+        if bs <= 0 or bs % self.unit:
+            return None
+        step = bs // self.unit
+        try:
+            keys = chain_keys(seed, ev.token_ids, self.unit, (len(ev.token_ids) // bs) * step)
+        except ValueError:  # token ids outside [0, 2**32)
+            return None
+        return keys[step - 1 :: step] if step > 1 else keys
+
+    # ------------------------------------------------------------------ sparse resolution
+
+    def _learn_ahead(
+        self, e: EngineState, events: Sequence[Event], start: int
+    ) -> dict[BlockHash, int]:
+        """Hash -> key mappings that dense BlockStored events later in this batch will create."""
+        learned: dict[BlockHash, int] = {}
+        for ev in events[start:]:
+            if type(ev) is not BlockStored or ev.block_size <= 0 or not ev.token_ids:
+                continue
+            if len(ev.block_hashes) != len(ev.token_ids) // ev.block_size:
+                continue
+            parent = ev.parent_block_hash
+            if parent is not None and parent not in e.hashes and parent not in learned:
+                continue
+            if parent is not None and parent not in e.hashes:
+                # Chain from a parent learned earlier in this look-ahead.
+                keys = self._chain_from(learned[parent], ev)
+            else:
+                keys = self._block_keys(e, ev)
+            if keys:
+                learned.update(zip(ev.block_hashes, keys, strict=False))
+        return learned
+
+    def _locate(self, e: EngineState, ev: BlockStored) -> dict[int, int]:
+        """Event hash -> content key for every block of a sparse event, by recomputing vLLM's
+        default hash chain (indexer/vllm_hash.py). Empty when that cannot be done exactly."""
+        parent = ev.parent_block_hash
+        if isinstance(parent, bytes) or any(isinstance(h, bytes) for h in ev.block_hashes):
+            return {}
+        if ev.extra_keys and any(x is not None for x in ev.extra_keys):
+            return {}  # internal extra keys (LoRA path, tagged salt) are not in the event
+        if e.locator is None:
+            e.locator = VllmHashLocator(self.vllm_hash_seed, self.locator_entries)
+        if parent is None:
+            seed: int | None = self._root(e, ev, None)[0]
+        else:
+            v = e.hashes.get(parent)
+            seed = v if v is not None else e.locator.key_of(parent)
+        if seed is None:
+            return {}
+        keys = self._chain_from(seed, ev)
+        if not keys:
+            return {}
+        lows = e.locator.chain(parent, ev.token_ids, ev.block_size, keys)
+        if lows is None:
+            return {}
+        return dict(zip(lows, keys, strict=True))
+
+    # ------------------------------------------------------------------ group facts
+
+    def _learn_group(self, e: EngineState, g: int, ev: BlockStored) -> None:
+        # vLLM 0.33 repeats the group facts on every BlockStored: skip when nothing changed.
+        raw = (ev.kv_cache_spec_kind, ev.block_size, ev.kv_cache_spec_sliding_window)
+        if e.group_facts.get(g) == raw:
+            return
+        e.group_facts[g] = raw
+        if ev.kv_cache_spec_kind is None and g in e.configured_groups:
+            e.groups[g] = e.configured_groups[g]
+            return
+        kind = group_kind(ev.kv_cache_spec_kind)
+        spec = GroupSpec(kind, ev.block_size, ev.kv_cache_spec_sliding_window)
+        old = e.groups.get(g)
+        if (
+            old is None
+            or old.kind != spec.kind
+            or old.block_size != spec.block_size
+            or (spec.sliding_window is not None and old.sliding_window != spec.sliding_window)
+        ):
+            if kind == CHUNKED and g in e.configured_groups:
+                spec = GroupSpec(kind, ev.block_size, None, e.configured_groups[g].attention_chunk)
+            e.groups[g] = spec
+
+    # ------------------------------------------------------------------ re-announce
+
+    def _is_reannounce(
+        self, e: EngineState, ev: BlockStored, keys: list[int], decided: dict[int, bool]
+    ) -> bool:
+        """Is this parent-None GPU store vLLM's ``kv_cache_report_mode="full"`` re-announce?
+
+        vLLM stores from token 0 (parent None) only when the request's prefix hit was zero.
+        The re-announce instead re-sends a *hit* from token 0: no BlockRemoved will match it,
+        so it must add no references -- and on a sliding-window group it lists every position,
+        including blocks that group never cached (the gemma3-swa capture in tests/test_captures.py
+        shows it). So: if the engine, by the hit rules over all its groups, would hit the event's
+        whole range, vLLM would have hit it too, and the event is a re-announce. A from-scratch
+        recompute after sliding-window-only eviction (full attention still resident, window tail
+        gone) fails this test and is stored, with its full-attention duplicates
+        reference-counted.
+        """
+        if not e.groups or not e.resident or not keys:
+            return False
+        align = alignment(e.groups.values())
+        point = (len(ev.token_ids) // align) * align
+        if point == 0 or align % ev.block_size:
+            return False
+        # One decision per prefix per batch, keyed by K(point): every group's event of the same
+        # request step reaches the same LCM-aligned point even when their ranges differ (a
+        # 16-token group may cover 48 tokens where a 32-token group covers 32), so storing the
+        # first cannot make the next look like a hit. K(point) is one of this event's block keys.
+        decision_key = keys[point // ev.block_size - 1]
+        verdict = decided.get(decision_key)
+        if verdict is not None:
+            return verdict
+        # Fast rejection, exact: a full hit from token 0 needs block 0 of every full-attention
+        # group, and a new prompt's first block is almost never resident.
+        bit = e.bit
+        tables = self.residency.tables
+        for g, spec in e.groups.items():
+            if spec.kind == FULL and spec.block_size == ev.block_size:
+                res = tables.get((g, GPU))
+                if res is None or not res[keys[0] & SLOT_MASK].get(keys[0], 0) & bit:
+                    decided[decision_key] = False
+                    return False
+        seed, _ = self._root(e, ev, ev.extra_keys[0] if ev.extra_keys else None)
+        unit_keys = chain_keys(seed, ev.token_ids[:point], self.unit)
+        verdict = decided[decision_key] = all(
+            group_accepts(spec, tables.get((g, GPU)), bit, unit_keys, point, self.unit)
+            for g, spec in e.groups.items()
+        )
+        return verdict
+
+
+def _as_tuple(extra: Any) -> tuple[Any, ...]:
+    if isinstance(extra, list | tuple):
+        return tuple(extra)
+    return (extra,)
+
+
+def _strip_lora(extra: Any, lora_name: str | None) -> Any:
+    if extra is None:
+        return None
+    items = tuple(x for x in _as_tuple(extra) if lora_name is None or x != lora_name)
+    return items or None

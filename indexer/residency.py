@@ -1,0 +1,209 @@
+"""Which engines hold which block: bitmasks per (group, medium), with reference counts.
+
+Data layout (why it is fast and small in pure Python):
+
+* Engines get a *slot*; an engine is one bit ``1 << slot``.
+* ``tables[(group_idx, medium)]`` maps a content key to an int bitmask of the engines holding
+  that block. Matching a prompt is then one dict lookup and one ``&`` per block boundary for the
+  whole fleet at once, not per engine.
+* That map is a *table* (indexer/staggered.py): a tuple of 1024 references to 16 dicts of
+  unequal shares, indexed by ``key & SLOT_MASK``, so that CPython's all-at-once dict growth
+  stops the event loop for 1/16 of the map at a time, at staggered moments.
+* Each engine keeps ``hashes``: engine hash -> content key (a :class:`HashMap`, a table too),
+  and ``extra_refs``: engine hash -> references beyond the first (rare: the same hash stored in
+  several groups or media, or stored again). A hash's references count every (group, medium)
+  residency of it on that engine, so the mapping lives exactly as long as the engine holds the
+  block somewhere -- which is as long as vLLM can name it as a parent or resolve a sparse or
+  placeholder event through it. The common case is then C-level ``map`` passes per event with
+  plain 64-bit values.
+* Duplicates (vLLM does not de-duplicate) are rare, so extra copies live in a side dict
+  ``dups[(slot, group, medium, key)]`` instead of a counter on every entry.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from itertools import repeat
+from operator import eq
+
+from indexer.engine_state import EngineState
+from indexer.staggered import SLOT_MASK, HashMap, Table, new_table
+from indexer.wire import BlockHash
+
+__all__ = ["Residency"]
+
+_consume = deque(maxlen=0).extend
+
+
+class Residency:
+    """The residency tables of every engine, the duplicate copies and the entry count."""
+
+    __slots__ = ("dups", "tables", "total")
+
+    def __init__(self) -> None:
+        self.tables: dict[tuple[int, str], Table] = {}
+        self.dups: dict[tuple[int, int, str, int], int] = {}
+        self.total = 0
+        """Resident (engine, group, medium, block) entries over all engines."""
+
+    def table(self, g: int, medium: str) -> Table:
+        """The table of (group, medium), created empty on first use."""
+        res = self.tables.get((g, medium))
+        if res is None:
+            res = self.tables[(g, medium)] = new_table()
+        return res
+
+    def add_many(
+        self,
+        e: EngineState,
+        g: int,
+        medium: str,
+        res: Table,
+        hashes: list[BlockHash],
+        keys: list[int],
+    ) -> None:
+        """Engine ``e`` holds the blocks ``keys`` (named ``hashes`` by it) in table ``res``."""
+        bit = e.bit
+        hmap = e.hashes
+        # The whole event in C-level passes (map/update) rather than a Python loop per block:
+        # this is what makes ingest fast. Duplicates (a block already resident on this engine,
+        # group and medium) are rare and take the slow loop.
+        dicts = list(map(res.__getitem__, map(SLOT_MASK.__and__, keys)))
+        before = list(map(dict.get, dicts, keys, repeat(0, len(keys))))
+        after = list(map(bit.__or__, before))
+        if any(map(eq, after, before)):
+            added = 0
+            dups = self.dups
+            for d, key, m, m_new in zip(dicts, keys, before, after, strict=True):
+                if m_new == m:
+                    dk = (e.slot, g, medium, key)
+                    dups[dk] = dups.get(dk, 0) + 1
+                    e.counters["duplicates"] += 1
+                else:
+                    d[key] = m_new
+                    added += 1
+        else:
+            _consume(map(dict.__setitem__, dicts, keys, after))
+            added = len(keys)
+        # One more reference per hash; a hash already mapped keeps its key (first store wins).
+        hdicts = list(map(hmap.table.__getitem__, map(SLOT_MASK.__and__, map(hash, hashes))))
+        if not any(map(dict.__contains__, hdicts, hashes)):
+            _consume(map(dict.__setitem__, hdicts, hashes, keys))
+        else:
+            extra = e.extra_refs
+            for d, h, key in zip(hdicts, hashes, keys, strict=False):
+                if h in d:
+                    extra[h] = extra.get(h, 0) + 1
+                else:
+                    d[h] = key
+        if added:
+            gm = (g, medium)
+            e.resident[gm] = e.resident.get(gm, 0) + added
+            self.total += added
+        e.counters["blocks_stored"] += len(keys)
+
+    def add(self, e: EngineState, g: int, medium: str, h: BlockHash, key: int) -> None:
+        """Engine ``e`` holds one block ``key``, named ``h`` by it."""
+        self.add_many(e, g, medium, self.table(g, medium), [h], [key])
+
+    def remove(
+        self,
+        e: EngineState,
+        block_hashes: list[BlockHash],
+        g: int,
+        medium: str,
+        unknown_sink: set[BlockHash] | None,
+    ) -> None:
+        """Engine ``e`` no longer holds the blocks it names ``block_hashes`` in (g, medium).
+
+        Hashes it does not hold there are counted in ``unknown_removes`` and added to
+        ``unknown_sink`` when one is given (events waiting for a parent must not bring them back).
+        """
+        # Hot path: vLLM's GPU pool sends one BlockRemoved per evicted block, so per-event
+        # overhead matters as much as per-block work. Counters are summed locally, and the
+        # duplicate and extra-reference tables are consulted only when non-empty (both rare).
+        res = self.tables.get((g, medium))
+        bit = e.bit
+        others = ~bit
+        extra_refs = e.extra_refs
+        dups = self.dups
+        removed = unknown = cleared = 0
+        htable = e.hashes.table
+        for h in block_hashes:
+            hd = htable[hash(h) & SLOT_MASK]
+            key = hd.get(h)
+            if key is None or res is None:
+                unknown += 1
+                if unknown_sink is not None:
+                    unknown_sink.add(h)
+                continue
+            d = res[key & SLOT_MASK]
+            m = d.get(key, 0)
+            if not m & bit:
+                unknown += 1
+                if unknown_sink is not None:
+                    unknown_sink.add(h)
+                continue
+            extra = dups.get((e.slot, g, medium, key)) if dups else None
+            if extra:
+                dk = (e.slot, g, medium, key)
+                if extra == 1:
+                    del dups[dk]
+                else:
+                    dups[dk] = extra - 1
+            else:
+                m &= others
+                if m:
+                    d[key] = m
+                else:
+                    del d[key]
+                cleared += 1
+            refs = extra_refs.get(h) if extra_refs else None
+            if refs is None:
+                del hd[h]
+            elif refs == 1:
+                del extra_refs[h]
+            else:
+                extra_refs[h] = refs - 1
+            removed += 1
+        if cleared:
+            e.resident[(g, medium)] -= cleared
+            self.total -= cleared
+        counters = e.counters
+        if removed:
+            counters["blocks_removed"] += removed
+        if unknown:
+            counters["unknown_removes"] += unknown
+
+    def drop(self, e: EngineState) -> None:
+        """Forget everything engine ``e`` holds, on every group and medium.
+
+        Its stores waiting for a parent go too: they chain from hashes dropped here.
+        """
+        bit = e.bit
+        keep = ~bit
+        keys = set(e.hashes.values())
+        for res in self.tables.values():
+            for key in keys:
+                d = res[key & SLOT_MASK]
+                m = d.get(key)
+                if m is not None and m & bit:
+                    m &= keep
+                    if m:
+                        d[key] = m
+                    else:
+                        del d[key]
+        if self.dups:
+            for dk in [dk for dk in self.dups if dk[0] == e.slot]:
+                del self.dups[dk]
+        self.total -= sum(e.resident.values())
+        e.resident.clear()
+        e.hashes = HashMap()
+        e.extra_refs = {}
+        e.pending.clear()
+        e.pending_removed.clear()
+
+    def holds(self, e: EngineState, g: int, medium: str, key: int) -> bool:
+        """Whether engine ``e`` holds the block ``key`` in (g, medium)."""
+        res = self.tables.get((g, medium))
+        return bool(res and res[key & SLOT_MASK].get(key, 0) & e.bit)
