@@ -2,7 +2,7 @@
 
     python bench/index_bench.py            # ~30 s; last line is one JSON object
 
-Shape (issue 2): 64 engines, ~1,000,000 resident (engine, block) entries, block size 16.
+Shape: 64 engines, ~1,000,000 resident (engine, block) entries, block size 16.
 Payloads are realistic vLLM 0.33 msgpack batches of 32-block ``BlockStored`` events (map
 encoding, parents chained, int hashes >= 2**63 included), pre-encoded so that the timed part is
 exactly decode + apply. Conversations share system prompts and some are resident on several

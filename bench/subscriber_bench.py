@@ -1,4 +1,4 @@
-"""Throughput and lag of the KV-event subscriber feeding a PrefixIndex (issue 3).
+"""Throughput and lag of the KV-event subscriber feeding a PrefixIndex .
 
 16 publisher *processes* speak vLLM 0.33's live protocol (PUB bind, ``[topic, seq8, payload]``,
 payload ``[ts, [event maps], dp_rank]``) on loopback into one :class:`Subscriber` +
@@ -299,7 +299,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    # Defaults are issue 3's target scenario: 300k blocks/s offered, no evictions, so every
+    # Defaults are the target scenario: 300k blocks/s offered, no evictions, so every
     # published chain must be queryable at the end. `--gpu-blocks 32768` adds vLLM-like
     # steady-state eviction (one single-hash BlockRemoved per stored block once full).
     ap.add_argument("--blocks-per-s", type=float, default=300_000, help="offered load, all pubs")

@@ -29,6 +29,7 @@ from router import debug, proxy
 from router.config import Config
 from router.core import Router, RouteResult
 from router.errors import BodyError
+from router.messages import error_response, request_headers
 from router.verify import with_stream_usage
 
 __all__ = ["create_apps"]
@@ -40,7 +41,7 @@ _dec = msgspec.json.Decoder()
 
 def _internal_error(exc: Exception) -> Response:
     log.exception("internal error")
-    return proxy.error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+    return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
 
 
 # -------------------------------------------------------------------- request body handling
@@ -122,7 +123,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
         etype = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return proxy.error_response(exc.status_code, str(exc.detail), etype)
+        return error_response(exc.status_code, str(exc.detail), etype)
 
     @app.exception_handler(BodyError)
     async def _body_error(_: Request, exc: BodyError) -> Response:
@@ -290,7 +291,7 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
             if ids is not None and router.ids_portable():
                 body = {**body, "prompt": ids}
                 data = _upstream_enc.encode(body)
-        headers = proxy.request_headers(request.scope["headers"], cfg.server.forward_authorization)
+        headers = request_headers(request.scope["headers"], cfg.server.forward_authorization)
         stream = bool(body.get("stream"))
         strip = False
         if stream and router.verifier is not None and cfg.verify.stream_usage:

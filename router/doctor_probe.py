@@ -29,7 +29,7 @@ from indexer.replay import ReplayError, fetch_replay
 from indexer.wire import BlockStored, DecodedBatch, DecodeError, decode_payload
 from router.config import WorkerSpec
 from router.doctor_report import FAIL, FIX, OK, SKIP, WorkerReport
-from router.proxy import cached_tokens_of
+from router.messages import cached_tokens_of
 from router.tokenize import decode_tokenize_response
 
 __all__ = ["Options", "WorkerProbe"]

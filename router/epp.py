@@ -55,7 +55,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router.core import Router
 from router.epp_core import Pick, Picker, RequestState
 from router.errors import BodyError
-from router.proxy import cached_tokens_of, prompt_tokens_of
+from router.messages import cached_tokens_of, prompt_tokens_of
 from router.verify import StreamUsageFilter
 
 __all__ = ["DESTINATION", "SERVED", "SUBSET", "EppServer", "serve_epp"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.responses import Response
 
-from router import proxy
+from router.messages import error_response
 
 __all__ = ["BodyError"]
 
@@ -21,4 +21,4 @@ class BodyError(Exception):
     def response(self) -> Response:
         """The OpenAI-style error answer for this error."""
         etype = "invalid_request_error" if self.status < 500 else "service_unavailable"
-        return proxy.error_response(self.status, self.message, etype)
+        return error_response(self.status, self.message, etype)

@@ -1,4 +1,4 @@
-"""HTTP-level bounds the ASGI app cannot enforce itself (issue 8).
+"""HTTP-level bounds the ASGI app cannot enforce itself.
 
 **Header size** (``server.max_header_bytes``, 431). uvicorn's default parser (httptools) has no
 bound on the request line + headers: it buffers a 20 MB header block and hands it to the app.

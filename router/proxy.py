@@ -46,58 +46,34 @@ from typing import Any
 import anyio
 import httpx
 import msgspec
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from indexer.index import EngineId
+from router.messages import (
+    cached_from_sse,
+    cached_tokens_of,
+    error_response,
+    prompt_tokens_of,
+    response_headers,
+    sse_error_event,
+)
 from router.upstream import UpstreamRequest, UpstreamResponse
 from router.verify import StreamUsageFilter
 from router.workers import Worker, WorkerRegistry
 
 __all__ = [
-    "HOP_BY_HOP",
+    "FAILURE_REASONS",
+    "Attempt",
+    "Outcome",
     "Passthrough",
     "ProxyLimits",
     "Ticket",
-    "error_response",
     "forward",
-    "sse_error_event",
 ]
 
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
-_RESP_DROP = HOP_BY_HOP | {"date", "server"}
-WORKER_HEADER = "x-kvrouter-worker"
 log = logging.getLogger("kvrouter.proxy")
-
-
-def error_response(
-    status: int, message: str, etype: str, code: str | int | None = None
-) -> Response:
-    return JSONResponse(
-        {
-            "error": {
-                "message": message,
-                "type": etype,
-                "code": code if code is not None else status,
-            }
-        },
-        status_code=status,
-    )
+_usage_dec = msgspec.json.Decoder()
 
 
 class Ticket:
@@ -140,11 +116,6 @@ class ProxyLimits:
         return cls(request_timeout_s=server.request_timeout_s)
 
 
-def sse_error_event(message: str, etype: str, code: int) -> bytes:
-    doc = {"error": {"message": message, "type": etype, "code": code}}
-    return b"data: " + msgspec.json.encode(doc) + b"\n\ndata: [DONE]\n\n"
-
-
 class UpstreamBroken(Exception):
     """Raised into the ASGI server to close a stream that broke mid-event (no last chunk)."""
 
@@ -183,40 +154,6 @@ class Outcome:
     """``usage.prompt_tokens`` the worker reported (verification: tokens as the worker saw them)."""
     engine: EngineId | None = None
     """The engine that served the request (set for every attempt that got a response)."""
-
-
-_usage_dec = msgspec.json.Decoder()
-
-
-def cached_tokens_of(doc: Any) -> int | None:
-    if not isinstance(doc, dict):
-        return None
-    usage = doc.get("usage")
-    if not isinstance(usage, dict):
-        return None
-    details = usage.get("prompt_tokens_details")
-    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-        return details["cached_tokens"]
-    return None
-
-
-def prompt_tokens_of(doc: Any) -> int | None:
-    usage = doc.get("usage") if isinstance(doc, dict) else None
-    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-        return usage["prompt_tokens"]
-    return None
-
-
-def _cached_from_sse(chunk: bytes) -> tuple[int, int | None] | None:
-    """(cached_tokens, prompt_tokens) of the usage event in an SSE chunk, if any."""
-    for line in chunk.split(b"\n"):
-        if line.startswith(b"data: {") and b"cached_tokens" in line:
-            with contextlib.suppress(msgspec.DecodeError):
-                doc = _usage_dec.decode(line[6:])
-                v = cached_tokens_of(doc)
-                if v is not None:
-                    return v, prompt_tokens_of(doc)
-    return None
 
 
 def _tag_engine(done: Callable[[Outcome], None], engine: EngineId) -> Callable[[Outcome], None]:
@@ -281,26 +218,6 @@ class Passthrough(Response):
                     await t
             with anyio.CancelScope(shield=True):
                 await self.on_close(completed)
-
-
-def request_headers(
-    headers: list[tuple[bytes, bytes]], forward_authorization: bool
-) -> list[tuple[bytes, bytes]]:
-    out = []
-    for k, v in headers:
-        lk = k.lower().decode("latin-1")
-        if lk in HOP_BY_HOP:
-            continue
-        if lk == "authorization" and not forward_authorization:
-            continue
-        out.append((k, v))
-    return out
-
-
-def response_headers(resp: httpx.Response, worker: str) -> list[tuple[bytes, bytes]]:
-    out = [(k, v) for k, v in resp.headers.raw if k.lower().decode("latin-1") not in _RESP_DROP]
-    out.append((WORKER_HEADER.encode(), worker.encode()))
-    return out
 
 
 async def _until_disconnect(receive: Receive) -> None:
@@ -553,7 +470,7 @@ def _stream(
                 if not chunk:
                     continue
             elif b"cached_tokens" in chunk:
-                v = _cached_from_sse(chunk)
+                v = cached_from_sse(chunk)
                 if v is not None:
                     state["cached"], state["prompt"] = v
             if chunk:

@@ -38,7 +38,7 @@ import msgspec
 
 from indexer.index import EngineId, PrefixIndex
 from indexer.subscriber import SourceStatus
-from router.proxy import cached_tokens_of
+from router.messages import cached_tokens_of
 from router.tokenize import LocalTokenizer, decode_tokenize_response
 from router.workers import Worker, WorkerRegistry
 
