@@ -1,4 +1,4 @@
-"""Throughput and lag of the KV-event subscriber feeding a PrefixIndex .
+"""Throughput and lag of the KV-event subscriber feeding a PrefixIndex.
 
 16 publisher *processes* speak vLLM 0.33's live protocol (PUB bind, ``[topic, seq8, payload]``,
 payload ``[ts, [event maps], dp_rank]``) on loopback into one :class:`Subscriber` +
