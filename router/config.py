@@ -30,6 +30,7 @@ __all__ = [
     "load_config",
     "parse_config",
     "parse_worker_arg",
+    "upstream_api_key",
 ]
 
 POLICIES = ("kvrouter", "round_robin", "least_loaded", "random")
@@ -65,6 +66,11 @@ class ServerConfig(_Section):
     """Wait for a free upstream connection, then 503."""
     max_header_bytes: int = 32_768
     """Request line + headers; 431 above (router/limits.py)."""
+    upstream_api_key: str | None = None
+    """Sent to every worker as ``Authorization: Bearer`` (vLLM's ``--api-key``), independent of
+    the clients' keys; a client's own Authorization then never reaches a worker."""
+    upstream_api_key_file: str | None = None
+    """A file holding ``upstream_api_key`` (a mounted Secret), read at start."""
     drain_timeout_s: float = 55.0
     """On SIGTERM: how long in-flight requests (streams included) may still run before they are
     cut. Keep it below the pod's ``terminationGracePeriodSeconds``."""
@@ -416,6 +422,16 @@ def _check_server(s: ServerConfig) -> None:
         raise ConfigError("server.request_timeout_s: must be positive (or null: no total limit)")
     if s.pool_timeout_s <= 0:
         raise ConfigError("server.pool_timeout_s: must be positive")
+    if s.upstream_api_key is not None and s.upstream_api_key_file is not None:
+        raise ConfigError("server.upstream_api_key / upstream_api_key_file: give one, not both")
+    if s.upstream_api_key_file is not None:
+        try:
+            with open(s.upstream_api_key_file) as f:
+                key = f.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"server.upstream_api_key_file: cannot read it ({exc})") from None
+        if not key:
+            raise ConfigError("server.upstream_api_key_file: the file is empty")
     if s.drain_timeout_s < 0 or s.drain_delay_s < 0:
         raise ConfigError("server.drain_timeout_s / drain_delay_s: must be >= 0")
     if s.max_header_bytes < 1024:
@@ -540,3 +556,12 @@ def _validate(cfg: Config) -> None:
     _check_events_and_index(cfg.events, cfg.index)
     _check_discovery_and_redis(cfg.discovery.kubernetes, cfg.redis)
     _check_verify(cfg.verify)
+
+
+def upstream_api_key(cfg: Config) -> str | None:
+    """``server.upstream_api_key``, or the content of ``server.upstream_api_key_file``."""
+    s = cfg.server
+    if s.upstream_api_key_file is None:
+        return s.upstream_api_key
+    with open(s.upstream_api_key_file) as f:
+        return f.read().strip()

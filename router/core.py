@@ -23,7 +23,7 @@ from indexer.index import EngineId, PrefixIndex, PrefixMatch
 from indexer.subscriber import SourceStatus, Subscriber
 from router import proxy
 from router.candidates import build_candidates
-from router.config import Config, WorkerSpec
+from router.config import Config, WorkerSpec, upstream_api_key
 from router.discovery import Discovery
 from router.errors import BodyError
 from router.load import EngineLoad
@@ -390,6 +390,7 @@ def _registry(cfg: Config, on_events_ready: Callable[[Worker], None]) -> WorkerR
         max_connections=sc.max_connections_per_worker,
         pool_timeout_s=sc.pool_timeout_s,
         on_events_ready=on_events_ready,
+        upstream_api_key=upstream_api_key(cfg),
     )
 
 

@@ -344,13 +344,19 @@ class UpstreamClient:
         first_byte_timeout: float = 600.0,
         pool_timeout: float | None = None,
         keepalive_expiry: float = 4.0,
+        authorization: str | None = None,
     ) -> None:
+        """``authorization``: the ``Authorization`` value every request to this worker carries
+        (``server.upstream_api_key``), replacing any the caller passed."""
         parts = urlsplit(base_url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"upstream URL must be http://host:port, got {base_url!r}")
         self.host = parts.hostname
         self.port = parts.port or 80
         self._host_header = parts.netloc.encode("latin-1")
+        self._authorization = (
+            None if authorization is None else (b"authorization", authorization.encode("latin-1"))
+        )
         self.max_connections = max_connections
         self.connect_timeout = connect_timeout
         self.first_byte_timeout = first_byte_timeout
@@ -375,7 +381,11 @@ class UpstreamClient:
         content: bytes = b"",
         headers: _HeaderArg = None,
     ) -> UpstreamRequest:
-        return UpstreamRequest(method, path, content, _header_list(headers))
+        hdrs = _header_list(headers)
+        if self._authorization is not None:
+            hdrs = [h for h in hdrs if h[0].lower() != b"authorization"]
+            hdrs.append(self._authorization)
+        return UpstreamRequest(method, path, content, hdrs)
 
     def write_now(self, request: UpstreamRequest) -> UpstreamResponse | None:
         """Write ``request`` at once, without yielding to the event loop, when a pool slot is free

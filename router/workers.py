@@ -157,8 +157,12 @@ class WorkerRegistry:
         poll_interval_s: float = 1.0,
         probe_timeout_s: float = 1.0,
         on_events_ready: Callable[[Worker], None] | None = None,
+        upstream_api_key: str | None = None,
     ) -> None:
+        """``upstream_api_key``: sent as ``Authorization: Bearer`` on every call to a worker
+        (proxied requests, /tokenize, health, metrics, discovery), whatever the client sent."""
         self.poll_interval_s = poll_interval_s
+        self._authorization = None if upstream_api_key is None else f"Bearer {upstream_api_key}"
         self.probe_timeout_s = probe_timeout_s
         self.models = ModelNames(model_name)
         self.on_events_ready = on_events_ready
@@ -172,6 +176,7 @@ class WorkerRegistry:
         for spec in specs:
             self.workers[spec.url] = self._new_worker(spec)
         self._probe = httpx.AsyncClient(
+            headers={} if self._authorization is None else {"authorization": self._authorization},
             timeout=httpx.Timeout(probe_timeout_s),
             limits=httpx.Limits(max_connections=max(4 * len(specs), 64)),
             trust_env=False,
@@ -190,6 +195,7 @@ class WorkerRegistry:
             connect_timeout=self._connect_timeout_s,
             first_byte_timeout=self._first_byte_timeout_s,
             pool_timeout=self._pool_timeout_s,
+            authorization=self._authorization,
         )
         w = Worker(spec=spec, client=client, dp_size=spec.dp_size, topic=spec.topic)
         if not spec.prefer_event_sources:
