@@ -10,7 +10,6 @@ maps errors to OpenAI-style answers, and hands the routed request to ``router.pr
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -335,17 +334,9 @@ def _add_api_routes(app: FastAPI, router: Router) -> dict[str, ProxyHandler]:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
+        """Every model and adapter the fleet serves (each worker's /v1/models, merged)."""
         _check_key(request, keys)
-        entries = router.registry.models.entries
-        if not entries:
-            for w in router.registry.healthy():
-                with contextlib.suppress(Exception):
-                    r = await w.client.get("/v1/models", timeout=cfg.server.connect_timeout_s)
-                    if r.status_code == 200:
-                        router.registry.models.learn(r.json().get("data") or [])
-                        entries = router.registry.models.entries
-                        break
-        return JSONResponse({"object": "list", "data": entries})
+        return JSONResponse({"object": "list", "data": router.registry.fleet_models()})
 
     @app.get("/health")
     async def health() -> Response:

@@ -185,7 +185,7 @@ class Router:
     def _subscribe(self, w: Worker) -> None:
         if w.subscribed:
             return
-        model = self.registry.models.base or ""
+        model = self.registry.models.namespace_of(w)
         if self.cfg.events.bind is not None:
             self.subscriber.add_bound_worker(
                 w.url, w.topic, dp_size=w.dp_size, model=model, replay_endpoint=w.replay_endpoint
@@ -275,7 +275,7 @@ class Router:
         raise TokenizeError(last)
 
     def namespace_root(self, body: dict[str, Any]) -> tuple[str, int]:
-        ns = self.registry.models.namespace(body.get("model"))
+        ns = self.registry.models.namespace(body.get("model"), self.registry.workers.values())
         salt = body.get("cache_salt")
         return ns, self.index.root(ns, salt if isinstance(salt, str) else None)
 
@@ -291,7 +291,7 @@ class Router:
             tok = await self.tokenizer.tokenize(body, chat, root, self._remote_tokenize)
         except TokenizeError as exc:
             err = str(exc)
-        workers = self.registry.healthy() or list(self.registry.workers.values())
+        workers = self._serving(body.get("model"))
         loads = [(e, w.load(e[1])) for w in workers for e in w.engines()]
         engines = [e for e, _ in loads]
         matches: dict[EngineId, PrefixMatch] = {}
@@ -315,6 +315,20 @@ class Router:
         decision = self.policy.choose(cands, n, now, dry_run=dry_run)
         churn = {c.engine: self.index.churn(c.engine) for c in cands}
         return RouteResult(decision, tok, ns, matches, cands, err, churn)
+
+    def _serving(self, model: Any) -> list[Worker]:
+        """The workers a request for ``model`` may go to: healthy ones that serve it (all of
+        them while no worker is healthy). BodyError 404 when the fleet does not serve it."""
+        workers = self.registry.healthy() or list(self.registry.workers.values())
+        serving = [w for w in workers if w.serves(model)]
+        if serving or not workers:
+            return serving
+        names = sorted({name for w in self.registry.workers.values() for name in w.served})
+        raise BodyError(
+            404,
+            f"The model `{model}` does not exist; this fleet serves: {', '.join(names)}",
+            "NotFoundError",
+        )
 
     def _unverified(self, engines: list[EngineId]) -> Set[EngineId]:
         """Engines whose predictions drifted: routed by load only until re-verified."""

@@ -13,12 +13,12 @@ class BodyError(Exception):
     """A request the router answers itself with an OpenAI-style error (4xx: the request is
     wrong; 5xx: the router cannot serve it)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, etype: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.etype = etype or ("invalid_request_error" if status < 500 else "service_unavailable")
 
     def response(self) -> Response:
         """The OpenAI-style error answer for this error."""
-        etype = "invalid_request_error" if self.status < 500 else "service_unavailable"
-        return error_response(self.status, self.message, etype)
+        return error_response(self.status, self.message, self.etype)

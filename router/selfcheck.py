@@ -165,7 +165,7 @@ class SelfCheck:
                 f"({w.last_health_error or 'no answer'})",
                 "tokenizer": "unchecked",
             }
-        model = self.registry.models.base
+        model = w.base_model or self.registry.models.base
         res = await self._check_tokenizer(w, model)
         # Events: wait for discovery to subscribe (a worker without events never does).
         no_sources = None

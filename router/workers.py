@@ -113,6 +113,23 @@ class Worker:
     def inflight(self) -> int:
         return sum(x.inflight_requests for x in self.loads.values())
 
+    @property
+    def served(self) -> frozenset[str]:
+        """Every model name the worker answers to: base names and loaded LoRA adapters."""
+        return frozenset(m["id"] for m in self.models if isinstance(m.get("id"), str))
+
+    def serves(self, model: Any) -> bool:
+        """Whether a request for ``model`` may go here (True while its models are unknown)."""
+        return not self.models or not isinstance(model, str) or model in self.served
+
+    @property
+    def base_model(self) -> str | None:
+        """The worker's first base (non-adapter) model name: its engines' prefix namespace."""
+        return next(
+            (m["id"] for m in self.models if not m.get("parent") and isinstance(m.get("id"), str)),
+            None,
+        )
+
 
 class ModelNames:
     """Request ``model`` -> namespace: LoRA adapters are their own, base aliases map to one."""
@@ -138,10 +155,25 @@ class ModelNames:
             if all(e.get("id") != mid for e in self.entries):
                 self.entries.append(m)
 
-    def namespace(self, model: Any) -> str:
+    def namespace(self, model: Any, workers: Any = ()) -> str:
+        """The prefix namespace of a request for ``model``: an adapter's own name; for a base
+        name, the first base name of a worker serving it (``model.name`` when configured),
+        so that requests and that worker's events agree; else the fleet's first base name."""
         if isinstance(model, str) and model in self.loras:
             return model
+        if self.configured is None and isinstance(model, str):
+            for w in workers:
+                if model in w.served and w.base_model is not None:
+                    return str(w.base_model)
         return self.base or (model if isinstance(model, str) else "")
+
+    def namespace_of(self, w: Any) -> str:
+        """The namespace of worker ``w``'s engines (its events carry no model name)."""
+        return self.configured or w.base_model or self.base or ""
+
+
+MODELS_EVERY_POLLS = 10
+"""A worker's /v1/models is re-read every this many health polls (10 s by default)."""
 
 
 class WorkerRegistry:
@@ -278,6 +310,22 @@ class WorkerRegistry:
 
     # ---------------------------------------------------------------- loops
 
+    async def refresh_models(self, w: Worker) -> None:
+        """Re-read ``w``'s /v1/models: adapters come and go (vLLM's dynamic LoRA loading)."""
+        r = await self._probe.get(w.url + "/v1/models")
+        r.raise_for_status()
+        data = r.json().get("data") or []
+        w.models = [m for m in data if isinstance(m, dict)]
+        self.models.learn(w.models)
+
+    def fleet_models(self) -> list[dict[str, Any]]:
+        """Every model card the workers serve, once each, healthy workers first."""
+        seen: dict[str, dict[str, Any]] = {}
+        workers = sorted(self.workers.values(), key=lambda w: not w.healthy)
+        for m in (m for w in workers for m in w.models):
+            seen.setdefault(m["id"], m)
+        return list(seen.values()) or list(self.models.entries)
+
     async def check(self, w: Worker) -> None:
         """Probe ``w``'s /health and, when healthy, read its /metrics gauges."""
         try:
@@ -317,10 +365,14 @@ class WorkerRegistry:
         w.last_health_error = why
 
     async def _poll_loop(self, w: Worker) -> None:
+        polls = 0
         while True:
             await asyncio.sleep(self.poll_interval_s)
+            polls += 1
             try:
                 await self.check(w)
+                if w.healthy and w.models and polls % MODELS_EVERY_POLLS == 0:
+                    await self.refresh_models(w)
             except Exception:  # never let one bad answer kill the loop
                 log.exception("health/metrics poll of %s failed", w.url)
 
@@ -337,11 +389,7 @@ class WorkerRegistry:
 
     async def _discover(self, w: Worker) -> bool:
         if not w.models:
-            r = await self._probe.get(w.url + "/v1/models")
-            r.raise_for_status()
-            data = r.json().get("data") or []
-            w.models = [m for m in data if isinstance(m, dict)]
-            self.models.learn(w.models)
+            await self.refresh_models(w)
         if w.events_endpoint is None and not await self._ask_event_sources(w):
             spec = w.spec
             if not (spec.prefer_event_sources and spec.events):

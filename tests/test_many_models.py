@@ -1,0 +1,58 @@
+"""Workers serving different models behind one router: each request goes only to workers that
+serve its model (or adapter), unknown models get OpenAI's 404, and /v1/models is the fleet's."""
+
+from __future__ import annotations
+
+import httpx
+from test_router_support import config_for, serve_router, until, words
+
+from simulator.testing import running_fleet
+
+FAST = {"decode_ms": 1, "prefill_tps": 400000}
+
+
+async def test_requests_go_to_workers_of_their_model_and_cache_per_model() -> None:
+    with (
+        running_fleet(2, model="model-a", lora=["a-lora"], **FAST) as a,
+        running_fleet(1, model="model-b", **FAST) as b,
+    ):
+        urls_a = {w.url for w in a}
+        cfg = config_for([*a, *b])
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
+            await until(
+                lambda: all(w.subscribed for w in router.registry.workers.values()), 30, "subs"
+            )
+            listed = (await c.get(base + "/v1/models")).json()["data"]
+            assert sorted(m["id"] for m in listed) == ["a-lora", "model-a", "model-b"]
+
+            for i in range(6):
+                body = {"model": "model-b", "prompt": words(50, f"b{i}"), "max_tokens": 1}
+                r = await c.post(base + "/v1/completions", json=body)
+                assert r.status_code == 200 and r.headers["x-kvrouter-worker"] == b[0].url
+            for model in ("model-a", "a-lora"):
+                for i in range(4):
+                    body = {"model": model, "prompt": words(50, f"{model}{i}"), "max_tokens": 1}
+                    r = await c.post(base + "/v1/completions", json=body)
+                    assert r.status_code == 200 and r.headers["x-kvrouter-worker"] in urls_a
+
+            # The prefix cache is per model: a long prompt cached on model-a's worker is a hit
+            # for model-a, and the same text for model-b predicts nothing there.
+            long = {"model": "model-a", "prompt": words(400, "shared"), "max_tokens": 1}
+            first = await c.post(base + "/v1/completions", json=long)
+            holder = first.headers["x-kvrouter-worker"]
+
+            async def predicted() -> int:
+                e = (await c.post(base + "/debug/route", json=long)).json()
+                w = next(x for x in e["workers"] if x["url"] == holder)
+                return w["gpu_hit_tokens"]
+
+            await until(predicted, 15, "model-a's prefix indexed")
+            e = (await c.post(base + "/debug/route", json={**long, "model": "model-b"})).json()
+            assert [w["url"] for w in e["workers"]] == [b[0].url]
+            assert e["workers"][0]["gpu_hit_tokens"] == 0
+
+            r = await c.post(base + "/v1/completions", json={**long, "model": "nope"})
+            assert r.status_code == 404
+            err = r.json()["error"]
+            assert err["type"] == "NotFoundError" and "model-a" in err["message"]
+            assert "model-b" in err["message"] and "a-lora" in err["message"]
