@@ -29,6 +29,7 @@ from router.config import Config
 from router.core import Router, RouteResult
 from router.errors import BodyError
 from router.messages import error_response, request_headers
+from router.sessions import session_key
 from router.verify import with_stream_usage
 
 __all__ = ["create_apps"]
@@ -273,7 +274,9 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
             data = await read_body(request, cfg.server.max_body_bytes)
             body = parse_json_object(data)
             validate_request(body, chat)
-            res = await router.route(body, chat, time.monotonic())
+            sc = cfg.session
+            session = session_key(request.headers, body, sc.header, sc.user_field)
+            res = await router.route(body, chat, time.monotonic(), session=session)
         except BodyError as exc:
             m.requests.labels(policy_name, str(exc.status)).inc()
             return exc.response()

@@ -159,6 +159,18 @@ class RedisConfig(_Section):
     snapshot_interval_s: float = 30.0
 
 
+class SessionConfig(_Section):
+    """Session affinity (router/sessions.py)."""
+
+    mode: str = "soft"
+    """off, soft (the last turn's engine is credited its prompt as a hit) or hard (pinned)."""
+    header: str = "x-session-id"
+    user_field: bool = True
+    """Also take the session from the OpenAI ``user`` field when the header is absent."""
+    ttl_s: float = 600.0
+    max_sessions: int = 100_000
+
+
 class VerifyConfig(_Section):
     """Prediction verification, drift handling and the worker self-check."""
 
@@ -184,6 +196,7 @@ class Config(_Section):
     discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
     redis: RedisConfig = msgspec.field(default_factory=RedisConfig)
     verify: VerifyConfig = msgspec.field(default_factory=VerifyConfig)
+    session: SessionConfig = msgspec.field(default_factory=SessionConfig)
 
 
 # ---------------------------------------------------------------- reading the declarations
@@ -556,6 +569,16 @@ def _validate(cfg: Config) -> None:
     _check_events_and_index(cfg.events, cfg.index)
     _check_discovery_and_redis(cfg.discovery.kubernetes, cfg.redis)
     _check_verify(cfg.verify)
+    _check_session(cfg.session)
+
+
+def _check_session(s: SessionConfig) -> None:
+    if s.mode not in ("off", "soft", "hard"):
+        raise ConfigError(f"session.mode: must be off, soft or hard, got {s.mode!r}")
+    if s.ttl_s <= 0 or s.max_sessions < 1:
+        raise ConfigError("session.ttl_s / session.max_sessions: must be positive")
+    if not s.header:
+        raise ConfigError("session.header: must name a header")
 
 
 def upstream_api_key(cfg: Config) -> str | None:

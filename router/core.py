@@ -31,6 +31,7 @@ from router.metrics import RouterMetrics, fleet_state
 from router.policy import Candidate, Decision, make_policy
 from router.resilience import WorkerWatch, load_only
 from router.selfcheck import SelfCheck
+from router.sessions import SessionTable
 from router.shared_state import ExportedEngine, SharedState, make_shared_state, seed_subscriber
 from router.tokenize import (
     LocalTokenizer,
@@ -116,6 +117,7 @@ class Router:
         self.verifier = self._verifier() if cfg.verify.enabled else None
         self.selfcheck = self._selfcheck() if cfg.verify.selfcheck else None
         self.started = time.time()
+        self.sessions = SessionTable(cfg.session.ttl_s, cfg.session.max_sessions)
         self.draining = False
         """Set on SIGTERM (router/serving.py): /ready answers 503 while requests finish."""
 
@@ -280,10 +282,17 @@ class Router:
         return ns, self.index.root(ns, salt if isinstance(salt, str) else None)
 
     async def route(
-        self, body: dict[str, Any], chat: bool, now: float, *, dry_run: bool = False
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        now: float,
+        *,
+        dry_run: bool = False,
+        session: str | None = None,
     ) -> RouteResult:
         """Tokenize, match, gate and choose. ``dry_run`` (``/debug/route``): the same decision,
-        leaving the policy's learned state untouched."""
+        leaving the policy's learned state (and the session's binding) untouched. ``session``:
+        the request's session key (router/sessions.py)."""
         ns, root = self.namespace_root(body)
         tok: Tokenized | None = None
         err = None
@@ -293,6 +302,10 @@ class Router:
             err = str(exc)
         workers = self._serving(body.get("model"))
         loads = [(e, w.load(e[1])) for w in workers for e in w.engines()]
+        bound = self._session_binding(session, now)
+        if bound is not None and self.cfg.session.mode == "hard":
+            pinned = [x for x in loads if x[0] == bound[0]]
+            loads = pinned or loads  # its engine is gone or unhealthy: route freely
         engines = [e for e, _ in loads]
         matches: dict[EngineId, PrefixMatch] = {}
         speculative: dict[EngineId, int] = {}
@@ -300,6 +313,12 @@ class Router:
             matches = self.index.match_keys(tok.keys, tok.n_tokens, engines)
             unit = self.index.unit
             speculative = {e: self.speculative.hit_tokens(e, tok.keys, unit, now) for e in engines}
+        if bound is not None and tok is not None:
+            e, tokens, last_key = bound
+            at = tokens // self.index.unit - 1
+            if 0 <= at < len(tok.keys) and tok.keys[at] == last_key:  # extends the last turn
+                speculative = dict(speculative)
+                speculative[e] = max(speculative.get(e, 0), min(tokens, tok.n_tokens - 1))
         cands = build_candidates(
             loads,
             matches,
@@ -313,8 +332,16 @@ class Router:
             raise BodyError(503, "no workers configured")
         n = tok.n_tokens if tok is not None else 0
         decision = self.policy.choose(cands, n, now, dry_run=dry_run)
+        if session is not None and tok is not None and len(tok.keys) and not dry_run:
+            covered = len(tok.keys) * self.index.unit
+            self.sessions.bind(session, decision.engine, covered, tok.keys[-1], now)
         churn = {c.engine: self.index.churn(c.engine) for c in cands}
         return RouteResult(decision, tok, ns, matches, cands, err, churn)
+
+    def _session_binding(self, session: str | None, now: float) -> tuple[EngineId, int, int] | None:
+        if session is None or self.cfg.session.mode == "off":
+            return None
+        return self.sessions.get(session, now)
 
     def _serving(self, model: Any) -> list[Worker]:
         """The workers a request for ``model`` may go to: healthy ones that serve it (all of

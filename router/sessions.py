@@ -1,0 +1,61 @@
+"""Session affinity: a conversation's requests prefer the engine that served its last turn.
+
+A request names its session by a header (``session.header``, default ``x-session-id``) or the
+OpenAI ``user`` field (``session.user_field``). The engine that served the session's last turn
+holds that turn's prompt in its prefix cache unless it evicted it since, so ``soft`` mode
+credits it, when the new prompt extends that one (its content key at that length is the last
+turn's), as a speculative hit of that length: preferred the way a cached prefix is, and load
+can still send the turn elsewhere. A session key reused for an unrelated prompt (a per-user
+``user`` field) gets no credit. ``hard`` mode pins the session to its engine while
+that engine is healthy. Bindings expire after ``session.ttl_s`` without a turn and are bounded
+by ``session.max_sessions`` (least recently used first out).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from indexer.index import EngineId
+
+__all__ = ["SessionTable", "session_key"]
+
+
+class SessionTable:
+    def __init__(self, ttl_s: float = 600.0, max_sessions: int = 100_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_sessions = max_sessions
+        self._bound: OrderedDict[str, tuple[EngineId, int, int, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._bound)
+
+    def get(self, key: str, now: float) -> tuple[EngineId, int, int] | None:
+        """(engine, whole-unit tokens of the last turn, its content key there) the session is
+        bound to, if still live."""
+        got = self._bound.get(key)
+        if got is None:
+            return None
+        engine, tokens, last_key, until = got
+        if until <= now:
+            del self._bound[key]
+            return None
+        self._bound.move_to_end(key)
+        return engine, tokens, last_key
+
+    def bind(self, key: str, engine: EngineId, tokens: int, last_key: int, now: float) -> None:
+        self._bound[key] = (engine, tokens, last_key, now + self.ttl_s)
+        self._bound.move_to_end(key)
+        while len(self._bound) > self.max_sessions:
+            self._bound.popitem(last=False)
+
+
+def session_key(headers: Any, body: dict[str, Any], header: str, user_field: bool) -> str | None:
+    """The request's session: the header (case-insensitive), else the ``user`` field."""
+    value = headers.get(header) if headers is not None else None
+    if isinstance(value, bytes):
+        value = value.decode("latin-1")
+    if value:
+        return str(value)[:256]
+    user = body.get("user") if user_field else None
+    return user[:256] if isinstance(user, str) and user else None

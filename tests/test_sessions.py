@@ -1,0 +1,64 @@
+"""Session affinity: a conversation's next turn prefers the engine of its last turn (soft),
+or stays there (hard), even when the index has nothing to say (events lost, index reset)."""
+
+from __future__ import annotations
+
+import httpx
+from test_router_support import config_for, serve_router, until, words
+
+from router.sessions import SessionTable, session_key
+from simulator.testing import running_fleet
+
+FAST = {"decode_ms": 1, "prefill_tps": 400000}
+
+
+def test_session_table_expires_and_is_bounded() -> None:
+    t = SessionTable(ttl_s=10.0, max_sessions=2)
+    t.bind("a", ("w", 0), 64, 111, 0.0)
+    t.bind("b", ("w", 1), 32, 222, 1.0)
+    assert t.get("a", 5.0) == (("w", 0), 64, 111)
+    t.bind("c", ("w", 2), 16, 333, 2.0)  # over the bound: the least recently used goes
+    assert t.get("b", 5.0) is None and len(t) == 2
+    assert t.get("a", 10.5) is None  # expired
+    assert session_key({"x-session-id": "s1"}, {"user": "u"}, "x-session-id", True) == "s1"
+    assert session_key({}, {"user": "u"}, "x-session-id", True) == "u"
+    assert session_key({}, {"user": "u"}, "x-session-id", False) is None
+
+
+async def _turns(mode: str) -> tuple[list[str], list[str]]:
+    """Four turns of one conversation and of an unrelated request with the same session key,
+    with the index's events switched off, so only affinity can keep the conversation home."""
+    with running_fleet(3, **FAST) as ws:
+        cfg = config_for(ws, session={"mode": mode}, policy={"speculative_ttl_s": 0.0})
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
+            await until(lambda: all(w.subscribed for w in router.registry.workers.values()), 20)
+            for w in ws:
+                await c.post(w.url + "/sim/faults", json={"events_enabled": False})
+            hdr = {"x-session-id": "conv-1"}
+            prompt = words(300, "conv")
+            served, unrelated = [], []
+            for turn in range(4):
+                prompt += " " + words(40, f"turn{turn}")
+                body = {"model": "sim-model", "prompt": prompt, "max_tokens": 1}
+                r = await c.post(base + "/v1/completions", json=body, headers=hdr)
+                served.append(r.headers["x-kvrouter-worker"])
+            for i in range(3):
+                body = {"model": "sim-model", "prompt": words(300, f"other{i}"), "max_tokens": 1}
+                r = await c.post(base + "/v1/completions", json=body, headers=hdr)
+                unrelated.append(r.headers["x-kvrouter-worker"])
+            return served, unrelated
+
+
+async def test_soft_affinity_keeps_a_conversation_on_its_engine() -> None:
+    served, _ = await _turns("soft")
+    assert len(set(served)) == 1, served
+
+
+async def test_without_affinity_the_conversation_wanders() -> None:
+    served, _ = await _turns("off")
+    assert len(set(served)) > 1, served
+
+
+async def test_hard_affinity_pins_even_unrelated_prompts() -> None:
+    served, unrelated = await _turns("hard")
+    assert len(set(served + unrelated)) == 1, (served, unrelated)
