@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from indexer.index import EngineId
-from router import debug, proxy
+from router import debug, passthrough, proxy
 from router.config import Config
 from router.core import Router, RouteResult
 from router.errors import BodyError
@@ -159,15 +159,23 @@ def _add_admin_routes(app: FastAPI, router: Router) -> None:
 
     @app.post("/debug/route")
     async def debug_route(request: Request) -> Response:
+        """Explain a routing decision without sending anything: the body of a completion or
+        chat request, or with ``?path=`` (e.g. ``/v1/responses``) of another vLLM API."""
         check(request)
         data = await read_body(request, router.cfg.server.max_body_bytes)
+        path = request.query_params.get("path")
+        t = time.perf_counter()
+        if path is not None and path in passthrough.PATHS:
+            res, _body, how = await _routed(router, request, path, data)
+            out = debug.explain(router, res, True, time.perf_counter() - t)
+            return JSONResponse({**out, "path": path, "routing": how})
         body = parse_json_object(data)
         chat = "messages" in body
         validate_request(body, chat)
-        t = time.perf_counter()
         res = await router.route(body, chat, time.monotonic(), dry_run=True)
         elapsed = time.perf_counter() - t
-        return JSONResponse(debug.explain(router, res, chat, elapsed))
+        out = debug.explain(router, res, chat, elapsed)
+        return JSONResponse({**out, "routing": "by cache: the prompt's prefix"})
 
 
 ProxyHandler = Callable[[Request], Awaitable[Response]]
@@ -317,6 +325,68 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
     return handle
 
 
+async def _routed(
+    router: Router, request: Request, path: str, data: bytes
+) -> tuple[RouteResult, dict[str, Any] | None, str]:
+    """Route a request of the rest of vLLM's API (router/passthrough.py): by the prompt it
+    carries as chat messages, else by load. Returns the result, the JSON body (None for a
+    multipart upload) and how it was routed."""
+    body = passthrough.parse(data, request.headers.get("content-type", ""))
+    msgs = passthrough.chat_messages(path, body) if body is not None else None
+    model = body.get("model") if body is not None else None
+    routed: dict[str, Any] = {"model": model} if model is not None else {}
+    if msgs is not None:
+        routed["messages"] = msgs
+        for k in ("cache_salt", "chat_template_kwargs"):
+            if body is not None and k in body:
+                routed[k] = body[k]
+    sc = router.cfg.session
+    session = session_key(request.headers, body or {}, sc.header, sc.user_field)
+    dry = request.url.path == "/debug/route"
+    res = await router.route(
+        routed, True, time.monotonic(), session=session, tokenize=msgs is not None, dry_run=dry
+    )
+    return res, body, passthrough.describe(path, msgs)
+
+
+def _passthrough_handler(router: Router) -> Callable[[Request, str], Awaitable[Response]]:
+    """The handler of every other vLLM API path: route, then forward the body untouched."""
+    cfg = router.cfg
+    keys = set(cfg.server.api_keys)
+    m = router.metrics
+    policy_name = router.policy.name
+
+    async def handle(request: Request, path: str) -> Response:
+        t0 = time.perf_counter()
+        try:
+            _check_key(request, keys)
+            data = await read_body(request, cfg.server.max_body_bytes)
+            res, body, _how = await _routed(router, request, path, data)
+        except BodyError as exc:
+            m.requests.labels(policy_name, str(exc.status)).inc()
+            return exc.response()
+        except ClientDisconnect:
+            m.requests.labels(policy_name, "499").inc()
+            return Response(status_code=499)
+        decided = time.perf_counter() - t0
+        return await proxy.forward(
+            registry=router.registry,
+            path=path,
+            body=data,
+            headers=request_headers(request.scope["headers"], cfg.server.forward_authorization),
+            attempts=_attempts(res),
+            stream=bool(body is not None and body.get("stream") is True),
+            receive=request.receive,
+            t0=t0,
+            done=_on_done(router, res, t0),
+            limits=router.proxy_limits,
+            on_failed=_on_failed(router, res),
+            on_sent=_on_sent(router, res, decided),
+        )
+
+    return handle
+
+
 def _check_key(request: Request, keys: set[str]) -> None:
     if keys and _bearer(request) not in keys:
         raise BodyError(401, "invalid or missing API key (Authorization: Bearer <key>)")
@@ -350,12 +420,22 @@ def _add_api_routes(app: FastAPI, router: Router) -> dict[str, ProxyHandler]:
         ok, why = router.ready()
         return JSONResponse({"ready": ok, "reason": why}, status_code=200 if ok else 503)
 
-    return {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
+    other = _passthrough_handler(router)
+
+    def forwarder(path: str) -> ProxyHandler:
+        async def forward(request: Request) -> Response:
+            return await other(request, path)
+
+        return forward
+
+    routes: dict[str, ProxyHandler] = {p: forwarder(p) for p in passthrough.PATHS}
+    routes.update({"/v1/completions": completions, "/v1/chat/completions": chat_completions})
+    return routes
 
 
 class _ProxyRoutes:
-    """Pure-ASGI front for the two proxy routes (``POST /v1/completions`` and
-    ``/v1/chat/completions``); everything else goes through FastAPI.
+    """Pure-ASGI front for the proxied POST routes (the two completion APIs and the rest of
+    vLLM's API, router/passthrough.py); everything else goes through FastAPI.
 
     Why: each proxied request otherwise passes FastAPI's exception, exit-stack, routing,
     dependency and endpoint layers, which cost about as much as a raw ASGI answer again

@@ -289,15 +289,18 @@ class Router:
         *,
         dry_run: bool = False,
         session: str | None = None,
+        tokenize: bool = True,
     ) -> RouteResult:
         """Tokenize, match, gate and choose. ``dry_run`` (``/debug/route``): the same decision,
         leaving the policy's learned state (and the session's binding) untouched. ``session``:
-        the request's session key (router/sessions.py)."""
+        the request's session key (router/sessions.py). ``tokenize=False``: the body has no
+        prompt to match (router/passthrough.py), so the choice is by load."""
         ns, root = self.namespace_root(body)
         tok: Tokenized | None = None
-        err = None
+        err = None if tokenize else "no prompt to match: routed by load"
         try:
-            tok = await self.tokenizer.tokenize(body, chat, root, self._remote_tokenize)
+            if tokenize:
+                tok = await self.tokenizer.tokenize(body, chat, root, self._remote_tokenize)
         except TokenizeError as exc:
             err = str(exc)
         workers = self._serving(body.get("model"))

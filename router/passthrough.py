@@ -1,0 +1,139 @@
+"""The rest of vLLM's API behind the gateway: bodies and streams forwarded byte for byte.
+
+``/v1/completions`` and ``/v1/chat/completions`` are the proxy's own routes (router/app.py).
+Every other path here goes to one worker serving the request's ``model``:
+
+* by cache, when a prompt prefix can be read from the body as chat messages: the Responses API
+  (``instructions`` as the system message, ``input`` as user turns or its own message items) and
+  Anthropic's ``/v1/messages`` as vLLM serves it (``system``, then ``messages``); the router
+  tokenizes those messages through a worker's chat template, as for a chat completion;
+* by load otherwise (embeddings, scoring, reranking, pooling, tokenization, audio), and
+  ``/debug/route`` says so.
+
+Bodies are never rewritten (no token ids are substituted), so an answer is exactly what the
+worker sent. Predictions for these APIs are not verified: their usage reports no
+``prompt_tokens_details`` in the chat-completions shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+__all__ = ["BY_CACHE", "PATHS", "chat_messages", "describe"]
+
+BY_CACHE = frozenset({"/v1/responses", "/v1/messages"})
+"""Paths whose body carries a prompt the router can read as chat messages."""
+
+PATHS = frozenset(
+    {
+        *BY_CACHE,
+        "/v1/embeddings",
+        "/v1/score",
+        "/score",
+        "/v1/rerank",
+        "/rerank",
+        "/v2/rerank",
+        "/pooling",
+        "/classify",
+        "/tokenize",
+        "/detokenize",
+        "/v1/audio/transcriptions",
+        "/v1/audio/translations",
+    }
+)
+"""POST paths the gateway forwards besides the two completion APIs."""
+
+_json = msgspec.json.Decoder()
+
+
+def parse(data: bytes, content_type: str) -> dict[str, Any] | None:
+    """The body as a JSON object when it is one (multipart audio uploads are not)."""
+    if "json" not in content_type and not data.lstrip().startswith(b"{"):
+        return None
+    try:
+        doc = _json.decode(data)
+    except msgspec.DecodeError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def chat_messages(path: str, body: dict[str, Any]) -> list[dict[str, str]] | None:
+    """The body's prompt as chat messages, or None when it has none the router can read."""
+    if path == "/v1/responses":
+        return _responses(body)
+    if path == "/v1/messages":
+        return _anthropic(body)
+    return None
+
+
+def describe(path: str, messages: list[dict[str, str]] | None) -> str:
+    """What ``/debug/route`` says of how a request on ``path`` is routed."""
+    if messages is not None:
+        return f"by cache: the {path} prompt read as {len(messages)} chat messages"
+    if path in BY_CACHE:
+        return f"by load: no prompt the router can read in this {path} body"
+    return f"by load: {path} carries no prompt prefix to match"
+
+
+def _text(content: Any) -> str | None:
+    """Text of a content field: a string, or a list of text parts (other parts: None)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    parts = []
+    for part in content:
+        if isinstance(part, str):
+            parts.append(part)
+        elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
+            if not isinstance(part.get("text"), str):
+                return None
+            parts.append(part["text"])
+        else:
+            return None  # images, audio, tool results: not a text prefix the router can key
+    return "".join(parts)
+
+
+def _responses(body: dict[str, Any]) -> list[dict[str, str]] | None:
+    if body.get("previous_response_id") is not None:
+        return None  # the earlier turns live on the worker that answered them, not in the body
+    out: list[dict[str, str]] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        out.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        return None
+    for item in items:
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            return None
+        role, text = item.get("role"), _text(item.get("content"))
+        if role not in ("system", "developer", "user", "assistant") or text is None:
+            return None
+        out.append({"role": role, "content": text})
+    return out or None
+
+
+def _anthropic(body: dict[str, Any]) -> list[dict[str, str]] | None:
+    out: list[dict[str, str]] = []
+    system = body.get("system")
+    if system is not None:
+        text = _text(system)
+        if text is None:
+            return None
+        out.append({"role": "system", "content": text})
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            return None
+        text = _text(m.get("content"))
+        if text is None:
+            return None
+        out.append({"role": m["role"], "content": text})
+    return out

@@ -1,0 +1,132 @@
+"""The rest of vLLM's API behind the gateway: byte-for-byte bodies and streams, routed by the
+prompt where one can be read (Responses, Anthropic messages), by load otherwise."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from test_router_support import config_for, serve_app, serve_router, until
+
+from router.passthrough import chat_messages
+
+_PATHS = [
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/embeddings",
+    "/v1/score",
+    "/v1/rerank",
+    "/pooling",
+    "/detokenize",
+    "/v1/audio/transcriptions",
+]
+
+
+def _echo_worker(seen: list[tuple[str, bytes]]) -> FastAPI:
+    """Answers every API path with what it received (and streams when asked)."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(b"{}", media_type="application/json")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return Response(b'{"data":[{"id":"m","parent":null}]}', media_type="application/json")
+
+    @app.get("/kv_event_sources")
+    async def sources() -> Response:
+        return Response(b"{}", media_type="application/json")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await request.json()
+        n = len(json.dumps(body.get("messages", body.get("prompt"))))
+        return Response(json.dumps({"tokens": list(range(n)), "count": n}).encode())
+
+    async def echo(request: Request) -> Response:
+        data = await request.body()
+        seen.append((request.url.path, data))
+        if b'"stream": true' in data or b'"stream":true' in data:
+
+            async def gen():  # type: ignore[no-untyped-def]
+                yield b"event: a\ndata: " + data[:20] + b"\n\n"
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(gen(), media_type="text/event-stream")
+        ctype = request.headers.get("content-type", "")
+        return Response(b"ECHO " + ctype.encode() + b" " + data, media_type="application/octet")
+
+    for path in _PATHS:
+        app.post(path)(echo)
+    return app
+
+
+def test_prompts_read_from_responses_and_anthropic_bodies() -> None:
+    assert chat_messages("/v1/responses", {"instructions": "be brief", "input": "hello"}) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello"},
+    ]
+    items = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}]}]}
+    assert chat_messages("/v1/responses", items) == [{"role": "user", "content": "a"}]
+    assert chat_messages("/v1/responses", {"input": "x", "previous_response_id": "r1"}) is None
+    image = {"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}
+    assert chat_messages("/v1/responses", {"input": [image]}) is None
+    anthropic = {
+        "system": [{"type": "text", "text": "sys"}],
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    assert chat_messages("/v1/messages", anthropic) == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "hi"},
+    ]
+    assert chat_messages("/v1/embeddings", {"input": "x"}) is None
+
+
+@pytest.mark.parametrize("path", _PATHS)
+async def test_every_api_path_is_forwarded_byte_for_byte(path: str) -> None:
+    seen: list[tuple[str, bytes]] = []
+    async with (
+        serve_app(_echo_worker(seen)) as worker,
+        serve_router(config_for([worker])) as (base, router),
+    ):
+        await until(lambda: router.registry.workers[worker].models, 10, "models read")
+        async with httpx.AsyncClient(timeout=30) as c:
+            if path.startswith("/v1/audio"):
+                files = {"file": ("a.wav", b"RIFF\x00\x01binary\xff", "audio/wav")}
+                r = await c.post(base + path, files=files, data={"model": "m"})
+                sent = seen[-1][1]
+                assert b"RIFF\x00\x01binary\xff" in sent and r.content.endswith(sent)
+                assert r.content.startswith(b"ECHO multipart/form-data; boundary=")
+            else:
+                raw = b'{"model": "m",  "input": "hi",\n "messages": [{"role": "user", '
+                raw += b'"content": "hi"}], "x": 1.50}'
+                r = await c.post(base + path, content=raw)
+                assert seen[-1] == (path, raw)
+                assert r.content.endswith(raw)
+            assert r.status_code == 200 and r.headers["x-kvrouter-worker"] == worker
+            stream = await c.post(
+                base + "/debug/route?path=" + path, content=b'{"model":"m","input":"hi"}'
+            )
+            how = stream.json()["routing"]
+            by_cache = path in ("/v1/responses",)
+            assert how.startswith("by cache" if by_cache else "by load"), how
+
+
+async def test_a_streamed_response_passes_chunk_by_chunk() -> None:
+    seen: list[tuple[str, bytes]] = []
+    async with (
+        serve_app(_echo_worker(seen)) as worker,
+        serve_router(config_for([worker])) as (base, _r),
+    ):
+        body = {"model": "m", "input": "hi", "stream": True}
+        async with (
+            httpx.AsyncClient(timeout=30) as c,
+            c.stream("POST", base + "/v1/responses", json=body) as r,
+        ):
+            got = b"".join([x async for x in r.aiter_raw()])
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert got.startswith(b"event: a\ndata: ") and got.endswith(b"data: [DONE]\n\n")
