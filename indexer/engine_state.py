@@ -25,6 +25,7 @@ COUNTERS = (
     "unknown_removes",
     "unaligned_blocks",
     "malformed_events",
+    "key_mismatch",
     "overflow_resets",
 )
 
