@@ -399,13 +399,32 @@ class Ingest:
                 if res is None or not res[keys[0] & SLOT_MASK].get(keys[0], 0) & bit:
                     decided[decision_key] = False
                     return False
-        seed, _ = self._root(e, ev, ev.extra_keys[0] if ev.extra_keys else None)
-        unit_keys = chain_keys(seed, ev.token_ids[:point], self.unit)
+        unit_keys = self._unit_keys(e, ev, keys, point)
         verdict = decided[decision_key] = all(
             group_accepts(spec, tables.get((g, GPU)), bit, unit_keys, point, self.unit)
             for g, spec in e.groups.items()
         )
         return verdict
+
+    def _unit_keys(self, e: EngineState, ev: BlockStored, keys: list[int], point: int) -> list[int]:
+        """Content keys at every unit of ``ev``'s first ``point`` tokens, from token 0.
+
+        With per-block extras (multimodal items, prompt embeds) each block's key is
+        ``keys[b]`` (the extras folded in) and the next block chains from it, exactly as
+        :meth:`_block_keys` stored them: a multimodal re-announce is then recognised instead of
+        being counted as a second copy no removal will ever match.
+        """
+        seed, _ = self._root(e, ev, ev.extra_keys[0] if ev.extra_keys else None)
+        extras = ev.extra_keys
+        if not extras or extras.count(None) == len(extras):
+            return chain_keys(seed, ev.token_ids[:point], self.unit)
+        bs = ev.block_size
+        out: list[int] = []
+        for b in range(point // bs):
+            part = chain_keys(seed, ev.token_ids[b * bs : (b + 1) * bs], self.unit)
+            part[-1] = seed = keys[b]
+            out.extend(part)
+        return out
 
 
 def _as_tuple(extra: Any) -> tuple[Any, ...]:

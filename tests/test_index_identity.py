@@ -74,6 +74,29 @@ def test_cpu_copy_of_a_multimodal_prompt_uses_the_gpu_keys() -> None:
     assert index.total_entries == 0
 
 
+def test_multimodal_reannounce_is_recognised() -> None:
+    """kv_cache_report_mode=full re-sends a multimodal hit from token 0 with its extras."""
+    index, eng, p = PrefixIndex(), Engine(), prompt(64)
+    index.add_engine(W0, MODEL)
+    extras = [None, (("img-1", 0),), None, None]
+    index.apply(W0, [eng.stored(p, 0, 4, 16, extra_keys=extras)])
+    index.apply(W0, [eng.stored(p, 0, 4, 16, extra_keys=extras)])  # re-announce
+    c = index.engine_stats(W0).counters
+    assert (c["reannounced"], c["duplicates"]) == (1, 0)
+    index.apply(W0, eng.removed(p, [3, 2, 1, 0], 16))
+    assert index.total_entries == 0, "nothing left that no removal matches"
+
+
+def test_salted_reannounce_is_recognised() -> None:
+    index, eng, p = PrefixIndex(), Engine(), prompt(64)
+    index.add_engine(W0, MODEL)
+    extras = ["tenant-a", None, None, None]
+    index.apply(W0, [eng.stored(p, 0, 4, 16, extra_keys=extras)] * 2)
+    assert index.engine_stats(W0).counters["reannounced"] == 1
+    index.apply(W0, eng.removed(p, [3, 2, 1, 0], 16))
+    assert index.total_entries == 0
+
+
 def test_event_hash_stored_again_with_other_tokens_keeps_its_first_key() -> None:
     """A hash names one block for as long as the engine holds it (64-bit collisions aside)."""
     index, eng, p = PrefixIndex(), Engine(), prompt(64)
