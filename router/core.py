@@ -299,7 +299,11 @@ class Router:
         if tok is not None and engines:
             matches = self.index.match_keys(tok.keys, tok.n_tokens, engines)
             unit = self.index.unit
-            speculative = {e: self.speculative.hit_tokens(e, tok.keys, unit, now) for e in engines}
+            # The keys reach n tokens (a CPU chunk may end there); vLLM's hit stops at n - 1.
+            cap = max(tok.n_tokens - 1, 0)
+            speculative = {
+                e: min(self.speculative.hit_tokens(e, tok.keys, unit, now), cap) for e in engines
+            }
         cands = build_candidates(
             loads,
             matches,
