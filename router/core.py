@@ -22,6 +22,7 @@ import msgspec
 from indexer.index import EngineId, PrefixIndex, PrefixMatch
 from indexer.subscriber import SourceStatus, Subscriber
 from router import proxy
+from router.cache_read import reads_prefix_cache
 from router.candidates import build_candidates
 from router.config import Config, WorkerSpec
 from router.discovery import Discovery
@@ -60,6 +61,9 @@ class RouteResult(msgspec.Struct):
     tokenize_error: str | None = None
     churn: dict[EngineId, tuple[int, int]] = {}
     """Each engine's (stored, removed) index counters when the decision was made."""
+    reads_cache: bool = True
+    """False when vLLM serves this request without reading its prefix cache
+    (router/cache_read.py): no hit is predicted and the outcome is not verified."""
 
 
 class Router:
@@ -296,7 +300,8 @@ class Router:
         engines = [e for e, _ in loads]
         matches: dict[EngineId, PrefixMatch] = {}
         speculative: dict[EngineId, int] = {}
-        if tok is not None and engines:
+        reads_cache = reads_prefix_cache(body, chat)
+        if tok is not None and engines and reads_cache:
             matches = self.index.match_keys(tok.keys, tok.n_tokens, engines)
             unit = self.index.unit
             # The keys reach n tokens (a CPU chunk may end there); vLLM's hit stops at n - 1.
@@ -318,7 +323,7 @@ class Router:
         n = tok.n_tokens if tok is not None else 0
         decision = self.policy.choose(cands, n, now, dry_run=dry_run)
         churn = {c.engine: self.index.churn(c.engine) for c in cands}
-        return RouteResult(decision, tok, ns, matches, cands, err, churn)
+        return RouteResult(decision, tok, ns, matches, cands, err, churn, reads_cache)
 
     def _unverified(self, engines: list[EngineId]) -> Set[EngineId]:
         """Engines whose predictions drifted: routed by load only until re-verified."""
@@ -352,7 +357,7 @@ class Router:
         tok = res.tokens
         if self.verifier is None or tok is None or o.engine is None or o.status != 200:
             return
-        if o.cached_tokens is None:
+        if o.cached_tokens is None or not res.reads_cache:
             return
         m = res.matches.get(o.engine)
         spec = next((c.speculative_tokens for c in res.candidates if c.engine == o.engine), 0)
