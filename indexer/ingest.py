@@ -114,6 +114,8 @@ class Ingest:
         hashes = ev.block_hashes
         g = ev.group_idx or 0
         medium = ev.medium or GPU
+        if ev.lookahead_token_ids is not None:
+            e.eagle = True  # only EAGLE's look-ahead hashing sends them
         if (
             medium == GPU
             and ev.block_size > 0

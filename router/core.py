@@ -75,7 +75,10 @@ class Router:
         unit = math.gcd(16, block) if block else 16
         self.block_size = block or 16
         self.index = PrefixIndex(
-            unit=unit, cpu_chunk_tokens=cfg.model.cpu_chunk_tokens, max_entries=cfg.index.max_blocks
+            unit=unit,
+            cpu_chunk_tokens=cfg.model.cpu_chunk_tokens,
+            max_entries=cfg.index.max_blocks,
+            eagle=cfg.model.speculative,
         )
         self.metrics = RouterMetrics(
             lambda: fleet_state(
