@@ -26,6 +26,7 @@ COUNTERS = (
     "unaligned_blocks",
     "malformed_events",
     "key_mismatch",
+    "partial_blocks",
     "overflow_resets",
 )
 

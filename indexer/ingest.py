@@ -25,7 +25,7 @@ from indexer.hit_rules import alignment, group_accepts
 from indexer.keys import chain_keys, mix_extra, tokens_to_bytes
 from indexer.residency import Residency
 from indexer.staggered import SLOT_MASK
-from indexer.types import CHUNKED, FULL, GPU, GroupSpec, group_kind
+from indexer.types import CHUNKED, FULL, GPU, MAMBA, GroupSpec, group_kind
 from indexer.vllm_hash import VllmHashLocator
 from indexer.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 
@@ -350,6 +350,9 @@ class Ingest:
         kind = group_kind(ev.kv_cache_spec_kind)
         spec = GroupSpec(kind, ev.block_size, ev.kv_cache_spec_sliding_window)
         old = e.groups.get(g)
+        if _is_partial_block(old, spec):
+            e.counters["partial_blocks"] += 1
+            return
         if (
             old is None
             or old.kind != spec.kind
@@ -427,6 +430,19 @@ class Ingest:
             part[-1] = seed = keys[b]
             out.extend(part)
         return out
+
+
+def _is_partial_block(old: GroupSpec | None, new: GroupSpec) -> bool:
+    """A mamba group's ``cache_partial_block`` event (vLLM "align" mode): ``block_size`` is the
+    hash unit, a divisor of the group's block size learned from its full-block events. The
+    group keeps its block size; the partial entry itself is indexed like any block, but the
+    fine-grained hits it allows (aligned to the hash unit) are not predicted."""
+    return (
+        old is not None
+        and old.kind == MAMBA == new.kind
+        and new.block_size < old.block_size
+        and old.block_size % new.block_size == 0
+    )
 
 
 def _as_tuple(extra: Any) -> tuple[Any, ...]:
