@@ -25,6 +25,8 @@ COUNTERS = (
     "unknown_removes",
     "unaligned_blocks",
     "malformed_events",
+    "key_mismatch",
+    "partial_blocks",
     "overflow_resets",
 )
 
@@ -53,5 +55,8 @@ class EngineState:
     pending: list[tuple[BlockStored, int]] = field(default_factory=list)
     pending_removed: set[BlockHash] = field(default_factory=set)
     locator: VllmHashLocator | None = None
+    eagle: bool = False
+    """vLLM drops the last matched block (EAGLE / MTP drafting): learned from events carrying
+    ``lookahead_token_ids``, or set for every engine by ``PrefixIndex(eagle=True)``."""
     bit: int = 0
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))

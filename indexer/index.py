@@ -64,6 +64,8 @@ class PrefixIndex:
     ``pending_batches``: how many later batches an event with an unknown parent waits for its
     parent (replay may fill the gap) before it is dropped (``pending_expired``);
     ``max_pending_events``: how many such events wait per engine.
+    ``eagle``: the workers run EAGLE / MTP speculative decoding (vLLM then drops the last
+    matched block); engines whose events carry ``lookahead_token_ids`` are treated so anyway.
     ``vllm_hash_seed`` / ``locator_entries``: for models with no full-attention group only, sparse
     hashes are located by recomputing vLLM's default hash chain (see indexer/vllm_hash.py), with
     this seed (vLLM's default, or the workers' PYTHONHASHSEED) and a bounded memory per engine.
@@ -78,12 +80,14 @@ class PrefixIndex:
         max_pending_events: int = 256,
         vllm_hash_seed: str = "vllm-none-hash",
         locator_entries: int = 32_768,
+        eagle: bool = False,
     ) -> None:
         if unit <= 0 or cpu_chunk_tokens % unit:
             raise ValueError("unit must be positive and divide cpu_chunk_tokens")
         self.unit = unit
         self.cpu_chunk_tokens = cpu_chunk_tokens
         self.max_entries = max_entries
+        self.eagle = eagle
         self._engines: dict[EngineId, EngineState] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
@@ -146,7 +150,7 @@ class PrefixIndex:
         slot = self._free_slots.pop() if self._free_slots else self._next_slot
         if slot == self._next_slot:
             self._next_slot += 1
-        e = EngineState(engine, slot, model, bit=1 << slot)
+        e = EngineState(engine, slot, model, bit=1 << slot, eagle=self.eagle)
         self._engines[engine] = e
         return e
 

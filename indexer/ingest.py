@@ -25,7 +25,7 @@ from indexer.hit_rules import alignment, group_accepts
 from indexer.keys import chain_keys, mix_extra, tokens_to_bytes
 from indexer.residency import Residency
 from indexer.staggered import SLOT_MASK
-from indexer.types import CHUNKED, FULL, GPU, GroupSpec, group_kind
+from indexer.types import CHUNKED, FULL, GPU, MAMBA, GroupSpec, group_kind
 from indexer.vllm_hash import VllmHashLocator
 from indexer.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 
@@ -114,6 +114,8 @@ class Ingest:
         hashes = ev.block_hashes
         g = ev.group_idx or 0
         medium = ev.medium or GPU
+        if ev.lookahead_token_ids is not None:
+            e.eagle = True  # only EAGLE's look-ahead hashing sends them
         if (
             medium == GPU
             and ev.block_size > 0
@@ -348,6 +350,9 @@ class Ingest:
         kind = group_kind(ev.kv_cache_spec_kind)
         spec = GroupSpec(kind, ev.block_size, ev.kv_cache_spec_sliding_window)
         old = e.groups.get(g)
+        if _is_partial_block(old, spec):
+            e.counters["partial_blocks"] += 1
+            return
         if (
             old is None
             or old.kind != spec.kind
@@ -399,13 +404,45 @@ class Ingest:
                 if res is None or not res[keys[0] & SLOT_MASK].get(keys[0], 0) & bit:
                     decided[decision_key] = False
                     return False
-        seed, _ = self._root(e, ev, ev.extra_keys[0] if ev.extra_keys else None)
-        unit_keys = chain_keys(seed, ev.token_ids[:point], self.unit)
+        unit_keys = self._unit_keys(e, ev, keys, point)
         verdict = decided[decision_key] = all(
             group_accepts(spec, tables.get((g, GPU)), bit, unit_keys, point, self.unit)
             for g, spec in e.groups.items()
         )
         return verdict
+
+    def _unit_keys(self, e: EngineState, ev: BlockStored, keys: list[int], point: int) -> list[int]:
+        """Content keys at every unit of ``ev``'s first ``point`` tokens, from token 0.
+
+        With per-block extras (multimodal items, prompt embeds) each block's key is
+        ``keys[b]`` (the extras folded in) and the next block chains from it, exactly as
+        :meth:`_block_keys` stored them: a multimodal re-announce is then recognised instead of
+        being counted as a second copy no removal will ever match.
+        """
+        seed, _ = self._root(e, ev, ev.extra_keys[0] if ev.extra_keys else None)
+        extras = ev.extra_keys
+        if not extras or extras.count(None) == len(extras):
+            return chain_keys(seed, ev.token_ids[:point], self.unit)
+        bs = ev.block_size
+        out: list[int] = []
+        for b in range(point // bs):
+            part = chain_keys(seed, ev.token_ids[b * bs : (b + 1) * bs], self.unit)
+            part[-1] = seed = keys[b]
+            out.extend(part)
+        return out
+
+
+def _is_partial_block(old: GroupSpec | None, new: GroupSpec) -> bool:
+    """A mamba group's ``cache_partial_block`` event (vLLM "align" mode): ``block_size`` is the
+    hash unit, a divisor of the group's block size learned from its full-block events. The
+    group keeps its block size; the partial entry itself is indexed like any block, but the
+    fine-grained hits it allows (aligned to the hash unit) are not predicted."""
+    return (
+        old is not None
+        and old.kind == MAMBA == new.kind
+        and new.block_size < old.block_size
+        and old.block_size % new.block_size == 0
+    )
 
 
 def _as_tuple(extra: Any) -> tuple[Any, ...]:

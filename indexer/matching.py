@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from indexer.eagle import eagle_drop, eagle_full_run, eagle_groups
 from indexer.engine_state import EngineState
 from indexer.hit_rules import (
     alignment,
@@ -49,13 +50,16 @@ def match_engines(
 ) -> dict[EngineId, PrefixMatch]:
     """Per engine, the hit of a prompt of ``n_tokens`` whose content keys are ``keys``."""
     # Engines with the same group layout are matched together, one pass over the prompt.
-    layouts: dict[tuple[tuple[int, GroupSpec], ...], list[EngineState]] = {}
+    layouts: dict[tuple[tuple[tuple[int, GroupSpec], ...], bool], list[EngineState]] = {}
     for e in engines:
         layout = tuple(sorted(e.groups.items()))
-        layouts.setdefault(layout, []).append(e)
+        layouts.setdefault((layout, e.eagle), []).append(e)
     out: dict[EngineId, PrefixMatch] = {}
-    for layout, members in layouts.items():
-        _match_layout(tables, dict(layout), members, keys, n_tokens, unit, cpu_chunk_tokens, out)
+    for (layout, eagle), members in layouts.items():
+        groups = eagle_groups(dict(layout)) if eagle else dict(layout)
+        _match_layout(tables, groups, members, keys, n_tokens, unit, cpu_chunk_tokens, out)
+        if eagle:
+            eagle_drop(dict(layout), members, out)
     return out
 
 
@@ -87,6 +91,8 @@ def _match_layout(
     for g in full:
         res = tables.get((g, GPU)) or EMPTY_TABLE
         hits = full_attention_run(res, keys, groups[g].block_size, unit, limit, alive)
+        if groups[g].eagle:
+            hits = eagle_full_run(res, keys, groups[g], unit, n_tokens, alive)
         fa_per_group[g] = hits
         for slot, h in hits.items():
             if h < fa_hit[slot]:

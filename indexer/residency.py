@@ -65,6 +65,10 @@ class Residency:
         """Engine ``e`` holds the blocks ``keys`` (named ``hashes`` by it) in table ``res``."""
         bit = e.bit
         hmap = e.hashes
+        hdicts = list(map(hmap.table.__getitem__, map(SLOT_MASK.__and__, map(hash, hashes))))
+        known = any(map(dict.__contains__, hdicts, hashes))
+        if known:
+            keys = _mapped_keys(e, hdicts, hashes, keys)
         # The whole event in C-level passes (map/update) rather than a Python loop per block:
         # this is what makes ingest fast. Duplicates (a block already resident on this engine,
         # group and medium) are rare and take the slow loop.
@@ -86,8 +90,7 @@ class Residency:
             _consume(map(dict.__setitem__, dicts, keys, after))
             added = len(keys)
         # One more reference per hash; a hash already mapped keeps its key (first store wins).
-        hdicts = list(map(hmap.table.__getitem__, map(SLOT_MASK.__and__, map(hash, hashes))))
-        if not any(map(dict.__contains__, hdicts, hashes)):
+        if not known:
             _consume(map(dict.__setitem__, hdicts, hashes, keys))
         else:
             extra = e.extra_refs
@@ -207,3 +210,26 @@ class Residency:
         """Whether engine ``e`` holds the block ``key`` in (g, medium)."""
         res = self.tables.get((g, medium))
         return bool(res and res[key & SLOT_MASK].get(key, 0) & e.bit)
+
+
+def _mapped_keys(
+    e: EngineState, hdicts: list[dict[BlockHash, int]], hashes: list[BlockHash], keys: list[int]
+) -> list[int]:
+    """``keys`` with every hash the engine already names replaced by the key it is mapped to.
+
+    The engine hash is the block's identity: a key recomputed from a later event may differ
+    (a CPU chunk of a salted or multimodal prompt carries no extra keys, so its first chunk
+    chains from the unsalted, extra-less root). Writing residency under that key would predict
+    hits in the wrong namespace and leave an entry no BlockRemoved or reset can find, as both
+    go through the hash map. Differences are counted in ``key_mismatch``.
+    """
+    out = list(keys)
+    mismatch = 0
+    for i, (d, h) in enumerate(zip(hdicts, hashes, strict=False)):
+        mapped = d.get(h)
+        if mapped is not None and mapped != out[i]:
+            out[i] = mapped
+            mismatch += 1
+    if mismatch:
+        e.counters["key_mismatch"] += mismatch
+    return out

@@ -56,3 +56,5 @@ class GroupSpec:
     block_size: int
     sliding_window: int | None = None  # tokens, sliding-window groups
     attention_chunk: int | None = None  # tokens, chunked local attention groups
+    eagle: bool = False
+    """Matching only (indexer/eagle.py): the group drops its last matched block."""

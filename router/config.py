@@ -89,6 +89,8 @@ class ModelConfig(_Section):
     name: str | None = None
     block_size: int | None = None
     cpu_chunk_tokens: int = 256
+    speculative: bool = False
+    """The workers run EAGLE / MTP speculative decoding: vLLM drops the last matched block."""
 
 
 class TokenizerConfig(_Section):

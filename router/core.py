@@ -22,6 +22,7 @@ import msgspec
 from indexer.index import EngineId, PrefixIndex, PrefixMatch
 from indexer.subscriber import SourceStatus, Subscriber
 from router import proxy
+from router.cache_read import reads_prefix_cache
 from router.candidates import build_candidates
 from router.config import Config, WorkerSpec, upstream_api_key
 from router.discovery import Discovery
@@ -61,6 +62,9 @@ class RouteResult(msgspec.Struct):
     tokenize_error: str | None = None
     churn: dict[EngineId, tuple[int, int]] = {}
     """Each engine's (stored, removed) index counters when the decision was made."""
+    reads_cache: bool = True
+    """False when vLLM serves this request without reading its prefix cache
+    (router/cache_read.py): no hit is predicted and the outcome is not verified."""
 
 
 class Router:
@@ -72,7 +76,10 @@ class Router:
         unit = math.gcd(16, block) if block else 16
         self.block_size = block or 16
         self.index = PrefixIndex(
-            unit=unit, cpu_chunk_tokens=cfg.model.cpu_chunk_tokens, max_entries=cfg.index.max_blocks
+            unit=unit,
+            cpu_chunk_tokens=cfg.model.cpu_chunk_tokens,
+            max_entries=cfg.index.max_blocks,
+            eagle=cfg.model.speculative,
         )
         self.metrics = RouterMetrics(
             lambda: fleet_state(
@@ -312,11 +319,16 @@ class Router:
         engines = [e for e, _ in loads]
         matches: dict[EngineId, PrefixMatch] = {}
         speculative: dict[EngineId, int] = {}
-        if tok is not None and engines:
+        reads_cache = reads_prefix_cache(body, chat)
+        if tok is not None and engines and reads_cache:
             matches = self.index.match_keys(tok.keys, tok.n_tokens, engines)
             unit = self.index.unit
-            speculative = {e: self.speculative.hit_tokens(e, tok.keys, unit, now) for e in engines}
-        if bound is not None and tok is not None:
+            # The keys reach n tokens (a CPU chunk may end there); vLLM's hit stops at n - 1.
+            cap = max(tok.n_tokens - 1, 0)
+            speculative = {
+                e: min(self.speculative.hit_tokens(e, tok.keys, unit, now), cap) for e in engines
+            }
+        if bound is not None and tok is not None and reads_cache:
             e, tokens, last_key = bound
             at = tokens // self.index.unit - 1
             if 0 <= at < len(tok.keys) and tok.keys[at] == last_key:  # extends the last turn
@@ -339,7 +351,7 @@ class Router:
             covered = len(tok.keys) * self.index.unit
             self.sessions.bind(session, decision.engine, covered, tok.keys[-1], now)
         churn = {c.engine: self.index.churn(c.engine) for c in cands}
-        return RouteResult(decision, tok, ns, matches, cands, err, churn)
+        return RouteResult(decision, tok, ns, matches, cands, err, churn, reads_cache)
 
     def _session_binding(self, session: str | None, now: float) -> tuple[EngineId, int, int] | None:
         if session is None or self.cfg.session.mode == "off":
@@ -392,7 +404,7 @@ class Router:
         tok = res.tokens
         if self.verifier is None or tok is None or o.engine is None or o.status != 200:
             return
-        if o.cached_tokens is None:
+        if o.cached_tokens is None or not res.reads_cache:
             return
         m = res.matches.get(o.engine)
         spec = next((c.speculative_tokens for c in res.candidates if c.engine == o.engine), 0)

@@ -95,7 +95,8 @@ class Tokenized:
     data: bytes
     """Tokens as packed little-endian uint32."""
     keys: Sequence[int]
-    """Content keys at every unit boundary up to ``n_tokens - 1`` (``PrefixIndex.prompt_keys``)."""
+    """Content keys at every unit boundary up to ``n_tokens`` (``PrefixIndex.prompt_keys``): the
+    GPU hit stops at ``n - 1`` tokens, but a CPU chunk may end exactly at ``n``."""
     root: int
     source: str
     """"cache", "remote", "local", "ids", or "remote+prefix" (keys partly reused)."""
@@ -390,7 +391,7 @@ class PromptTokenizer:
     # ---------------------------------------------------------------- keys
 
     def _keys(self, data: bytes, n: int, root: int) -> list[int]:
-        usable = max(n - 1, 0) // self.unit
+        usable = n // self.unit
         return chain_keys(root, data, self.unit, usable)
 
     def _extend_keys(self, prev: _Entry, data: bytes, n: int, root: int) -> tuple[array, int]:
@@ -401,7 +402,7 @@ class PromptTokenizer:
         m = min(len(a), len(b))
         diff = np.flatnonzero(a[:m] != b[:m])
         common = int(diff[0]) if len(diff) else m
-        usable = max(n - 1, 0) // self.unit
+        usable = n // self.unit
         reuse = min(common // self.unit, len(prev.keys), usable)
         keys = array("Q", prev.keys[:reuse])
         seed = keys[-1] if reuse else root

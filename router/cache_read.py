@@ -1,0 +1,24 @@
+"""Whether vLLM reads its prefix cache for a request at all.
+
+vLLM skips the lookup (``KVCacheManager.get_computed_blocks`` returns nothing and the
+OffloadingConnector loads nothing) when ``Request.skip_reading_prefix_cache`` is set, which
+``SamplingParams`` derives from ``prompt_logprobs is not None``: cached tokens never went through
+the model, so they have no logprobs to give. The OpenAI front end sets ``prompt_logprobs`` from
+the request's own field, or, with ``echo``, from ``logprobs`` (completions) or ``top_logprobs``
+(chat, default 0). Such a request is served with ``cached_tokens`` 0 whatever the cache holds:
+the router predicts no hit, routes it by load, and leaves it out of verification.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["reads_prefix_cache"]
+
+
+def reads_prefix_cache(body: dict[str, Any], chat: bool) -> bool:
+    """False when vLLM will serve ``body`` without looking up its prefix cache."""
+    prompt_logprobs = body.get("prompt_logprobs")
+    if prompt_logprobs is None and body.get("echo"):
+        prompt_logprobs = body.get("top_logprobs", 0) if chat else body.get("logprobs")
+    return prompt_logprobs is None
