@@ -29,6 +29,7 @@ from router.config import Config
 from router.core import Router, RouteResult
 from router.errors import BodyError
 from router.messages import error_response, request_headers
+from router.quotas import QuotaTable, RateLimited, retry_after
 from router.sessions import session_key
 from router.verify import with_stream_usage
 
@@ -199,8 +200,11 @@ def _attempts(res: RouteResult) -> list[proxy.Attempt]:
     return attempts
 
 
-def _on_done(router: Router, res: RouteResult, t0: float) -> Callable[[proxy.Outcome], None]:
-    """Accounts a finished request: metrics and, with verification, the prediction's check."""
+def _on_done(
+    router: Router, res: RouteResult, t0: float, key: str | None = None
+) -> Callable[[proxy.Outcome], None]:
+    """Accounts a finished request: metrics, the API key's completion tokens and, with
+    verification, the prediction's check."""
     m = router.metrics
     policy_name = router.policy.name
     tok = res.tokens
@@ -215,6 +219,8 @@ def _on_done(router: Router, res: RouteResult, t0: float) -> Callable[[proxy.Out
             router.verify_outcome(res, o)
         elif o.cached_tokens is not None and tok is not None:
             m.prediction_error.observe(abs(predicted - o.cached_tokens))
+        if o.completion_tokens:
+            router.quotas.charge_completion(key, o.completion_tokens)
 
     return done
 
@@ -278,13 +284,14 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
     async def handle(request: Request, path: str, chat: bool) -> Response:
         t0 = time.perf_counter()
         try:
-            _check_key(request, keys)
+            key = _check_key(request, keys, router.quotas)
             data = await read_body(request, cfg.server.max_body_bytes)
             body = parse_json_object(data)
             validate_request(body, chat)
             sc = cfg.session
             session = session_key(request.headers, body, sc.header, sc.user_field)
             res = await router.route(body, chat, time.monotonic(), session=session)
+            _spend_prompt(router, key, res)
         except BodyError as exc:
             m.requests.labels(policy_name, str(exc.status)).inc()
             return exc.response()
@@ -295,7 +302,7 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
         decided = time.perf_counter() - t0
         tok = res.tokens
         attempts = _attempts(res)
-        done = _on_done(router, res, t0)
+        done = _on_done(router, res, t0, key)
         if forward_ids and tok is not None and not chat:
             ids = router.tokenizer.upstream_ids(body, tok)
             if ids is not None and router.ids_portable():
@@ -359,9 +366,10 @@ def _passthrough_handler(router: Router) -> Callable[[Request, str], Awaitable[R
     async def handle(request: Request, path: str) -> Response:
         t0 = time.perf_counter()
         try:
-            _check_key(request, keys)
+            key = _check_key(request, keys, router.quotas)
             data = await read_body(request, cfg.server.max_body_bytes)
             res, body, _how = await _routed(router, request, path, data)
+            _spend_prompt(router, key, res)
         except BodyError as exc:
             m.requests.labels(policy_name, str(exc.status)).inc()
             return exc.response()
@@ -378,7 +386,7 @@ def _passthrough_handler(router: Router) -> Callable[[Request, str], Awaitable[R
             stream=bool(body is not None and body.get("stream") is True),
             receive=request.receive,
             t0=t0,
-            done=_on_done(router, res, t0),
+            done=_on_done(router, res, t0, key),
             limits=router.proxy_limits,
             on_failed=_on_failed(router, res),
             on_sent=_on_sent(router, res, decided),
@@ -387,9 +395,33 @@ def _passthrough_handler(router: Router) -> Callable[[Request, str], Awaitable[R
     return handle
 
 
-def _check_key(request: Request, keys: set[str]) -> None:
-    if keys and _bearer(request) not in keys:
+def _check_key(request: Request, keys: set[str], quotas: QuotaTable | None = None) -> str | None:
+    """The request's API key, checked against ``server.api_keys`` and the keys file, and one
+    request spent of its per-minute limit (BodyError 401 / 429)."""
+    key = _bearer(request)
+    extra = quotas.keys() if quotas is not None else set()
+    if (keys or extra) and key not in keys and key not in extra:
         raise BodyError(401, "invalid or missing API key (Authorization: Bearer <key>)")
+    if quotas is not None:
+        try:
+            quotas.admit(key)
+        except RateLimited as exc:
+            raise _limited(exc) from None
+    return key
+
+
+def _limited(exc: RateLimited) -> BodyError:
+    err = BodyError(429, f"rate limit of this API key exceeded ({exc.what})", "rate_limit_exceeded")
+    err.headers = {"retry-after": retry_after(exc.retry_after_s)}
+    return err
+
+
+def _spend_prompt(router: Router, key: str | None, res: RouteResult) -> None:
+    if res.tokens is not None:
+        try:
+            router.quotas.spend_prompt(key, res.tokens.n_tokens)
+        except RateLimited as exc:
+            raise _limited(exc) from None
 
 
 def _add_api_routes(app: FastAPI, router: Router) -> dict[str, ProxyHandler]:

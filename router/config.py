@@ -21,6 +21,7 @@ import msgspec
 import yaml
 
 from router.policy import PolicyParams
+from router.quotas import parse_keys
 
 __all__ = [
     "POLICIES",
@@ -53,6 +54,8 @@ class ServerConfig(_Section):
     admin_port: int | None = None
     admin_token: str | None = None
     api_keys: list[str] = []
+    api_keys_file: str | None = None
+    """More keys with per-key rpm / tpm limits, from a file reloaded on change (quotas.py)."""
     forward_authorization: bool = False
     max_body_bytes: int = 10_485_760
     cors_origins: list[str] = []
@@ -437,6 +440,12 @@ def _check_server(s: ServerConfig) -> None:
         raise ConfigError("server.request_timeout_s: must be positive (or null: no total limit)")
     if s.pool_timeout_s <= 0:
         raise ConfigError("server.pool_timeout_s: must be positive")
+    if s.api_keys_file is not None:
+        try:
+            with open(s.api_keys_file) as f:
+                parse_keys(yaml.safe_load(f))
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            raise ConfigError(f"server.api_keys_file: {exc}") from None
     if s.upstream_api_key is not None and s.upstream_api_key_file is not None:
         raise ConfigError("server.upstream_api_key / upstream_api_key_file: give one, not both")
     if s.upstream_api_key_file is not None:

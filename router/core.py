@@ -30,6 +30,7 @@ from router.errors import BodyError
 from router.load import EngineLoad
 from router.metrics import RouterMetrics, fleet_state
 from router.policy import Candidate, Decision, make_policy
+from router.quotas import QuotaTable
 from router.resilience import WorkerWatch, load_only
 from router.selfcheck import SelfCheck
 from router.sessions import SessionTable
@@ -125,6 +126,7 @@ class Router:
         self.selfcheck = self._selfcheck() if cfg.verify.selfcheck else None
         self.started = time.time()
         self.sessions = SessionTable(cfg.session.ttl_s, cfg.session.max_sessions)
+        self.quotas = QuotaTable(cfg.server.api_keys_file)
         self.draining = False
         """Set on SIGTERM (router/serving.py): /ready answers 503 while requests finish."""
 

@@ -18,7 +18,12 @@ class BodyError(Exception):
         self.status = status
         self.message = message
         self.etype = etype or ("invalid_request_error" if status < 500 else "service_unavailable")
+        self.headers: dict[str, str] = {}
+        """Extra response headers (``retry-after`` on a 429)."""
 
     def response(self) -> Response:
         """The OpenAI-style error answer for this error."""
-        return error_response(self.status, self.message, self.etype)
+        r = error_response(self.status, self.message, self.etype)
+        for k, v in self.headers.items():
+            r.headers[k] = v
+        return r

@@ -18,6 +18,7 @@ __all__ = [
     "WORKER_HEADER",
     "cached_from_sse",
     "cached_tokens_of",
+    "completion_tokens_of",
     "error_response",
     "prompt_tokens_of",
     "request_headers",
@@ -87,15 +88,22 @@ def prompt_tokens_of(doc: Any) -> int | None:
     return None
 
 
-def cached_from_sse(chunk: bytes) -> tuple[int, int | None] | None:
-    """(cached_tokens, prompt_tokens) of the usage event in an SSE chunk, if any."""
+def completion_tokens_of(doc: Any) -> int | None:
+    usage = doc.get("usage") if isinstance(doc, dict) else None
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        return usage["completion_tokens"]
+    return None
+
+
+def cached_from_sse(chunk: bytes) -> tuple[int, int | None, int | None] | None:
+    """(cached_tokens, prompt_tokens, completion_tokens) of the usage event in an SSE chunk."""
     for line in chunk.split(b"\n"):
         if line.startswith(b"data: {") and b"cached_tokens" in line:
             with contextlib.suppress(msgspec.DecodeError):
                 doc = _usage_dec.decode(line[6:])
                 v = cached_tokens_of(doc)
                 if v is not None:
-                    return v, prompt_tokens_of(doc)
+                    return v, prompt_tokens_of(doc), completion_tokens_of(doc)
     return None
 
 

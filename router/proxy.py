@@ -53,6 +53,7 @@ from indexer.index import EngineId
 from router.messages import (
     cached_from_sse,
     cached_tokens_of,
+    completion_tokens_of,
     error_response,
     prompt_tokens_of,
     response_headers,
@@ -154,6 +155,8 @@ class Outcome:
     """``usage.prompt_tokens`` the worker reported (verification: tokens as the worker saw them)."""
     engine: EngineId | None = None
     """The engine that served the request (set for every attempt that got a response)."""
+    completion_tokens: int | None = None
+    """``usage.completion_tokens`` the worker reported (per-key token limits)."""
 
 
 def _tag_engine(done: Callable[[Outcome], None], engine: EngineId) -> Callable[[Outcome], None]:
@@ -466,13 +469,13 @@ def _stream(
             if strip is not None:
                 chunk = strip.feed(chunk)
                 if strip.usage is not None:
-                    state["cached"], state["prompt"] = strip.usage
+                    state["cached"], state["prompt"], state["completion"] = strip.usage
                 if not chunk:
                     continue
             elif b"cached_tokens" in chunk:
                 v = cached_from_sse(chunk)
                 if v is not None:
-                    state["cached"], state["prompt"] = v
+                    state["cached"], state["prompt"], state["completion"] = v
             if chunk:
                 boundary = chunk.endswith(b"\n\n")
             yield chunk
@@ -484,7 +487,9 @@ def _stream(
         status = resp.status_code if completed else 499
         if state["failed"] is not None:
             status = state["failed"]
-        done(Outcome(status, w.url, state["ttft"], state["cached"], state["prompt"]))
+        o = Outcome(status, w.url, state["ttft"], state["cached"], state["prompt"])
+        o.completion_tokens = state.get("completion")
+        done(o)
 
     return Passthrough(resp.status_code, response_headers(resp, w.url), body(), on_close)
 
@@ -533,15 +538,18 @@ async def _buffered(
     body = data
 
     def outcome() -> None:
-        cached = prompt = None
-        if resp.status_code == 200 and b"cached_tokens" in body:
+        cached = prompt = completion = None
+        if resp.status_code == 200 and b'"usage"' in body:
             with contextlib.suppress(msgspec.DecodeError):
                 doc = _usage_dec.decode(body)
                 cached, prompt = cached_tokens_of(doc), prompt_tokens_of(doc)
+                completion = completion_tokens_of(doc)
         try:
             # No time to first token: the client gets every token at once, at the end
             # (kvrouter_request_duration_seconds measures that).
-            done(Outcome(resp.status_code, w.url, None, cached, prompt))
+            o = Outcome(resp.status_code, w.url, None, cached, prompt)
+            o.completion_tokens = completion
+            done(o)
         except Exception:
             log.exception("recording the outcome of a request to %s", w.url)
 

@@ -1,0 +1,80 @@
+"""Per-key limits from a keys file: requests and tokens per minute trip with 429 and a
+Retry-After, recover as the bucket refills, and follow the file when it changes."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from test_router_support import config_for, serve_router, until, words
+
+from router import quotas
+from router.quotas import QuotaTable, RateLimited
+from simulator.testing import running_fleet
+
+
+def test_buckets_trip_and_refill(tmp_path: Path) -> None:
+    f = tmp_path / "keys.yaml"
+    f.write_text("k1: {rpm: 60, tpm: 600}\nk2: {}\n")
+    q = QuotaTable(str(f))
+    q.admit("k1", 0.0)
+    for _ in range(59):
+        q.admit("k1", 0.0)
+    with pytest.raises(RateLimited) as exc:
+        q.admit("k1", 0.0)
+    assert 0.9 < exc.value.retry_after_s <= 1.0  # one request refills in a second
+    q.admit("k1", 1.0)
+    q.spend_prompt("k1", 500, 1.0)
+    with pytest.raises(RateLimited):
+        q.spend_prompt("k1", 200, 1.0)
+    q.charge_completion("k1", 300, 1.0)  # owed: the level goes below zero
+    with pytest.raises(RateLimited) as exc:
+        q.spend_prompt("k1", 100, 2.0)
+    assert exc.value.retry_after_s > 10
+    q.spend_prompt("k1", 5000, 100.0)  # larger than a minute's budget: once the bucket is full
+    for _ in range(100):
+        q.admit("k2", 0.0)  # no limits
+    with pytest.raises(ValueError, match="rpm"):
+        quotas.parse_keys({"k": {"rpm": -1}})
+
+
+async def test_a_key_trips_its_limit_recovers_and_follows_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(quotas, "RELOAD_CHECK_S", 0.0)
+    f = tmp_path / "keys.yaml"
+    f.write_text("slow: {rpm: 120}\nbig: {}\n")
+    with running_fleet(1, decode_ms=1, prefill_tps=400000) as ws:
+        cfg = config_for(ws, server={"api_keys_file": str(f)})
+        async with serve_router(cfg) as (base, _router), httpx.AsyncClient(timeout=30) as c:
+
+            async def ask(key: str) -> httpx.Response:
+                body = {"model": "sim-model", "prompt": words(10, key), "max_tokens": 1}
+                return await c.post(
+                    base + "/v1/completions", json=body, headers={"authorization": f"Bearer {key}"}
+                )
+
+            assert (await ask("unknown")).status_code == 401
+            codes = [(await ask("slow")).status_code for _ in range(125)]
+            assert codes.count(429) >= 1 and codes[0] == 200
+            limited = await ask("slow")
+            assert limited.status_code == 429
+            assert limited.json()["error"]["type"] == "rate_limit_exceeded"
+            assert 1 <= int(limited.headers["retry-after"]) <= 2
+            # The bucket refills at 2 requests/s: served again within its Retry-After.
+            t = time.monotonic()
+            await until(lambda: _ok(ask("slow")), 5, "the limit to recover")
+            assert time.monotonic() - t < 2.5
+            assert all([(await ask("big")).status_code == 200 for _ in range(20)])
+            # Revoke "big", add "new": the file is followed without a restart.
+            f.write_text("slow: {rpm: 120}\nnew: {}\n")
+            os.utime(f, ns=(time.time_ns(), time.time_ns() + 10**9))
+            await until(lambda: _ok(ask("new")), 5, "the new key accepted")
+            assert (await ask("big")).status_code == 401
+
+
+async def _ok(r: object) -> bool:
+    return (await r).status_code == 200  # type: ignore[misc,attr-defined]
