@@ -77,14 +77,14 @@ INDEX_CAP = "index cap"
 RESTART = "restart"
 
 
-class Apply(msgspec.Struct, frozen=True):
+class Apply(msgspec.Struct, frozen=True, gc=False):
     """Apply this batch to the engine's index."""
 
     seq: int
     batch: DecodedBatch
 
 
-class RequestReplay(msgspec.Struct, frozen=True):
+class RequestReplay(msgspec.Struct, frozen=True, gc=False):
     """Fetch every buffered batch from ``start`` on. From :meth:`SourceState.live` it means the
     message was not consumed: keep it (and the later ones) queued and offer it again after the
     replay. With ``verify_ts``, ``start`` is our last applied seq and the answer's first batch
@@ -95,7 +95,7 @@ class RequestReplay(msgspec.Struct, frozen=True):
     verify_ts: float | None = None
 
 
-class ResetEngine(msgspec.Struct, frozen=True):
+class ResetEngine(msgspec.Struct, frozen=True, gc=False):
     """The engine's index state is dropped: clear it (unless the index already did, ``clear``
     False) and report ``reason`` to the reset callback."""
 
@@ -103,13 +103,13 @@ class ResetEngine(msgspec.Struct, frozen=True):
     clear: bool = True
 
 
-class MarkDegraded(msgspec.Struct, frozen=True):
+class MarkDegraded(msgspec.Struct, frozen=True, gc=False):
     """The source became degraded (its state already says so; this is for the log)."""
 
     reason: str
 
 
-class MarkRebuilt(msgspec.Struct, frozen=True):
+class MarkRebuilt(msgspec.Struct, frozen=True, gc=False):
     """The source is no longer degraded; ``was`` is the reason it had."""
 
     was: str | None
@@ -151,12 +151,12 @@ class SourceState:
     restarts: int = 0
     duplicates: int = 0
     """Live batches skipped because a replay had already applied them."""
-    _out: list[Action] = field(default_factory=list, repr=False)
+    _out: list[Action] = field(default_factory=list, init=False, repr=False)
     """Actions of the event being handled."""
-    _now: float = 0.0
-    _fill_start: int = 0
+    _now: float = field(default=0.0, init=False, repr=False)
+    _fill_start: int = field(default=0, init=False, repr=False)
     """Seq the replay being fed starts at."""
-    _fill_reason: str = ""
+    _fill_reason: str = field(default="", init=False, repr=False)
 
     # ------------------------------------------------------------------ events
 
@@ -192,8 +192,8 @@ class SourceState:
         self.after_reconnect = True
 
     def seed(self, seq: int, event_ts: float | None) -> bool:
-        """Take the engine as applied up to ``seq`` (a warm start from a snapshot); False if a
-        batch was already applied. With ``event_ts`` the first gap is verified like one after a
+        """Take the engine as applied up to ``seq`` (a warm start from a snapshot); False if the
+        source already has a seq. With ``event_ts`` the first gap is verified like one after a
         reconnect."""
         if self.last_seq is not None:
             return False
