@@ -1,14 +1,15 @@
-"""Turn a vLLM-reported ZMQ endpoint into the one a subscriber connects to (reference §2.2).
+"""Turn a vLLM-reported ZMQ endpoint into the one a subscriber connects to.
 
-vLLM reports endpoints as configured, so a wildcard bind host (``tcp://*:5557``) comes back
-literally and must be replaced by the worker's address. Each DP rank publishes on its own port:
-``port + rank`` for tcp (unchanged for port 0, where every rank gets its own OS port),
-``inproc://name_dp{rank}`` for inproc; ipc is rejected for ranks > 0, as vLLM does.
+docs/vllm-reference.md §2.2: vLLM reports endpoints as configured, so a wildcard bind host
+(``tcp://*:5557``) comes back literally and must be replaced by the worker's address. Each DP
+rank publishes on its own port: ``port + rank`` for tcp (unchanged for port 0, where every rank
+gets its own OS port), ``inproc://name_dp{rank}`` for inproc; ipc is rejected for ranks > 0, as
+vLLM does.
 """
 
 from __future__ import annotations
 
-__all__ = ["WILDCARD_HOSTS", "concrete_endpoint", "offset_endpoint"]
+__all__ = ["WILDCARD_HOSTS", "concrete_endpoint", "offset_endpoint", "resolve_endpoint"]
 
 WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", "[*]", ""})
 
@@ -44,4 +45,16 @@ def concrete_endpoint(endpoint: str, host: str, dp_rank: int = 0) -> str:
                 raise ValueError(f"endpoint {endpoint!r} has a wildcard host; give the host")
             new = f"[{host}]" if ":" in host and not host.startswith("[") else host
             endpoint = f"tcp://{new}:{port}"
+    return offset_endpoint(endpoint, dp_rank)
+
+
+def resolve_endpoint(endpoint: str, host: str | None, dp_rank: int) -> str:
+    """The endpoint to connect to for DP rank ``dp_rank``: the wildcard host replaced by
+    ``host`` when one is given; without ``host`` a wildcard host is an error."""
+    if host:
+        return concrete_endpoint(endpoint, host, dp_rank)
+    if endpoint.startswith("tcp://"):
+        h = endpoint[len("tcp://") :].rpartition(":")[0]
+        if h in WILDCARD_HOSTS:
+            raise ValueError(f"endpoint {endpoint!r} has a wildcard host; pass host=")
     return offset_endpoint(endpoint, dp_rank)

@@ -1,9 +1,10 @@
 """Fetch missed batches from a vLLM publisher's replay (ROUTER) endpoint.
 
-Protocol (reference §2.4): a ``DEALER`` sends ``[b"", start_seq (8 bytes BE)]``; the publisher
-answers one message per buffered batch with ``seq >= start``: ``[b"", topic, seq8, payload]``
-(vLLM >= 0.33) or ``[b"", seq8, payload]`` (<= 0.24), then an end marker whose *last frame is
-empty*. ``REQ`` must not be used: it accepts one reply per request, so it would see one batch.
+Protocol (docs/vllm-reference.md §2.4): a ``DEALER`` sends ``[b"", start_seq (8 bytes BE)]``;
+the publisher answers one message per buffered batch with ``seq >= start``: ``[b"", topic, seq8,
+payload]`` (vLLM >= 0.33) or ``[b"", seq8, payload]`` (<= 0.24), then an end marker whose *last
+frame is empty*. ``REQ`` must not be used: it accepts one reply per request, so it would see one
+batch.
 
 The publisher keeps only its last ``buffer_steps`` batches and never says "too old": the caller
 compares the first replayed seq with the one it asked for (:attr:`ReplayResult.reaches`).

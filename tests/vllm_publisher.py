@@ -1,4 +1,4 @@
-"""A test stand-in for vLLM 0.33's ``ZmqEventPublisher`` (reference §2), protocol-exact.
+"""A protocol-exact test stand-in for vLLM 0.33's ``ZmqEventPublisher`` (docs/vllm-reference.md §2).
 
 * PUB socket: binds when the endpoint contains ``*`` or ``::`` (or is ipc/inproc), otherwise
   connects (the inverted topology), as vLLM's ``_is_bind_endpoint`` decides.

@@ -1,0 +1,169 @@
+"""One ZMQ SUB socket of the subscriber: configured, monitored, and read without blocking.
+
+The reader is a loop callback on the socket's (edge-triggered) ZMQ_FD: it takes at most
+``recv_batch`` messages, or ``recv_budget_s`` of time, per loop turn and then reschedules itself
+with ``call_soon``, so a flood on one socket never starves the event loop, and no future or task
+is created per message. Each message goes to ``on_message`` (whose exceptions are logged: nothing
+a socket delivers may stop the reader), then ``on_read`` runs once per turn that read something.
+
+A socket monitor counts the connected ``peers`` and calls ``on_reconnect`` on every handshake
+after the first one. ZMQ reconnects by itself (``reconnect_backoff_s``) and ZMTP heartbeats
+(``heartbeat_s``) detect dead peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+__all__ = ["Feed", "FeedOptions"]
+
+log = logging.getLogger("indexer.subscriber")  # a feed logs as part of its subscriber
+
+_MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
+
+@dataclass(frozen=True, slots=True)
+class FeedOptions:
+    topic: str
+    """Subscription prefix."""
+    hwm: int
+    """ZMQ receive high-water mark (messages)."""
+    reconnect_backoff_s: tuple[float, float]
+    heartbeat_s: float
+    """ZMTP heartbeat interval (0: none); a peer silent for 3 intervals is dropped."""
+    recv_batch: int
+    recv_budget_s: float
+    """Checked every 16 messages."""
+
+
+class Feed:
+    """One SUB socket, bound (``bind``) or connected to ``endpoint``, read from the running loop
+    as soon as it is created (see the module docstring)."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        options: FeedOptions,
+        *,
+        bind: bool,
+        on_message: Callable[[list[bytes]], None],
+        on_read: Callable[[], None],
+        on_reconnect: Callable[[], None] | None = None,
+    ) -> None:
+        self.options = options
+        self.on_message = on_message
+        self.on_read = on_read
+        self.on_reconnect = on_reconnect
+        self.peers = 0
+        self.handshakes = 0
+        self.closed = False
+        self.tasks: list[asyncio.Task[None]] = []
+        sock = ctx.socket(zmq.SUB)
+        lo, hi = options.reconnect_backoff_s
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, options.hwm)
+        sock.setsockopt(zmq.RECONNECT_IVL, max(1, int(lo * 1000)))
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(hi * 1000)))
+        if options.heartbeat_s > 0:
+            sock.setsockopt(zmq.HEARTBEAT_IVL, int(options.heartbeat_s * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(options.heartbeat_s * 3000))
+        sock.setsockopt(zmq.SUBSCRIBE, options.topic.encode())
+        self.sock = sock
+        self.raw = zmq.Socket.shadow(sock.underlying)
+        """Synchronous view of the socket: NOBLOCK reads without a future per message."""
+        self.monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        if bind:
+            sock.bind(endpoint)
+            endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            sock.connect(endpoint)
+        self.endpoint = endpoint
+        """The connected endpoint, or the bound one with the port the OS chose."""
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.raw.FD, self._on_readable)
+        loop.call_soon(self._on_readable)  # anything queued before the reader was added
+        self.tasks.append(loop.create_task(self._monitor_loop(), name=f"kv-mon {endpoint}"))
+
+    def has_input(self) -> bool:
+        """A message is waiting on the socket."""
+        raw = self.raw
+        return not raw.closed and bool(raw.get(zmq.EVENTS) & zmq.POLLIN)
+
+    def close(self) -> None:
+        """Close the sockets (the caller cancels :attr:`tasks`)."""
+        self.closed = True
+        if not self.raw.closed:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self.raw.FD)
+        if not self.sock.closed:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.disable_monitor()
+            self.sock.close(linger=0)
+        if not self.monitor.closed:
+            self.monitor.close(linger=0)
+        self.peers = 0
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            try:
+                frames = await self.monitor.recv_multipart()
+                event = parse_monitor_message(frames)["event"]
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a monitor hiccup must not stop the subscriber
+                log.debug("monitor of %s", self.endpoint, exc_info=True)
+                await asyncio.sleep(0.1)
+                continue
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.peers += 1
+                self.handshakes += 1
+                if self.on_reconnect is not None and self.handshakes > 1:
+                    self.on_reconnect()
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.peers = max(self.peers - 1, 0)
+
+    def _on_readable(self) -> None:
+        """Drain up to ``recv_batch`` messages without blocking; reschedule if more remain.
+
+        Called by the loop when the socket's ZMQ_FD fires, and by itself via ``call_soon`` when
+        it stopped at the budget.
+        """
+        raw = self.raw
+        if raw.closed or self.closed:
+            return
+        route = self.on_message
+        limit = self.options.recv_batch
+        n = 0
+        more = True
+        try:
+            t_end = time.perf_counter() + self.options.recv_budget_s
+            while n < limit:
+                frames = raw.recv_multipart(zmq.NOBLOCK)
+                n += 1
+                try:
+                    route(frames)
+                except Exception:  # nothing a socket delivers may stop the reader
+                    log.exception("routing a message from %s", self.endpoint)
+                if not n & 15 and time.perf_counter() > t_end:
+                    break  # time budget spent: rescheduled below (more is True)
+        except zmq.Again:
+            # Reading EVENTS re-arms the edge-triggered FD; a message may have slipped in.
+            more = bool(raw.get(zmq.EVENTS) & zmq.POLLIN)
+        except zmq.ZMQError as exc:
+            if raw.closed or self.closed:
+                return
+            log.warning("recv on %s: %s", self.endpoint, exc)
+        if n:
+            self.on_read()
+        if more:
+            asyncio.get_running_loop().call_soon(self._on_readable)
