@@ -1,15 +1,19 @@
 """Routing-quality benchmark: replay a workload through simulated vLLM workers per policy.
 
-    python bench/routing_bench.py --quick                 # < 2 min: trace prefix, 6 policies
+    python bench/routing_bench.py --quick                 # < 2 min: trace prefix, the peers
     python bench/routing_bench.py                         # full Mooncake conversation trace
     python bench/routing_bench.py --workload chat|agentic # synthetic workloads
     python bench/routing_bench.py --trace PATH            # any Mooncake-format file
-    python bench/routing_bench.py --loads 0.5,0.8,1.0     # sweep offered load (chart by load)
+    python bench/routing_bench.py --loads 0.5,0.6,...,1.2 # sweep offered load: goodput
     python bench/routing_bench.py --sweep-knobs           # kvrouter with each knob varied
     python bench/routing_bench.py --jobs 4                # policies in parallel processes
 
-The last line printed is one JSON object (``workload``, ``workers``, ``config``, ``policies``);
-a PNG chart of TTFT and hit rate by policy is written to ``bench/out/routing_<workload>.png``.
+The last line printed is one JSON object (``workload``, ``workers``, ``config``, ``policies``
+at ``--load``, ``sweep`` per policy and load, ``goodput`` per policy: the highest load keeping
+p90 TTFT <= ``--slo-p90-s``, ``rejected`` per policy, ``targets``: bench/peer_report.py);
+PNG charts of TTFT and hit rate by policy and of p90 TTFT by load are written to
+``bench/out/routing_<workload>.png`` and ``..._p90_by_load.png``. Prompts a worker refuses
+(``max_model_len``, KV cache) are counted in ``rejected`` and never routed.
 Progress and a one-line summary per policy go to stderr.
 
 Default fleet (cache-bound; see ``FleetSpec``): 8 workers, 16-token blocks, 50,000 blocks
@@ -34,6 +38,8 @@ uncached prefill tokens per worker, released at first token), corrected by the w
   approximate style: remembered prefixes per worker with TTL and LRU capacity, longest match
   above a threshold else least loaded, imbalance guard);
 * ``kvrouter``: KV events + index + ``KvRouterPolicy`` + ``SpeculativeCache``;
+* ``dynamo``, ``llm_d``, ``sglang``, ``vllm_router_kv_aware``, ``aibrix``: the peer products,
+  each with its own view of the caches and its own load signal (``bench/peers.py``);
 * ``pooled_ideal``: not a policy: one engine with the whole fleet's KV blocks, CPU chunks,
   prefill rate, token budget and sequence slots. An upper bound on the hit rate.
 
@@ -74,8 +80,9 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import peer_report, peers
 from bench.approx import ApproxPrefixPolicy
-from bench.workloads import Req, TokenSource, load_workload
+from bench.workloads import Req, TokenSource, TraceError, load_workload
 from indexer.index import PrefixIndex
 from indexer.wire import DecodeError, decode_payload
 from router.candidates import build_candidates
@@ -94,6 +101,7 @@ DEFAULT_TRACE = str(
     Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 )
 CAPACITY_REQUESTS = 2000
+QUICK_POLICIES = ("round_robin", "kvrouter", *peers.NAMES, "pooled_ideal")
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
@@ -161,6 +169,8 @@ class RunResult:
     ttft_floor: list[float] = field(default_factory=list)
     prefill_steps: int = 0
     prefill_steps_with_decode: int = 0
+    rejected: int = 0
+    """Requests the workers refuse (prompt too long for ``max_model_len`` or the KV cache)."""
 
     def summary(self) -> dict[str, float]:
         t = sorted(self.ttft)
@@ -182,6 +192,7 @@ class RunResult:
             "prefill_steps_with_decode": round(
                 self.prefill_steps_with_decode / max(self.prefill_steps, 1), 4
             ),
+            "rejected": self.rejected,
         }
 
 
@@ -224,7 +235,7 @@ def run_policy(
     track_first_tokens: bool = True,
 ) -> RunResult:
     pooled = name == "pooled_ideal"
-    use_events = name == "kvrouter"
+    use_events = name == "kvrouter" or peers.uses_events(name)
     n = 1 if pooled else fs.workers
     fleet = FastFleet(n, fs.engine(pooled=pooled, events=use_events))
     busy = [0.0] * n
@@ -243,7 +254,11 @@ def run_policy(
     loads = [(e, w.load(0)) for e, w in zip(engines, workers, strict=True)]  # live records
     by_engine = {e: i for i, e in enumerate(engines)}
     spec = SpeculativeCache(rs.speculative_ttl_s)
-    if name == "approx_prefix":
+    peer = None
+    if name in peers.NAMES:
+        env = peers.PeerEnv(fleet, fs.block_size, unit, fs.cpu_chunk_tokens, MODEL, seed)
+        peer = peers.make(name, env)
+    elif name == "approx_prefix":
         cap = int(fs.gpu_blocks * fs.block_size * rs.approx_capacity_frac) // unit
         policy = ApproxPrefixPolicy(
             unit,
@@ -261,6 +276,7 @@ def run_policy(
     tickets: dict[str, Ticket] = {}
     prefilling: list[dict[str, tuple[object, Ticket]]] = [{} for _ in range(n)]
     decisions: list[float] = []
+    rejected = 0
     next_poll = rs.poll_s
     n_done = 0
     hit_tokens = prompt_tokens = 0
@@ -277,6 +293,8 @@ def run_policy(
             except DecodeError:
                 continue
             index.apply((workers[w].url, rank), batch.events)
+            if peer is not None:
+                peer.on_events(w, batch.events)
         for c in fleet.completed():
             n_done += 1
             gpu_hit, cpu_hit = first_hit.pop(c.request_id, (c.cached_tokens, c.cpu_loaded_tokens))
@@ -285,6 +303,8 @@ def run_policy(
             ttfts.append(c.first_token_s - c.arrival_s)
             floors.append(_prefill_floor(c.prompt_tokens, gpu_hit, cpu_hit, ecfg))
             last_finish = max(last_finish, c.finish_s)
+            if peer is not None:
+                peer.finished(c.request_id)
             t = tickets.pop(c.request_id, None)
             if t is not None:
                 prefilling[c.worker_idx].pop(c.request_id, None)
@@ -309,6 +329,8 @@ def run_policy(
 
     def advance(t: float) -> None:
         nonlocal next_poll
+        if peer is not None:
+            peer.advance(t)
         while next_poll <= t:
             fleet.run_until(next_poll)
             ingest()
@@ -322,9 +344,18 @@ def run_policy(
     for req in reqs:
         t = req.arrival_s / speed
         advance(t)
+        if rejects(fleet, req.n_tokens):
+            rejected += 1  # vLLM answers HTTP 400 before scheduling: no worker state changes
+            continue
         toks = src.tokens(req)
         n_tok = len(toks)
-        if name == "kvrouter":
+        if peer is not None:
+            kk, kcost = keys.get(req, toks)
+            t0 = time.perf_counter()
+            d = peers.decision(engines, peer.route(req.rid, toks, kk, t), name)
+            decisions.append((time.perf_counter() - t0 + kcost) * 1000)
+            uncached = n_tok
+        elif name == "kvrouter":
             kk, kcost = keys.get(req, toks)
             t0 = time.perf_counter()
             matches = index.match_keys(kk, n_tok, engines)
@@ -378,6 +409,18 @@ def run_policy(
         ttft_floor=floors,
         prefill_steps=mixed[0],
         prefill_steps_with_decode=mixed[1],
+        rejected=rejected,
+    )
+
+
+def rejects(fleet: FastFleet, prompt_tokens: int) -> bool:
+    """Whether a worker refuses the prompt outright, as vLLM's admission does (HTTP 400): empty,
+    no room for one output token within ``max_model_len``, or more blocks than the KV cache."""
+    cfg = fleet.config
+    return (
+        prompt_tokens == 0
+        or prompt_tokens >= cfg.max_model_len
+        or fleet.engines[0].kv.blocks_for_tokens(prompt_tokens) > cfg.num_gpu_blocks - 1
     )
 
 
@@ -432,14 +475,15 @@ def measure_capacity(
     """
     sub = reqs[:CAPACITY_REQUESTS]
     sub_rate = len(sub) / max(sub[-1].arrival_s - sub[0].arrival_s, 1e-9)
-    sub_prompt = statistics.fmean(r.n_tokens for r in sub)
+    sub_prompt = statistics.fmean(min(r.n_tokens, fs.max_model_len) for r in sub)
     est_rps = fs.capacity_tokens_per_s() / sub_prompt
     speed = 2.0 * est_rps / sub_rate
     firsts = sorted(_first_token_times(sub, speed, fs, src))
     lo, hi = pct([t for t, _ in firsts], 10), pct([t for t, _ in firsts], 90)
     tokens = sum(n for t, n in firsts if lo <= t <= hi)
     cap_tps = tokens / max(hi - lo, 1e-9)
-    mean_prompt = statistics.fmean(r.n_tokens for r in reqs)
+    # Prompts the workers refuse are never served: they do not set the offered load.
+    mean_prompt = statistics.fmean(r.n_tokens for r in reqs if r.n_tokens < fs.max_model_len)
     return {
         "method": f"saturation run on the first {len(sub)} requests: round robin offered 2x the "
         "no-cache analytic capacity; capacity = prompt tokens of the requests whose first token "
@@ -461,7 +505,8 @@ def _first_token_times(
         t = req.arrival_s / speed
         fleet.run_until(t)
         out.extend((c.first_token_s, c.prompt_tokens) for c in fleet.completed())
-        fleet.submit(i % fs.workers, req.rid, src.tokens(req), req.max_tokens, t)
+        if not rejects(fleet, req.n_tokens):
+            fleet.submit(i % fs.workers, req.rid, src.tokens(req), req.max_tokens, t)
     while len(out) < len(reqs):
         nxt = fleet.next_event_time()
         if nxt == math.inf:
@@ -661,7 +706,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--speed", type=float, default=None, help="fixed arrival speed-up (skips the capacity run)"
     )
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", default=None, help="comma list (default: all; --quick: peers)")
+    ap.add_argument("--slo-p90-s", type=float, default=2.0, help="goodput SLO on p90 TTFT")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--gpu-blocks", type=int, default=None, help="KV blocks per worker")
@@ -671,6 +717,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prefill-tps", type=float, default=20_000.0)
     ap.add_argument("--decode-s", type=float, default=0.02)
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
+    ap.add_argument("--max-model-len", type=int, default=FleetSpec.max_model_len)
     ap.add_argument("--poll-s", type=float, default=1.0)
     ap.add_argument("--spec-ttl", type=float, default=2.0)
     ap.add_argument("--near-tie", type=int, default=None)
@@ -702,7 +749,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick and args.jobs == 1:
         args.jobs = min(2, os.cpu_count() or 1)
     scale = args.scale * (0.4 if args.quick and args.workload != "mooncake" else 1.0)
-    reqs = load_workload(args.workload, trace, limit, args.seed, scale)
+    try:
+        reqs = load_workload(args.workload, trace, limit, args.seed, scale)
+    except TraceError as exc:
+        raise SystemExit(str(exc)) from None
     if not reqs:
         raise SystemExit("empty workload")
     gpu_blocks = args.gpu_blocks or FleetSpec.gpu_blocks
@@ -716,6 +766,7 @@ def main(argv: list[str] | None = None) -> dict:
         prefill_tokens_per_s=args.prefill_tps,
         decode_s_per_token=args.decode_s,
         max_num_batched_tokens=args.budget,
+        max_model_len=args.max_model_len,
     )
     params = PolicyParams()
     if args.near_tie is not None:
@@ -731,9 +782,11 @@ def main(argv: list[str] | None = None) -> dict:
     src = TokenSource()
     unit = math.gcd(16, fs.block_size)
     keys = KeyCache(unit)
+    if args.policies is None:
+        args.policies = ",".join(QUICK_POLICIES if args.quick else POLICIES + peers.NAMES)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
-        if p not in POLICIES:
+        if p not in POLICIES and p not in peers.NAMES:
             raise SystemExit(f"unknown policy {p!r}")
     t_start = time.perf_counter()
     base_rate = len(reqs) / max(reqs[-1].arrival_s - reqs[0].arrival_s, 1e-9)
@@ -788,7 +841,14 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if len(by_load) > 1:
         result["by_load"] = by_load
-    result["targets"] = targets(result["policies"])
+    result["sweep"] = peer_report.sweep(by_load)
+    result["goodput"] = peer_report.goodput(result["sweep"], args.slo_p90_s)
+    result["rejected"] = {n: s["rejected"] for n, s in result["policies"].items()}
+    result["config"]["slo_p90_s"] = args.slo_p90_s
+    conversation = Path(trace).name == Path(DEFAULT_TRACE).name and args.workload == "mooncake"
+    result["targets"] = targets(result["policies"]) | peer_report.targets(
+        by_load, result["goodput"], peers.NAMES, conversation
+    )
     if args.sweep_knobs:
         only = None if args.sweep_knobs == "all" else args.sweep_knobs.split(",")
         result["knob_sweep"] = sweep_knobs(
@@ -800,6 +860,9 @@ def main(argv: list[str] | None = None) -> dict:
     if os.environ.get("ROUTING_BENCH_NO_CHART") != "1":
         chart(result, out)
         result["chart"] = str(out)
+        p90 = out.with_name(out.stem + "_p90_by_load.png")
+        peer_report.chart_p90(result["sweep"], args.slo_p90_s, p90, f"p90 TTFT: {name}")
+        result["chart_p90"] = str(p90)
     print(json.dumps(result, separators=(",", ":")))
     return result
 

@@ -20,6 +20,7 @@ Arrival times are in seconds at speed 1; the benchmark divides them by a speed-u
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Req", "TokenSource", "agentic", "chat", "load_workload", "mooncake"]
+__all__ = ["Req", "TokenSource", "TraceError", "agentic", "chat", "load_workload", "mooncake"]
 
 VOCAB_LO, VOCAB_HI = 100, 32000
 MOONCAKE_BLOCK = 512
@@ -35,6 +36,10 @@ MOONCAKE_BLOCK = 512
 # other (Mooncake block ids are < 2**31).
 _SYS_BASE = 1 << 40
 _MSG_BASE = 1 << 41
+
+
+class TraceError(ValueError):
+    """A trace line that is not a Mooncake request; the message names the file and line."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +91,10 @@ def mooncake(path: str | Path, limit: int | None = None) -> list[Req]:
                 break
             if not line.strip():
                 continue
-            r = json.loads(line)
-            n = int(r["input_length"])
-            hashes = r["hash_ids"]
+            try:
+                ts, n, out, hashes = _mooncake_fields(line)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise TraceError(f"{path}: line {i + 1}: {exc}") from None
             segs = []
             left = n
             for h in hashes:
@@ -99,17 +105,31 @@ def mooncake(path: str | Path, limit: int | None = None) -> list[Req]:
                 left -= take
             if left > 0:  # input_length longer than the listed blocks: unique filler
                 segs.append((_MSG_BASE + (1 << 30) + i, left))
-            reqs.append(
-                Req(
-                    f"m{i}",
-                    r["timestamp"] / 1000.0,
-                    tuple(segs),
-                    n,
-                    max(1, int(r["output_length"])),
-                )
-            )
+            reqs.append(Req(f"m{i}", ts / 1000.0, tuple(segs), n, max(1, out)))
     reqs.sort(key=lambda q: q.arrival_s)
     return reqs
+
+
+def _mooncake_fields(line: str) -> tuple[float, int, int, list[int]]:
+    """``(timestamp ms, input_length, output_length, hash_ids)`` of one trace line."""
+    try:
+        r = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc.msg} at column {exc.colno}") from None
+    if not isinstance(r, dict):
+        raise ValueError(f"expected a JSON object, got {type(r).__name__}")
+    missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in r]
+    if missing:
+        raise ValueError(f"missing field(s) {', '.join(missing)}")
+    ts, n, out, hashes = r["timestamp"], r["input_length"], r["output_length"], r["hash_ids"]
+    for name, v in (("timestamp", ts), ("input_length", n), ("output_length", out)):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < math.inf:
+            raise ValueError(f"{name} must be a finite non-negative number, got {v!r}")
+    if not isinstance(hashes, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hashes
+    ):
+        raise ValueError("hash_ids must be a list of non-negative integers")
+    return float(ts), int(n), int(out), hashes
 
 
 def _zipf_pick(rng: random.Random, n: int, s: float = 1.1) -> int:

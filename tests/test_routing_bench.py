@@ -11,11 +11,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import routing_bench
+from bench import peer_index, peers, routing_bench
 from bench.approx import ApproxPrefixPolicy
-from bench.workloads import Req, TokenSource, chat, mooncake
+from bench.workloads import Req, TokenSource, TraceError, chat, mooncake
+from indexer.wire import BlockRemoved, BlockStored
 from router.load import EngineLoad
 from router.policy import Candidate
+from simulator.hashing import RequestHasher
 
 
 def _last_json(capsys: pytest.CaptureFixture[str]) -> dict:
@@ -180,3 +182,146 @@ def test_hit_rate_counts_the_first_admission_not_a_preempted_requests_own_blocks
     )
     assert res.completed == 2 and res.preemptions >= 1
     assert res.hit_rate == 0.0
+
+
+def _conversation_trace(path: Path, n: int = 40, long_at: tuple[int, ...] = ()) -> None:
+    """Eight conversations growing turn by turn; requests at ``long_at`` get a long prompt."""
+    lines = []
+    for i in range(n):
+        conv, turn = i % 8, i // 8
+        hashes = [0, 1000 + conv] + [2000 + conv * 10 + k for k in range(turn)] + [5000 + i]
+        length = 512 * len(hashes) - 100
+        if i in long_at:
+            hashes, length = [9000 + i], 40_000
+        lines.append(
+            json.dumps(
+                {
+                    "timestamp": i * 500,
+                    "input_length": length,
+                    "output_length": 4,
+                    "hash_ids": hashes,
+                }
+            )
+        )
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_peers_sweep_goodput_and_rejected_prompts(tmp_path, capsys):
+    """Every peer runs the trace to the end; prompts over max_model_len are refused (HTTP 400 in
+    vLLM), counted per policy and never routed; the sweep, goodput and targets come out."""
+    trace = tmp_path / "t.jsonl"
+    _conversation_trace(trace, long_at=(5, 17))
+    policies = ["kvrouter", *peers.NAMES]
+    routing_bench.main(
+        [
+            "--trace",
+            str(trace),
+            "--workers",
+            "3",
+            "--gpu-blocks",
+            "3000",
+            "--max-model-len",
+            "32768",
+            "--loads",
+            "0.5,1.2",
+            "--load",
+            "0.5",
+            "--slo-p90-s",
+            "1000",
+            "--policies",
+            ",".join(policies),
+            "--out",
+            str(tmp_path / "c.png"),
+        ]
+    )
+    out = _last_json(capsys)
+    assert set(out["rejected"]) == set(policies)
+    for name in policies:
+        assert out["rejected"][name] == 2, name
+        for load in ("0.5", "1.2"):
+            s = out["sweep"][name][load]
+            assert s["completed"] == 38, (name, load)
+            assert s["ttft_p90_s"] > 0 and 0 <= s["hit_rate"] <= 1
+        # the SLO is loose enough for every policy at every tested load
+        assert out["goodput"][name] == 1.2, name
+    assert out["policies"] == {n: out["sweep"][n]["0.5"] for n in policies}
+    t = out["targets"]
+    assert {"ttft_mean <= 0.85 * best peer", "hit_rate >= best peer - 0.005"} <= set(t)
+    goodput = t["goodput >= 1.1 * best peer"]
+    assert (
+        goodput["value"] == 1.2
+        and goodput["limit"] == pytest.approx(1.32)
+        and "censored" in goodput
+    )
+    # conversations come back: an event-fed peer finds their prefixes as kvrouter does
+    assert out["sweep"]["dynamo"]["0.5"]["hit_rate"] > 0.2
+    assert Path(out["chart_p90"]).stat().st_size > 10_000
+
+
+def test_malformed_trace_line_names_the_line(tmp_path):
+    trace = tmp_path / "bad.jsonl"
+    good = '{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [1, 2]}'
+    for bad, why in (
+        ('{"timestamp": 5, "input_length": 600, "output_length": 3', "not JSON"),
+        ('{"timestamp": 5, "output_length": 3, "hash_ids": [1]}', "input_length"),
+        ('{"timestamp": 5, "input_length": -1, "output_length": 3, "hash_ids": [1]}', "input"),
+        ('{"timestamp": 5, "input_length": 9, "output_length": 3, "hash_ids": "x"}', "hash_ids"),
+        ("[1, 2, 3]", "JSON object"),
+    ):
+        trace.write_text(f"{good}\n\n{bad}\n{good}\n")
+        with pytest.raises(TraceError, match=rf"bad\.jsonl: line 3: .*{why}"):
+            mooncake(trace)
+        with pytest.raises(SystemExit, match="line 3"):
+            routing_bench.main(["--trace", str(trace), "--speed", "1"])
+
+
+def test_llm_d_scores_scraped_load_not_dispatches():
+    """llm-d's queue and KV scores come from a scrape every 50 ms, never from its own
+    dispatches: a burst of cold requests inside one interval sees the same load everywhere and
+    is spread by the random tie-break alone; the next scrape sees the burst."""
+    fs = routing_bench.FleetSpec(workers=4, gpu_blocks=2000)
+    fleet = routing_bench.FastFleet(4, fs.engine())
+    env = peers.PeerEnv(fleet, 16, 16, 256, routing_bench.MODEL, seed=1)
+    p = peers.make("llm_d", env)
+    src = TokenSource()
+    keys = routing_bench.KeyCache(16)
+    p.advance(0.0)
+    chosen = []
+    for i in range(40):
+        req = Req(f"b{i}", 0.0, ((3_000_000 + i, 256),), 256, 4)
+        toks = src.tokens(req)
+        w = p.route(req.rid, toks, keys.get(req, toks)[0], 0.0)
+        fleet.submit(w, req.rid, toks, 4, 0.0)
+        chosen.append(w)
+    assert p.waiting == [0, 0, 0, 0]  # nothing scraped since the burst began
+    assert len(set(chosen)) == 4 and max(chosen.count(w) for w in range(4)) < 40
+    p.advance(0.05)
+    assert sum(p.waiting) + sum(len(e.running) for e in fleet.engines) == 40
+
+
+def test_vllm_router_kv_aware_loses_blocks_to_any_groups_removal():
+    """vllm-router keeps one set of hashes per worker: a sliding-window group's (or the CPU
+    tier's) BlockRemoved deletes a hash the full-attention group still holds, breaking the
+    prefix run; Dynamo's and llm-d's indexes keep only the full-attention group."""
+    toks = list(range(100, 164))  # four 16-token blocks
+    h = RequestHasher(16)
+    h.extend(toks)
+    hashes = h.event_hashes
+    stored = [
+        BlockStored(hashes, None, toks, 16, group_idx=0, kv_cache_spec_kind="full_attention"),
+        BlockStored(hashes, None, toks, 16, group_idx=1, kv_cache_spec_kind="sliding_window"),
+    ]
+    swa_evicted = [BlockRemoved([hashes[1]], group_idx=1)]
+    idx = peer_index.BlockHashSet(2)
+    idx.apply(0, stored)
+    assert idx.match(hashes, 0.0) == [4, 0]
+    idx.apply(0, swa_evicted)
+    assert idx.match(hashes, 0.0) == [1, 0]
+    keys = routing_bench.KeyCache(16)
+    kk = keys.index.prompt_keys(toks, keys.root)
+    fa = peer_index.GroupFilteredIndex(
+        2, 16, 256, routing_bench.MODEL, peer_index.full_attention_only
+    )
+    fa.apply(0, stored)
+    fa.apply(0, swa_evicted)
+    assert fa.match(kk, len(toks))[0][0] == 48  # the full-attention run (minus the last token)

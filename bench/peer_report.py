@@ -1,0 +1,153 @@
+"""Load sweep, goodput and the targets kvrouter must meet against its peers.
+
+* ``sweep``: per policy, per offered load (x round robin's measured capacity), its metrics.
+* ``goodput``: per policy, the highest offered load up to which every tested load keeps p90
+  TTFT within the SLO (a policy that meets it at every tested load is censored at the top).
+* ``targets``: kvrouter against the best peer product (bench/peers.py) on each metric, all
+  limits computed from this run's numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+__all__ = ["TARGET_LOAD", "chart_p90", "goodput", "sweep", "targets"]
+
+TARGET_LOAD = 0.8
+MEAN_RATIO = 0.85
+P90_RATIO = 0.9
+HIT_MARGIN = 0.005
+GOODPUT_RATIO = 1.1
+POOLED_RATIO = 1.3
+
+
+def sweep(by_load: dict[str, dict[str, dict]]) -> dict[str, dict[str, dict]]:
+    """``{load: {policy: s}}`` -> ``{policy: {load: s}}``, loads in increasing order."""
+    out: dict[str, dict[str, dict]] = {}
+    for load in sorted(by_load, key=float):
+        for name, s in by_load[load].items():
+            out.setdefault(name, {})[load] = s
+    return out
+
+
+def goodput(sw: dict[str, dict[str, dict]], slo_p90_s: float) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, by_load in sw.items():
+        best = 0.0
+        for load in sorted(by_load, key=float):
+            p90 = by_load[load]["ttft_p90_s"]
+            if math.isnan(p90) or p90 > slo_p90_s:
+                break
+            best = float(load)
+        out[name] = best
+    return out
+
+
+def _at_load(by_load: dict[str, dict[str, dict]]) -> tuple[str, dict[str, dict]]:
+    for load in by_load:
+        if math.isclose(float(load), TARGET_LOAD):
+            return load, by_load[load]
+    load = min(by_load, key=lambda x: abs(float(x) - TARGET_LOAD))
+    return load, by_load[load]
+
+
+def targets(
+    by_load: dict[str, dict[str, dict]],
+    good: dict[str, float],
+    peer_names: tuple[str, ...],
+    conversation_trace: bool,
+) -> dict[str, dict]:
+    """Each target: ``value`` (kvrouter), ``limit``, ``best_peer``, ``load``, ``met``."""
+    load, pol = _at_load(by_load)
+    k = pol.get("kvrouter")
+    present = [p for p in peer_names if p in pol]
+    out: dict[str, dict] = {}
+    if not k:
+        return out
+
+    def check(name: str, value: float, limit: float, ok: bool, best: str | None) -> None:
+        out[name] = {
+            "value": round(value, 4),
+            "limit": round(limit, 4),
+            "best_peer": best,
+            "load": float(load),
+            "met": bool(ok),
+        }
+
+    if present:
+        best = min(present, key=lambda p: pol[p]["ttft_mean_s"])
+        lim = MEAN_RATIO * pol[best]["ttft_mean_s"]
+        check(
+            f"ttft_mean <= {MEAN_RATIO} * best peer",
+            k["ttft_mean_s"],
+            lim,
+            k["ttft_mean_s"] <= lim,
+            best,
+        )
+        best = min(present, key=lambda p: pol[p]["ttft_p90_s"])
+        lim = P90_RATIO * pol[best]["ttft_p90_s"]
+        check(
+            f"ttft_p90 <= {P90_RATIO} * best peer",
+            k["ttft_p90_s"],
+            lim,
+            k["ttft_p90_s"] <= lim,
+            best,
+        )
+        best = max(present, key=lambda p: pol[p]["hit_rate"])
+        lim = pol[best]["hit_rate"] - HIT_MARGIN
+        check(
+            f"hit_rate >= best peer - {HIT_MARGIN}", k["hit_rate"], lim, k["hit_rate"] >= lim, best
+        )
+        if len(by_load) > 1 and "kvrouter" in good:
+            best = max(present, key=lambda p: good.get(p, 0.0))
+            lim = GOODPUT_RATIO * good.get(best, 0.0)
+            g = good["kvrouter"]
+            check(f"goodput >= {GOODPUT_RATIO} * best peer", g, lim, g >= lim, best)
+            loads = [float(x) for x in by_load]
+            entry = out[f"goodput >= {GOODPUT_RATIO} * best peer"]
+            if good.get(best, 0.0) >= max(loads):
+                entry["censored"] = f"{best} meets the SLO at every tested load: test higher loads"
+            elif good.get(best, 0.0) == 0.0:
+                entry["censored"] = (
+                    f"no peer meets the SLO at the lowest tested load ({min(loads):g}): "
+                    "their goodput is below it"
+                )
+    if conversation_trace and "pooled_ideal" in pol:
+        lim = POOLED_RATIO * pol["pooled_ideal"]["ttft_mean_s"]
+        check(
+            f"ttft_mean <= {POOLED_RATIO} * pooled_ideal (conversation trace)",
+            k["ttft_mean_s"],
+            lim,
+            k["ttft_mean_s"] <= lim,
+            None,
+        )
+    return out
+
+
+def chart_p90(sw: dict[str, dict[str, dict]], slo_p90_s: float, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, by_load in sw.items():
+        loads = sorted(by_load, key=float)
+        ax.plot(
+            [float(x) for x in loads],
+            [max(by_load[x]["ttft_p90_s"], 1e-3) for x in loads],
+            marker="o",
+            lw=2.4 if name == "kvrouter" else 1.2,
+            label=name,
+        )
+    ax.axhline(slo_p90_s, color="grey", ls="--", lw=1, label=f"SLO p90 {slo_p90_s:g} s")
+    ax.set_yscale("log")
+    ax.set_xlabel("offered load (x round-robin capacity)")
+    ax.set_ylabel("p90 TTFT (s, log)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
