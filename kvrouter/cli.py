@@ -1,4 +1,5 @@
-"""``kvrouter`` command line: ``serve`` (the gateway) and ``demo`` (simulated fleet + load).
+"""``kvrouter`` command line: ``serve`` (the gateway), ``demo`` (simulated fleet + load), and the
+``status`` and ``doctor`` tools.
 
     kvrouter serve --config kvrouter.yaml
     kvrouter serve --port 8000 --worker http://h1:8000 \\
