@@ -1,6 +1,6 @@
 """Frames recorded from a real vLLM 0.32 (CPU build): decoding and indexing what vLLM really sends.
 
-See ../shared/fixtures/vllm-captures/README.md for what each capture shows.
+See tests/fixtures/vllm-captures/README.md for what each capture shows.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from indexer.index import PrefixIndex
 from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, decode_payload
 
-CAPTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "vllm-captures"
+CAPTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-captures"
 NAMES = [
     "llama-b32",
     "gemma3-swa",
@@ -26,11 +26,11 @@ NAMES = [
 ENGINE = ("http://vllm:8000", 0)
 MODEL = "tiny"
 
-pytestmark = pytest.mark.skipif(not CAPTURES.is_dir(), reason=f"no captures at {CAPTURES}")
-
 
 def frames(name: str) -> list[list[bytes]]:
-    lines = (CAPTURES / f"{name}.frames.jsonl").read_text().splitlines()
+    path = CAPTURES / f"{name}.frames.jsonl"
+    assert path.is_file(), f"missing fixture {path}"
+    lines = path.read_text().splitlines()
     return [[base64.b64decode(f) for f in json.loads(line)["frames_b64"]] for line in lines]
 
 

@@ -18,14 +18,14 @@ import pytest
 
 from simulator.engine import EngineConfig, SimEngine
 
-# ../shared beside the checkout (as CI lays it out), like tests/test_captures.py.
-CAPTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "vllm-captures"
-pytestmark = pytest.mark.skipif(not CAPTURES.is_dir(), reason=f"no captures at {CAPTURES}")
+CAPTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-captures"
 
 
 def load_batches(name: str) -> list[list[dict[str, Any]]]:
+    path = CAPTURES / f"{name}.frames.jsonl"
+    assert path.is_file(), f"missing fixture {path}"
     out = []
-    for line in (CAPTURES / f"{name}.frames.jsonl").read_text().splitlines():
+    for line in path.read_text().splitlines():
         frames = [base64.b64decode(x) for x in json.loads(line)["frames_b64"]]
         out.append(msgspec.msgpack.decode(frames[2])[1])
     return out
@@ -206,7 +206,9 @@ def test_capture_payloads_byte_exact() -> None:
 
     dec = msgspec.msgpack.Decoder(KVEventBatch)
     n = 0
-    for f in sorted(CAPTURES.glob("*.frames.jsonl")):
+    files = sorted(CAPTURES.glob("*.frames.jsonl"))
+    assert len(files) == 6, f"expected the 6 frame captures in {CAPTURES}"
+    for f in files:
         for line in f.read_text().splitlines():
             frames = [base64.b64decode(x) for x in json.loads(line)["frames_b64"]]
             assert len(frames) == 3
