@@ -26,7 +26,8 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from indexer.index import FULL, PrefixIndex, group_kind
+from indexer.index import PrefixIndex
+from indexer.types import FULL, group_kind
 from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 __all__ = [
