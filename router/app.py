@@ -22,10 +22,10 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from indexer.index import EngineId
-from router import debug, proxy
+from router import debug, proxy, status_page
 from router.config import Config
 from router.core import Router, RouteResult
 from router.errors import BodyError
@@ -157,6 +157,11 @@ def _add_admin_routes(app: FastAPI, router: Router) -> None:
         check(request)
         return JSONResponse(debug.debug_index(router))
 
+    @app.get("/debug")
+    async def debug_page(request: Request) -> Response:
+        check(request)
+        return HTMLResponse(status_page.PAGE, headers={"cache-control": "no-store"})
+
     @app.post("/debug/route")
     async def debug_route(request: Request) -> Response:
         check(request)
@@ -216,6 +221,7 @@ def _on_sent(router: Router, res: RouteResult, decided: float) -> Callable[[Engi
     m = router.metrics
     tok = res.tokens
     d = res.decision
+    record = router.recorder.record
     recorded = False
 
     def sent(engine: EngineId) -> None:
@@ -234,6 +240,7 @@ def _on_sent(router: Router, res: RouteResult, decided: float) -> Callable[[Engi
         else:
             m.prompt_tokens.inc(tok.n_tokens)
             m.predicted_hit_tokens.inc(d.predicted_hit_tokens)
+        record("", engine, d.predicted_hit_tokens, tok.n_tokens if tok else 0, d.reason)
 
     return sent
 

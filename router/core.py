@@ -29,6 +29,7 @@ from router.errors import BodyError
 from router.load import EngineLoad
 from router.metrics import RouterMetrics, fleet_state
 from router.policy import Candidate, Decision, make_policy
+from router.recorder import Recorder
 from router.resilience import WorkerWatch, load_only
 from router.selfcheck import SelfCheck
 from router.shared_state import ExportedEngine, SharedState, make_shared_state, seed_subscriber
@@ -115,6 +116,8 @@ class Router:
         # Predictions are checked against what workers report, and every worker is self-checked.
         self.verifier = self._verifier() if cfg.verify.enabled else None
         self.selfcheck = self._selfcheck() if cfg.verify.selfcheck else None
+        self.recorder = Recorder()
+        """The last decisions and the hit rate per minute (the status page, /debug)."""
         self.started = time.time()
         self.draining = False
         """Set on SIGTERM (router/serving.py): /ready answers 503 while requests finish."""
