@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from indexer.index import EngineId
-from router import debug, proxy, status_page
+from router import access, debug, proxy, status_page
 from router.config import Config
 from router.core import Router, RouteResult
 from router.errors import BodyError
@@ -196,27 +196,70 @@ def _attempts(res: RouteResult) -> list[proxy.Attempt]:
     return attempts
 
 
-def _on_done(router: Router, res: RouteResult, t0: float) -> Callable[[proxy.Outcome], None]:
-    """Accounts a finished request: metrics and, with verification, the prediction's check."""
+class _Request(msgspec.Struct):
+    """What the access line of a proxied request names besides its outcome."""
+
+    id: str
+    path: str
+    model: Any
+    t0: float
+
+
+def _on_done(router: Router, res: RouteResult, req: _Request) -> Callable[[proxy.Outcome], None]:
+    """Accounts a finished request: metrics, the access line and, with verification, the
+    prediction's check."""
     m = router.metrics
     policy_name = router.policy.name
     tok = res.tokens
     predicted = res.decision.predicted_hit_tokens
 
     def done(o: proxy.Outcome) -> None:
+        duration = time.perf_counter() - req.t0
         m.requests.labels(policy_name, str(o.status)).inc()
-        m.request_duration.observe(time.perf_counter() - t0)
+        m.request_duration.observe(duration)
         if o.ttft_s is not None:
             m.ttft.observe(o.ttft_s)
         if router.verifier is not None:
             router.verify_outcome(res, o)
         elif o.cached_tokens is not None and tok is not None:
             m.prediction_error.observe(abs(predicted - o.cached_tokens))
+        if access.enabled():
+            access.log_request(
+                {
+                    "request_id": req.id,
+                    "path": req.path,
+                    "model": req.model if isinstance(req.model, str) else None,
+                    "status": o.status,
+                    "duration_s": round(duration, 6),
+                    "ttft_s": None if o.ttft_s is None else round(o.ttft_s, 6),
+                    "worker": o.worker,
+                    "dp_rank": o.engine[1] if o.engine is not None else None,
+                    "predicted_hit_tokens": predicted,
+                    "prompt_tokens": tok.n_tokens if tok is not None else None,
+                    "cached_tokens": o.cached_tokens,
+                }
+            )
 
     return done
 
 
-def _on_sent(router: Router, res: RouteResult, decided: float) -> Callable[[EngineId], None]:
+def _refused(req: _Request, status: int, error: str) -> None:
+    """The access line of a request answered before it was routed."""
+    if access.enabled():
+        access.log_request(
+            {
+                "request_id": req.id,
+                "path": req.path,
+                "status": status,
+                "duration_s": round(time.perf_counter() - req.t0, 6),
+                "error": error,
+            }
+        )
+
+
+def _on_sent(
+    router: Router, res: RouteResult, decided: float, rid: str
+) -> Callable[[EngineId], None]:
     """Runs as the request goes out: the speculative entry, and the decision's metrics once."""
     m = router.metrics
     tok = res.tokens
@@ -240,7 +283,7 @@ def _on_sent(router: Router, res: RouteResult, decided: float) -> Callable[[Engi
         else:
             m.prompt_tokens.inc(tok.n_tokens)
             m.predicted_hit_tokens.inc(d.predicted_hit_tokens)
-        record("", engine, d.predicted_hit_tokens, tok.n_tokens if tok else 0, d.reason)
+        record(rid, engine, d.predicted_hit_tokens, tok.n_tokens if tok else 0, d.reason)
 
     return sent
 
@@ -276,47 +319,65 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
 
     async def handle(request: Request, path: str, chat: bool) -> Response:
         t0 = time.perf_counter()
+        rid, from_client = access.request_id(request.scope["headers"])
+        req = _Request(rid, path, None, t0)
+        try:
+            response = await route_and_forward(request, req, chat, from_client)
+        except Exception as exc:
+            _refused(req, 500, type(exc).__name__)
+            response = _internal_error(exc)
+        response.raw_headers.append((access.HEADER, rid.encode()))
+        return response
+
+    async def route_and_forward(
+        request: Request, req: _Request, chat: bool, from_client: bool
+    ) -> Response:
         try:
             _check_key(request, keys)
             data = await read_body(request, cfg.server.max_body_bytes)
             body = parse_json_object(data)
+            req.model = body.get("model")
             validate_request(body, chat)
             res = await router.route(body, chat, time.monotonic())
         except BodyError as exc:
             m.requests.labels(policy_name, str(exc.status)).inc()
+            _refused(req, exc.status, exc.message)
             return exc.response()
         except ClientDisconnect:  # gone while sending its body: nothing to answer, nothing broke
             m.requests.labels(policy_name, "499").inc()
             log.info("client disconnected before its request body was complete (499)")
+            _refused(req, 499, "client disconnected")
             return Response(status_code=499)
-        decided = time.perf_counter() - t0
+        decided = time.perf_counter() - req.t0
         tok = res.tokens
         attempts = _attempts(res)
-        done = _on_done(router, res, t0)
+        done = _on_done(router, res, req)
         if forward_ids and tok is not None and not chat:
             ids = router.tokenizer.upstream_ids(body, tok)
             if ids is not None and router.ids_portable():
                 body = {**body, "prompt": ids}
                 data = _upstream_enc.encode(body)
         headers = request_headers(request.scope["headers"], cfg.server.forward_authorization)
+        if not from_client:  # the client's own id is among the headers already
+            headers.append((access.HEADER, req.id.encode()))
         stream = bool(body.get("stream"))
         strip = False
         if stream and router.verifier is not None and cfg.verify.stream_usage:
             data, strip = with_stream_usage(body, data)  # usage for verification, stripped
         return await proxy.forward(
             registry=router.registry,
-            path=path,
+            path=req.path,
             body=data,
             headers=headers,
             attempts=attempts,
             stream=stream,
             strip_usage=strip,
             receive=request.receive,
-            t0=t0,
+            t0=req.t0,
             done=done,
             limits=router.proxy_limits,
             on_failed=_on_failed(router, res),
-            on_sent=_on_sent(router, res, decided),
+            on_sent=_on_sent(router, res, decided, req.id),
         )
 
     return handle

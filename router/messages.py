@@ -41,7 +41,8 @@ HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
-_RESP_DROP = HOP_BY_HOP | {"date", "server"}
+_RESP_DROP = HOP_BY_HOP | {"date", "server", "x-request-id"}
+"""``x-request-id``: the router sets its own (router/access.py), vLLM may echo the same."""
 WORKER_HEADER = "x-kvrouter-worker"
 
 

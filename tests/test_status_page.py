@@ -85,13 +85,14 @@ async def test_status_page_shows_every_engine_and_the_last_decisions(tmp_path: P
             assert _engine_rows(dom) == [(w.url, str(rank)) for w in ws for rank in range(2)]
             assert 'class="decision"' not in dom and "no request routed yet" in dom
 
-            chosen = []
+            chosen, ids = [], []
             for i in range(6):  # three prompts, each sent twice: the second finds its prefix
                 prompt = words(300, f"page{i % 3}") + f" turn {i}"
                 body = {"model": "sim-model", "prompt": prompt, "max_tokens": 2}
                 r = await c.post(base + "/v1/completions", json=body)
                 assert r.status_code == 200, r.text
                 chosen.append(r.headers["x-kvrouter-worker"])
+                ids.append(r.headers["x-request-id"])
 
             after = await _browse(base + "/debug", tmp_path / "profile", "--dump-dom")
             assert after.returncode == 0, after.stderr[-2000:]
@@ -99,6 +100,7 @@ async def test_status_page_shows_every_engine_and_the_last_decisions(tmp_path: P
             decisions = re.findall(r'<tr class="decision" data-worker="([^"]+)"', dom)
             assert [html.unescape(d) for d in decisions] == chosen[::-1]  # newest first
             row = dom[dom.index('<tr class="decision"') :].split("</tr>")[0]
+            assert f">{ids[-1]}<" in row  # the request id the client got back
             hit, prompt = map(int, re.search(r">(\d+) / (\d+)", row).groups())
             assert prompt >= 300 and 0 <= hit <= prompt, row
             assert 'id="error" style="display: block' not in dom
