@@ -30,6 +30,7 @@ from router.config import Config
 from router.core import Router, RouteResult
 from router.errors import BodyError
 from router.messages import error_response, request_headers
+from router.metrics import model_label
 from router.verify import with_stream_usage
 
 __all__ = ["create_apps"]
@@ -212,6 +213,7 @@ def _on_done(router: Router, res: RouteResult, req: _Request) -> Callable[[proxy
     policy_name = router.policy.name
     tok = res.tokens
     predicted = res.decision.predicted_hit_tokens
+    models = router.registry.models
 
     def done(o: proxy.Outcome) -> None:
         duration = time.perf_counter() - req.t0
@@ -223,6 +225,13 @@ def _on_done(router: Router, res: RouteResult, req: _Request) -> Callable[[proxy
             router.verify_outcome(res, o)
         elif o.cached_tokens is not None and tok is not None:
             m.prediction_error.observe(abs(predicted - o.cached_tokens))
+        if o.status == 200:
+            label = model_label(models, req.model)
+            prompt = o.prompt_tokens if o.prompt_tokens is not None else tok and tok.n_tokens
+            if prompt:
+                m.model_prompt_tokens.labels(label).inc(prompt)
+            if o.completion_tokens:
+                m.model_completion_tokens.labels(label).inc(o.completion_tokens)
         if access.enabled():
             access.log_request(
                 {
@@ -237,6 +246,7 @@ def _on_done(router: Router, res: RouteResult, req: _Request) -> Callable[[proxy
                     "predicted_hit_tokens": predicted,
                     "prompt_tokens": tok.n_tokens if tok is not None else None,
                     "cached_tokens": o.cached_tokens,
+                    "completion_tokens": o.completion_tokens,
                 }
             )
 

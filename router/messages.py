@@ -18,6 +18,7 @@ __all__ = [
     "WORKER_HEADER",
     "cached_from_sse",
     "cached_tokens_of",
+    "completion_tokens_in",
     "error_response",
     "prompt_tokens_of",
     "request_headers",
@@ -86,6 +87,26 @@ def prompt_tokens_of(doc: Any) -> int | None:
     if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
         return usage["prompt_tokens"]
     return None
+
+
+_COMPLETION_KEY = b'"completion_tokens"'
+
+
+def completion_tokens_in(data: bytes) -> int | None:
+    """``usage.completion_tokens`` of a response body or SSE chunk: the last one in ``data``
+    (a stream with continuous usage repeats it, growing). A byte scan rather than a JSON decode:
+    it runs on every answer, and a body without the key costs one ``rfind``."""
+    i = data.rfind(_COMPLETION_KEY)
+    if i < 0:
+        return None
+    j = i + len(_COMPLETION_KEY)
+    n = len(data)
+    while j < n and data[j] in b" \t:":
+        j += 1
+    k = j
+    while k < n and 48 <= data[k] <= 57:
+        k += 1
+    return int(data[j:k]) if k > j else None
 
 
 def cached_from_sse(chunk: bytes) -> tuple[int, int | None] | None:

@@ -53,6 +53,7 @@ from indexer.index import EngineId
 from router.messages import (
     cached_from_sse,
     cached_tokens_of,
+    completion_tokens_in,
     error_response,
     prompt_tokens_of,
     response_headers,
@@ -154,6 +155,8 @@ class Outcome:
     """``usage.prompt_tokens`` the worker reported (verification: tokens as the worker saw them)."""
     engine: EngineId | None = None
     """The engine that served the request (set for every attempt that got a response)."""
+    completion_tokens: int | None = None
+    """``usage.completion_tokens`` the worker reported (streams: only with usage requested)."""
 
 
 def _tag_engine(done: Callable[[Outcome], None], engine: EngineId) -> Callable[[Outcome], None]:
@@ -432,7 +435,13 @@ def _stream(
     ctx: _Ctx,
     engine: tuple[str, int],
 ) -> Response:
-    state: dict[str, Any] = {"ttft": None, "cached": None, "failed": None, "prompt": None}
+    state: dict[str, Any] = {
+        "ttft": None,
+        "cached": None,
+        "failed": None,
+        "prompt": None,
+        "completion": None,
+    }
     sse = resp.headers.get("content-type", "").startswith("text/event-stream")
     strip = StreamUsageFilter() if ctx.strip_usage and sse else None
 
@@ -463,6 +472,8 @@ def _stream(
             if state["ttft"] is None:
                 state["ttft"] = time.perf_counter() - t0
                 ticket.first_token()
+            if b'"completion_tokens"' in chunk:
+                state["completion"] = completion_tokens_in(chunk)
             if strip is not None:
                 chunk = strip.feed(chunk)
                 if strip.usage is not None:
@@ -484,7 +495,8 @@ def _stream(
         status = resp.status_code if completed else 499
         if state["failed"] is not None:
             status = state["failed"]
-        done(Outcome(status, w.url, state["ttft"], state["cached"], state["prompt"]))
+        prompt, completion = state["prompt"], state["completion"]
+        done(Outcome(status, w.url, state["ttft"], state["cached"], prompt, None, completion))
 
     return Passthrough(resp.status_code, response_headers(resp, w.url), body(), on_close)
 
@@ -533,15 +545,17 @@ async def _buffered(
     body = data
 
     def outcome() -> None:
-        cached = prompt = None
-        if resp.status_code == 200 and b"cached_tokens" in body:
-            with contextlib.suppress(msgspec.DecodeError):
-                doc = _usage_dec.decode(body)
-                cached, prompt = cached_tokens_of(doc), prompt_tokens_of(doc)
+        cached = prompt = completion = None
+        if resp.status_code == 200:
+            completion = completion_tokens_in(body)
+            if b"cached_tokens" in body:
+                with contextlib.suppress(msgspec.DecodeError):
+                    doc = _usage_dec.decode(body)
+                    cached, prompt = cached_tokens_of(doc), prompt_tokens_of(doc)
         try:
             # No time to first token: the client gets every token at once, at the end
             # (kvrouter_request_duration_seconds measures that).
-            done(Outcome(resp.status_code, w.url, None, cached, prompt))
+            done(Outcome(resp.status_code, w.url, None, cached, prompt, None, completion))
         except Exception:
             log.exception("recording the outcome of a request to %s", w.url)
 

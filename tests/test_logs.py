@@ -103,6 +103,7 @@ def test_json_logs_name_each_request_and_its_decision() -> None:
             assert line["worker"] == r.headers["x-kvrouter-worker"] and line["dp_rank"] == 0
             usage = r.json()["usage"]
             assert line["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+            assert line["completion_tokens"] == usage["completion_tokens"] == 3
             assert line["prompt_tokens"] >= 200 and line["predicted_hit_tokens"] >= 0
             assert 0 < line["duration_s"] < 30 and line["ts"].endswith("Z")
 
@@ -116,6 +117,7 @@ def test_json_logs_name_each_request_and_its_decision() -> None:
             assert _access(lines, made[0])["cached_tokens"] >= 192  # the same prompt again
             streamed = _access(lines, made[1])
             assert streamed["status"] == 200 and 0 < streamed["ttft_s"] <= streamed["duration_s"]
+            assert streamed["completion_tokens"] == 3  # from the usage event the client asked for
 
             # Refused before routing: still an id and a line, with the error.
             bad = c.post(base + "/v1/completions", json={"model": "sim-model"})
