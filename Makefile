@@ -7,8 +7,8 @@ demo:  ## the router in front of a simulated 4-worker fleet, kvrouter vs round-r
 	./scripts/setup.sh
 	kvrouter demo
 
-test:  ## the whole test suite (installs Python deps and redis-server; tests start their own servers)
-	./scripts/setup.sh --with-redis
+test:  ## the whole test suite (installs Python deps, redis-server and chromium; tests start their own servers)
+	./scripts/setup.sh --with-redis --with-browser
 	ruff check . && ruff format --check .
 	KVROUTER_REQUIRE_NATIVE=1 $(PYTHON) -m pytest -q -p no:cacheprovider
 

@@ -14,7 +14,7 @@ p90 TTFT <= ``--slo-p90-s``, ``rejected`` per policy, ``targets``: bench/peer_re
 PNG charts of TTFT and hit rate by policy and of p90 TTFT by load are written to
 ``bench/out/routing_<workload>.png`` and ``..._p90_by_load.png``. Prompts a worker refuses
 (``max_model_len``, KV cache) are counted in ``rejected`` and never routed.
-Progress and a one-line summary per policy go to stderr.
+Progress and a one-line summary per policy go to stderr (nothing with ``--json``).
 
 Default fleet (cache-bound; see ``FleetSpec``): 8 workers, 16-token blocks, 50,000 blocks
 (800k tokens) of KV per worker, prefill 20k tokens/s, 20 ms per decode step, 2,048-token
@@ -85,6 +85,7 @@ from bench.approx import ApproxPrefixPolicy
 from bench.workloads import Req, TokenSource, TraceError, load_workload
 from indexer.index import PrefixIndex
 from indexer.wire import DecodeError, decode_payload
+from kvrouter.progress import Progress
 from router.candidates import build_candidates
 from router.config import WorkerSpec
 from router.policy import PolicyParams, SpeculativeCache, make_policy
@@ -103,6 +104,8 @@ DEFAULT_TRACE = str(
 CAPACITY_REQUESTS = 2000
 QUICK_POLICIES = ("round_robin", "kvrouter", *peers.NAMES, "pooled_ideal")
 OUT_DIR = Path(__file__).resolve().parent / "out"
+PROGRESS = Progress()
+"""Phases and each policy run's progress on stderr (main() makes it quiet with --json)."""
 
 
 @dataclass
@@ -341,7 +344,7 @@ def run_policy(
         if track_first_tokens:
             release_first_tokens()
 
-    for req in reqs:
+    for req in PROGRESS.iterate(reqs, name, len(reqs)):
         t = req.arrival_s / speed
         advance(t)
         if rejects(fleet, req.n_tokens):
@@ -562,14 +565,12 @@ def _run_one(name: str) -> tuple[str, dict[str, float], float]:
 
 
 def _log(name: str, s: dict[str, float], dt: float) -> None:
-    print(
+    PROGRESS.phase(
         f"  {name:14s} hit {s['hit_rate']:.3f}  ttft mean {s['ttft_mean_s']:8.3f}s "
         f"p50 {s['ttft_p50_s']:7.3f} p90 {s['ttft_p90_s']:7.3f} "
         f"p99 {s['ttft_p99_s']:8.3f} floor {s['ttft_floor_s']:.3f}  rps {s['throughput_rps']:.3f}  "
         f"imb {s['imbalance']:.2f} pre {s['preemptions']} "
-        f"dec {s['decision_ms_p50']:.3f}ms  ({dt:.1f}s)",
-        file=sys.stderr,
-        flush=True,
+        f"dec {s['decision_ms_p50']:.3f}ms  ({dt:.1f}s)"
     )
 
 
@@ -637,7 +638,7 @@ def sweep_knobs(
                 k: res[k]
                 for k in ("hit_rate", "ttft_mean_s", "ttft_p90_s", "ttft_p99_s", "imbalance")
             }
-            print(f"  knob {knob}={v}: {out[knob][str(v)]}", file=sys.stderr, flush=True)
+            PROGRESS.phase(f"  knob {knob}={v}: {out[knob][str(v)]}")
     return out
 
 
@@ -739,6 +740,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=1, help="policies run in parallel processes")
     ap.add_argument("--out", default=None, help="chart path (PNG)")
+    ap.add_argument("--json", action="store_true", help="no progress on stderr, only the JSON")
     args = ap.parse_args(argv)
     if args.trace:
         args.workload = "mooncake"
@@ -748,6 +750,8 @@ def main(argv: list[str] | None = None) -> dict:
         limit = 500 if args.workload == "mooncake" else None
     if args.quick and args.jobs == 1:
         args.jobs = min(2, os.cpu_count() or 1)
+    global PROGRESS
+    PROGRESS = Progress(quiet=args.json, bar=args.jobs == 1)  # processes share a terminal
     scale = args.scale * (0.4 if args.quick and args.workload != "mooncake" else 1.0)
     try:
         reqs = load_workload(args.workload, trace, limit, args.seed, scale)
@@ -798,17 +802,14 @@ def main(argv: list[str] | None = None) -> dict:
         }
         speeds = {str(args.load): args.speed}
     else:
-        print(f"measuring round-robin capacity on {len(reqs)} requests...", file=sys.stderr)
+        PROGRESS.phase(f"measuring round-robin capacity on {len(reqs)} requests...")
         cap = measure_capacity(reqs, fs, rs, src, keys)
-        print(f"  {cap}", file=sys.stderr)
+        PROGRESS.phase(f"  {cap}")
         loads = [float(x) for x in args.loads.split(",")] if args.loads else [args.load]
         speeds = {str(ld): ld * cap["round_robin_capacity_rps"] / base_rate for ld in loads}
     by_load: dict[str, dict[str, dict[str, float]]] = {}
     for ld, speed in speeds.items():
-        print(
-            f"load {ld}: speed-up {speed:.3f}x, offered {base_rate * speed:.3f} req/s",
-            file=sys.stderr,
-        )
+        PROGRESS.phase(f"load {ld}: speed-up {speed:.3f}x, offered {base_rate * speed:.3f} req/s")
         by_load[ld] = run_all(reqs, speed, fs, rs, src, keys, policies, args.seed, jobs=args.jobs)
     main_load = str(args.load) if str(args.load) in by_load else next(iter(by_load))
     result: dict = {

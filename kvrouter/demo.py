@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from kvrouter.progress import Progress
 from router.app import create_apps
 from router.config import Config, WorkerSpec
 from router.serving import bound_port, build_servers, wait_started
@@ -96,7 +97,7 @@ async def _one(
 
 
 async def run_load(
-    url: str, load: Load, duration: float, concurrency: int, label: str, quiet: bool
+    url: str, load: Load, duration: float, concurrency: int, label: str, progress: Progress
 ) -> dict[str, float]:
     results: list[dict[str, Any]] = []
     errors = 0
@@ -122,23 +123,20 @@ async def run_load(
                 results.append(res)
                 msgs.append({"role": "assistant", "content": res["text"]})
 
-    async def progress() -> None:
+    async def report() -> None:
         while True:
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(0.5)
             el = time.perf_counter() - t_start
-            print(
-                f"  [{label}] {el:5.1f}s / {duration:.0f}s  {len(results)} requests",
-                file=sys.stderr,
-                flush=True,
-            )
+            detail = f"{el:4.1f}/{duration:.0f} s, {len(results)} requests, {errors} errors"
+            progress.update(label, el / duration, detail)
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-        prog = asyncio.create_task(progress()) if not quiet else None
+        reporter = asyncio.create_task(report())
         await asyncio.gather(*(user(client) for _ in range(concurrency)))
-        if prog:
-            prog.cancel()
+        reporter.cancel()
     elapsed = time.perf_counter() - t_start
+    progress.update(label, 1.0, f"{elapsed:4.1f} s, {len(results)} requests, {errors} errors")
     ttfts = sorted(r["ttft"] for r in results)
     prompt = sum(r["prompt"] for r in results)
     cached = sum(r["cached"] for r in results)
@@ -200,14 +198,24 @@ def run_demo(ns: argparse.Namespace) -> int:
     if ns.serve:
         return _serve(ns)
     summary: dict[str, dict[str, float]] = {}
-    for policy in ("kvrouter", "round_robin"):
-        print(f"starting {ns.workers} simulated workers for {policy} ...", file=sys.stderr)
+    progress = Progress(quiet=ns.json)
+    policies = ("kvrouter", "round_robin")
+    for i, policy in enumerate(policies, 1):
+        step = f"[{i}/{len(policies)}] {policy}:"
+        progress.phase(f"{step} starting {ns.workers} simulated workers and the router")
         with running_fleet(ns.workers, **FLEET_FLAGS) as workers:
 
-            async def body(url: str, _router: Any, policy: str = policy) -> dict[str, float]:
-                return await run_load(url, load, ns.duration, ns.concurrency, policy, ns.json)
+            async def body(
+                url: str, _router: Any, policy: str = policy, step: str = step
+            ) -> dict[str, float]:
+                progress.phase(f"{step} {ns.duration:.0f} s of chat load, {ns.concurrency} users")
+                return await run_load(url, load, ns.duration, ns.concurrency, policy, progress)
 
-            summary[policy] = asyncio.run(_with_router(policy, 0, workers, body))
+            s = summary[policy] = asyncio.run(_with_router(policy, 0, workers, body))
+        progress.phase(
+            f"{step} done: hit rate {s['hit_rate'] * 100:.1f}%, TTFT p50 "
+            f"{s['ttft_p50_s'] * 1000:.0f} ms, {s['requests']} requests, {s['errors']} errors"
+        )
     _print_table(summary)
     if ns.json:
         out = {

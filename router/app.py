@@ -21,14 +21,15 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from indexer.index import EngineId
-from router import debug, passthrough, proxy
+from router import access, debug, passthrough, proxy, status_page
 from router.config import Config
 from router.core import Router, RouteResult
 from router.errors import BodyError
 from router.messages import error_response, request_headers
+from router.metrics import model_label
 from router.quotas import QuotaTable, RateLimited, retry_after
 from router.sessions import session_key
 from router.verify import with_stream_usage
@@ -158,6 +159,11 @@ def _add_admin_routes(app: FastAPI, router: Router) -> None:
         check(request)
         return JSONResponse(debug.debug_index(router))
 
+    @app.get("/debug")
+    async def debug_page(request: Request) -> Response:
+        check(request)
+        return HTMLResponse(status_page.PAGE, headers={"cache-control": "no-store"})
+
     @app.post("/debug/route")
     async def debug_route(request: Request) -> Response:
         """Explain a routing decision without sending anything: the body of a completion or
@@ -200,36 +206,88 @@ def _attempts(res: RouteResult) -> list[proxy.Attempt]:
     return attempts
 
 
-def _on_done(
-    router: Router, res: RouteResult, t0: float, key: str | None = None
-) -> Callable[[proxy.Outcome], None]:
-    """Accounts a finished request: metrics, the API key's completion tokens and, with
-    verification, the prediction's check."""
+class _Request(msgspec.Struct):
+    """What the access line of a proxied request names besides its outcome."""
+
+    id: str
+    path: str
+    model: Any
+    t0: float
+    key: str | None = None
+    """The request's API key (its per-key token limit is charged the completion)."""
+
+
+def _on_done(router: Router, res: RouteResult, req: _Request) -> Callable[[proxy.Outcome], None]:
+    """Accounts a finished request: metrics, the access line, the API key's completion tokens
+    and, with verification, the prediction's check."""
     m = router.metrics
     policy_name = router.policy.name
     tok = res.tokens
     predicted = res.decision.predicted_hit_tokens
+    models = router.registry.models
 
     def done(o: proxy.Outcome) -> None:
+        duration = time.perf_counter() - req.t0
         m.requests.labels(policy_name, str(o.status)).inc()
-        m.request_duration.observe(time.perf_counter() - t0)
+        m.request_duration.observe(duration)
         if o.ttft_s is not None:
             m.ttft.observe(o.ttft_s)
         if router.verifier is not None:
             router.verify_outcome(res, o)
         elif o.cached_tokens is not None and tok is not None:
             m.prediction_error.observe(abs(predicted - o.cached_tokens))
+        if o.status == 200:
+            label = model_label(models, req.model)
+            prompt = o.prompt_tokens if o.prompt_tokens is not None else tok and tok.n_tokens
+            if prompt:
+                m.model_prompt_tokens.labels(label).inc(prompt)
+            if o.completion_tokens:
+                m.model_completion_tokens.labels(label).inc(o.completion_tokens)
+        if access.enabled():
+            access.log_request(
+                {
+                    "request_id": req.id,
+                    "path": req.path,
+                    "model": req.model if isinstance(req.model, str) else None,
+                    "status": o.status,
+                    "duration_s": round(duration, 6),
+                    "ttft_s": None if o.ttft_s is None else round(o.ttft_s, 6),
+                    "worker": o.worker,
+                    "dp_rank": o.engine[1] if o.engine is not None else None,
+                    "predicted_hit_tokens": predicted,
+                    "prompt_tokens": tok.n_tokens if tok is not None else None,
+                    "cached_tokens": o.cached_tokens,
+                    "completion_tokens": o.completion_tokens,
+                }
+            )
         if o.completion_tokens:
-            router.quotas.charge_completion(key, o.completion_tokens)
+            router.quotas.charge_completion(req.key, o.completion_tokens)
 
     return done
 
 
-def _on_sent(router: Router, res: RouteResult, decided: float) -> Callable[[EngineId], None]:
+def _refused(req: _Request, status: int, error: str) -> None:
+    """The access line of a request answered before it was routed."""
+    if access.enabled():
+        access.log_request(
+            {
+                "request_id": req.id,
+                "path": req.path,
+                "status": status,
+                "duration_s": round(time.perf_counter() - req.t0, 6),
+                "error": error,
+            }
+        )
+
+
+def _on_sent(
+    router: Router, res: RouteResult, decided: float, rid: str
+) -> Callable[[EngineId], None]:
     """Runs as the request goes out: the speculative entry, and the decision's metrics once."""
     m = router.metrics
     tok = res.tokens
     d = res.decision
+    record = router.recorder.record
     recorded = False
 
     def sent(engine: EngineId) -> None:
@@ -248,6 +306,7 @@ def _on_sent(router: Router, res: RouteResult, decided: float) -> Callable[[Engi
         else:
             m.prompt_tokens.inc(tok.n_tokens)
             m.predicted_hit_tokens.inc(d.predicted_hit_tokens)
+        record(rid, engine, d.predicted_hit_tokens, tok.n_tokens if tok else 0, d.reason)
 
     return sent
 
@@ -283,10 +342,24 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
 
     async def handle(request: Request, path: str, chat: bool) -> Response:
         t0 = time.perf_counter()
+        rid, from_client = access.request_id(request.scope["headers"])
+        req = _Request(rid, path, None, t0)
+        try:
+            response = await route_and_forward(request, req, chat, from_client)
+        except Exception as exc:
+            _refused(req, 500, type(exc).__name__)
+            response = _internal_error(exc)
+        response.raw_headers.append((access.HEADER, rid.encode()))
+        return response
+
+    async def route_and_forward(
+        request: Request, req: _Request, chat: bool, from_client: bool
+    ) -> Response:
         try:
             key = _check_key(request, keys, router.quotas)
             data = await read_body(request, cfg.server.max_body_bytes)
             body = parse_json_object(data)
+            req.model = body.get("model")
             validate_request(body, chat)
             sc = cfg.session
             session = session_key(request.headers, body, sc.header, sc.user_field)
@@ -294,39 +367,44 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
             _spend_prompt(router, key, res)
         except BodyError as exc:
             m.requests.labels(policy_name, str(exc.status)).inc()
+            _refused(req, exc.status, exc.message)
             return exc.response()
         except ClientDisconnect:  # gone while sending its body: nothing to answer, nothing broke
             m.requests.labels(policy_name, "499").inc()
             log.info("client disconnected before its request body was complete (499)")
+            _refused(req, 499, "client disconnected")
             return Response(status_code=499)
-        decided = time.perf_counter() - t0
+        decided = time.perf_counter() - req.t0
         tok = res.tokens
         attempts = _attempts(res)
-        done = _on_done(router, res, t0, key)
+        req.key = key
+        done = _on_done(router, res, req)
         if forward_ids and tok is not None and not chat:
             ids = router.tokenizer.upstream_ids(body, tok)
             if ids is not None and router.ids_portable():
                 body = {**body, "prompt": ids}
                 data = _upstream_enc.encode(body)
         headers = request_headers(request.scope["headers"], cfg.server.forward_authorization)
+        if not from_client:  # the client's own id is among the headers already
+            headers.append((access.HEADER, req.id.encode()))
         stream = bool(body.get("stream"))
         strip = False
         if stream and router.verifier is not None and cfg.verify.stream_usage:
             data, strip = with_stream_usage(body, data)  # usage for verification, stripped
         return await proxy.forward(
             registry=router.registry,
-            path=path,
+            path=req.path,
             body=data,
             headers=headers,
             attempts=attempts,
             stream=stream,
             strip_usage=strip,
             receive=request.receive,
-            t0=t0,
+            t0=req.t0,
             done=done,
             limits=router.proxy_limits,
             on_failed=_on_failed(router, res),
-            on_sent=_on_sent(router, res, decided),
+            on_sent=_on_sent(router, res, decided, req.id),
         )
 
     return handle
@@ -365,32 +443,42 @@ def _passthrough_handler(router: Router) -> Callable[[Request, str], Awaitable[R
 
     async def handle(request: Request, path: str) -> Response:
         t0 = time.perf_counter()
+        rid, from_client = access.request_id(request.scope["headers"])
+        req = _Request(rid, path, None, t0)
         try:
-            key = _check_key(request, keys, router.quotas)
+            req.key = _check_key(request, keys, router.quotas)
             data = await read_body(request, cfg.server.max_body_bytes)
             res, body, _how = await _routed(router, request, path, data)
-            _spend_prompt(router, key, res)
+            req.model = body.get("model") if body is not None else None
+            _spend_prompt(router, req.key, res)
         except BodyError as exc:
             m.requests.labels(policy_name, str(exc.status)).inc()
+            _refused(req, exc.status, exc.message)
             return exc.response()
         except ClientDisconnect:
             m.requests.labels(policy_name, "499").inc()
+            _refused(req, 499, "client disconnected")
             return Response(status_code=499)
         decided = time.perf_counter() - t0
-        return await proxy.forward(
+        headers = request_headers(request.scope["headers"], cfg.server.forward_authorization)
+        if not from_client:
+            headers.append((access.HEADER, rid.encode()))
+        response = await proxy.forward(
             registry=router.registry,
             path=path,
             body=data,
-            headers=request_headers(request.scope["headers"], cfg.server.forward_authorization),
+            headers=headers,
             attempts=_attempts(res),
             stream=bool(body is not None and body.get("stream") is True),
             receive=request.receive,
             t0=t0,
-            done=_on_done(router, res, t0, key),
+            done=_on_done(router, res, req),
             limits=router.proxy_limits,
             on_failed=_on_failed(router, res),
-            on_sent=_on_sent(router, res, decided),
+            on_sent=_on_sent(router, res, decided, rid),
         )
+        response.raw_headers.append((access.HEADER, rid.encode()))
+        return response
 
     return handle
 

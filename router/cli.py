@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 
 from router.config import Config, ConfigError, load_config, parse_worker_arg
+from router.logs import configure as configure_logging
 from router.serving import serve
 
 __all__ = ["add_serve_parser", "build_config", "main", "run_serve"]
@@ -34,6 +34,8 @@ def build_config(ns: argparse.Namespace) -> Config:
         cfg.policy.name = ns.policy
     if ns.log_level is not None:
         cfg.server.log_level = ns.log_level
+    if ns.log_format is not None:
+        cfg.server.log_format = ns.log_format
     # Re-validate with the command-line values applied (same messages as the YAML path).
     from router.config import _validate
 
@@ -56,6 +58,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--policy", default=None, help="kvrouter | round_robin | least_loaded | random")
     p.add_argument("--log-level", default=None)
+    p.add_argument("--log-format", default=None, help="text | json (server.log_format)")
 
 
 def run_serve(ns: argparse.Namespace) -> int:
@@ -64,11 +67,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvrouter: configuration error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=cfg.server.log_level.upper() if cfg.server.log_level != "trace" else "DEBUG",
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    configure_logging(cfg.server.log_level, cfg.server.log_format)
     try:
         asyncio.run(serve(cfg))
     except KeyboardInterrupt:

@@ -37,6 +37,7 @@ __all__ = [
 POLICIES = ("kvrouter", "round_robin", "least_loaded", "random")
 TOKENIZER_MODES = ("remote", "local")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+LOG_FORMATS = ("text", "json")
 ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
@@ -60,6 +61,9 @@ class ServerConfig(_Section):
     max_body_bytes: int = 10_485_760
     cors_origins: list[str] = []
     log_level: str = "info"
+    log_format: str = "text"
+    """``text`` (one readable line per record) or ``json`` (one JSON object per line, for log
+    pipelines); uvicorn's records and the access lines (router/access.py) use it too."""
     connect_timeout_s: float = 5.0
     first_byte_timeout_s: float = 600.0
     max_connections_per_worker: int = 256
@@ -467,6 +471,10 @@ def _check_server(s: ServerConfig) -> None:
     if s.log_level.lower() not in LOG_LEVELS:
         raise ConfigError(
             f"server.log_level: {s.log_level!r} is not one of {', '.join(LOG_LEVELS)}"
+        )
+    if s.log_format not in LOG_FORMATS:
+        raise ConfigError(
+            f"server.log_format: {s.log_format!r} is not one of {', '.join(LOG_FORMATS)}"
         )
 
 

@@ -31,6 +31,7 @@ from router.load import EngineLoad
 from router.metrics import RouterMetrics, fleet_state
 from router.policy import Candidate, Decision, make_policy
 from router.quotas import QuotaTable
+from router.recorder import Recorder
 from router.resilience import WorkerWatch, load_only
 from router.selfcheck import SelfCheck
 from router.sessions import SessionTable
@@ -124,6 +125,8 @@ class Router:
         # Predictions are checked against what workers report, and every worker is self-checked.
         self.verifier = self._verifier() if cfg.verify.enabled else None
         self.selfcheck = self._selfcheck() if cfg.verify.selfcheck else None
+        self.recorder = Recorder()
+        """The last decisions and the hit rate per minute (the status page, /debug)."""
         self.started = time.time()
         self.sessions = SessionTable(cfg.session.ttl_s, cfg.session.max_sessions)
         self.quotas = QuotaTable(cfg.server.api_keys_file)

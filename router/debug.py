@@ -1,6 +1,7 @@
 """The admin views of a router: ``/debug/index`` (its whole state) and ``/debug/route`` (why a
 request would go where it goes). Both are JSON documents whose keys are a contract with
-operators' tools and the tests; the Prometheus view is ``router.metrics``."""
+operators' tools and the tests; the Prometheus view is ``router.metrics``, the page for people
+``router.status_page`` (it renders ``/debug/index``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import msgspec
 
 from indexer.subscriber import SourceStatus
 from router.core import Router, RouteResult
+from router.status import rows
 from router.workers import Worker
 
 __all__ = ["debug_index", "explain"]
@@ -47,7 +49,7 @@ def debug_index(router: Router) -> dict[str, Any]:
         )
     tokenizer = router.tokenizer
     models = router.registry.models
-    return {
+    doc = {
         "workers": out,
         "totals": {
             "workers": len(out),
@@ -68,7 +70,14 @@ def debug_index(router: Router) -> dict[str, Any]:
         "discovery": router.discovery.debug() if router.discovery is not None else None,
         "process_rss_bytes": _rss_bytes(),
         "uptime_s": round(time.time() - router.started, 3),
+        "recent": {
+            "decisions": router.recorder.decisions(),
+            "hit_rate_per_minute": router.recorder.hit_rate(),
+        },
     }
+    # One row per engine as `kvrouter status` prints it: the status page shows the same.
+    doc["engine_rows"] = rows(doc)
+    return doc
 
 
 def _engines(router: Router, w: Worker, rows: list[SourceStatus]) -> list[dict[str, Any]]:

@@ -334,7 +334,7 @@ class Exchange:
                 if hb.end_of_stream:
                     out += self.strip.flush()
                 if self.strip.usage is not None:
-                    st.cached, st.prompt, _completion = self.strip.usage
+                    st.cached, st.prompt = self.strip.usage
             elif self.resp_mode in BUFFERED:
                 self.usage_of_json(st, chunk)
             elif b"cached_tokens" in chunk:

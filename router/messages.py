@@ -18,7 +18,7 @@ __all__ = [
     "WORKER_HEADER",
     "cached_from_sse",
     "cached_tokens_of",
-    "completion_tokens_of",
+    "completion_tokens_in",
     "error_response",
     "prompt_tokens_of",
     "request_headers",
@@ -42,7 +42,8 @@ HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
-_RESP_DROP = HOP_BY_HOP | {"date", "server"}
+_RESP_DROP = HOP_BY_HOP | {"date", "server", "x-request-id"}
+"""``x-request-id``: the router sets its own (router/access.py), vLLM may echo the same."""
 WORKER_HEADER = "x-kvrouter-worker"
 
 
@@ -88,22 +89,35 @@ def prompt_tokens_of(doc: Any) -> int | None:
     return None
 
 
-def completion_tokens_of(doc: Any) -> int | None:
-    usage = doc.get("usage") if isinstance(doc, dict) else None
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-        return usage["completion_tokens"]
-    return None
+_COMPLETION_KEY = b'"completion_tokens"'
 
 
-def cached_from_sse(chunk: bytes) -> tuple[int, int | None, int | None] | None:
-    """(cached_tokens, prompt_tokens, completion_tokens) of the usage event in an SSE chunk."""
+def completion_tokens_in(data: bytes) -> int | None:
+    """``usage.completion_tokens`` of a response body or SSE chunk: the last one in ``data``
+    (a stream with continuous usage repeats it, growing). A byte scan rather than a JSON decode:
+    it runs on every answer, and a body without the key costs one ``rfind``."""
+    i = data.rfind(_COMPLETION_KEY)
+    if i < 0:
+        return None
+    j = i + len(_COMPLETION_KEY)
+    n = len(data)
+    while j < n and data[j] in b" \t:":
+        j += 1
+    k = j
+    while k < n and 48 <= data[k] <= 57:
+        k += 1
+    return int(data[j:k]) if k > j else None
+
+
+def cached_from_sse(chunk: bytes) -> tuple[int, int | None] | None:
+    """(cached_tokens, prompt_tokens) of the usage event in an SSE chunk, if any."""
     for line in chunk.split(b"\n"):
         if line.startswith(b"data: {") and b"cached_tokens" in line:
             with contextlib.suppress(msgspec.DecodeError):
                 doc = _usage_dec.decode(line[6:])
                 v = cached_tokens_of(doc)
                 if v is not None:
-                    return v, prompt_tokens_of(doc), completion_tokens_of(doc)
+                    return v, prompt_tokens_of(doc)
     return None
 
 

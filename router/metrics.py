@@ -18,9 +18,9 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from indexer.index import PrefixIndex
     from indexer.subscriber import SourceStatus
-    from router.workers import Worker
+    from router.workers import ModelNames, Worker
 
-__all__ = ["RouterMetrics", "fleet_state"]
+__all__ = ["RouterMetrics", "fleet_state", "model_label", "version"]
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -144,6 +144,23 @@ class RouterMetrics:
             "Requests routed by load alone because tokenization failed",
             registry=r,
         )
+        self.model_prompt_tokens = Counter(
+            "kvrouter_model_prompt_tokens_total",
+            "Prompt tokens of the requests served (200), per model (model_label): the usage the "
+            "worker reported, else the router's own count",
+            ["model"],
+            registry=r,
+        )
+        self.model_completion_tokens = Counter(
+            "kvrouter_model_completion_tokens_total",
+            "Completion tokens the workers reported in usage, per model (model_label); streams "
+            "report it only when the client asked for usage",
+            ["model"],
+            registry=r,
+        )
+        Gauge(
+            "kvrouter_build_info", "Always 1; the router's version", ["version"], registry=r
+        ).labels(version()).set(1)
         self.upstream_failures = Counter(
             "kvrouter_upstream_failures_total",
             "Failed attempts to forward a request to a worker, by reason (router.proxy."
@@ -156,6 +173,30 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def version() -> str:
+    """The installed kvrouter distribution's version ("unknown" when run from a bare tree)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("kvrouter")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def model_label(models: ModelNames, name: Any) -> str:
+    """The ``model`` label of a request: its model name when the fleet serves it (the base
+    model's names and its LoRA adapters), the base model's when it names none, else "other", so
+    clients cannot grow the label set."""
+    if name is None:
+        return models.base or "other"
+    if isinstance(name, str) and (
+        name == models.base or name in models.aliases or name in models.loras
+    ):
+        return name
+    return "other"
 
 
 def fleet_state(

@@ -53,7 +53,7 @@ from indexer.index import EngineId
 from router.messages import (
     cached_from_sse,
     cached_tokens_of,
-    completion_tokens_of,
+    completion_tokens_in,
     error_response,
     prompt_tokens_of,
     response_headers,
@@ -156,7 +156,7 @@ class Outcome:
     engine: EngineId | None = None
     """The engine that served the request (set for every attempt that got a response)."""
     completion_tokens: int | None = None
-    """``usage.completion_tokens`` the worker reported (per-key token limits)."""
+    """``usage.completion_tokens`` the worker reported (streams: only with usage requested)."""
 
 
 def _tag_engine(done: Callable[[Outcome], None], engine: EngineId) -> Callable[[Outcome], None]:
@@ -435,7 +435,13 @@ def _stream(
     ctx: _Ctx,
     engine: tuple[str, int],
 ) -> Response:
-    state: dict[str, Any] = {"ttft": None, "cached": None, "failed": None, "prompt": None}
+    state: dict[str, Any] = {
+        "ttft": None,
+        "cached": None,
+        "failed": None,
+        "prompt": None,
+        "completion": None,
+    }
     sse = resp.headers.get("content-type", "").startswith("text/event-stream")
     strip = StreamUsageFilter() if ctx.strip_usage and sse else None
 
@@ -466,16 +472,18 @@ def _stream(
             if state["ttft"] is None:
                 state["ttft"] = time.perf_counter() - t0
                 ticket.first_token()
+            if b'"completion_tokens"' in chunk:
+                state["completion"] = completion_tokens_in(chunk)
             if strip is not None:
                 chunk = strip.feed(chunk)
                 if strip.usage is not None:
-                    state["cached"], state["prompt"], state["completion"] = strip.usage
+                    state["cached"], state["prompt"] = strip.usage
                 if not chunk:
                     continue
             elif b"cached_tokens" in chunk:
                 v = cached_from_sse(chunk)
                 if v is not None:
-                    state["cached"], state["prompt"], state["completion"] = v
+                    state["cached"], state["prompt"] = v
             if chunk:
                 boundary = chunk.endswith(b"\n\n")
             yield chunk
@@ -487,9 +495,8 @@ def _stream(
         status = resp.status_code if completed else 499
         if state["failed"] is not None:
             status = state["failed"]
-        o = Outcome(status, w.url, state["ttft"], state["cached"], state["prompt"])
-        o.completion_tokens = state.get("completion")
-        done(o)
+        prompt, completion = state["prompt"], state["completion"]
+        done(Outcome(status, w.url, state["ttft"], state["cached"], prompt, None, completion))
 
     return Passthrough(resp.status_code, response_headers(resp, w.url), body(), on_close)
 
@@ -539,17 +546,16 @@ async def _buffered(
 
     def outcome() -> None:
         cached = prompt = completion = None
-        if resp.status_code == 200 and b'"usage"' in body:
-            with contextlib.suppress(msgspec.DecodeError):
-                doc = _usage_dec.decode(body)
-                cached, prompt = cached_tokens_of(doc), prompt_tokens_of(doc)
-                completion = completion_tokens_of(doc)
+        if resp.status_code == 200:
+            completion = completion_tokens_in(body)
+            if b"cached_tokens" in body:
+                with contextlib.suppress(msgspec.DecodeError):
+                    doc = _usage_dec.decode(body)
+                    cached, prompt = cached_tokens_of(doc), prompt_tokens_of(doc)
         try:
             # No time to first token: the client gets every token at once, at the end
             # (kvrouter_request_duration_seconds measures that).
-            o = Outcome(resp.status_code, w.url, None, cached, prompt)
-            o.completion_tokens = completion
-            done(o)
+            done(Outcome(resp.status_code, w.url, None, cached, prompt, None, completion))
         except Exception:
             log.exception("recording the outcome of a request to %s", w.url)
 

@@ -1,7 +1,7 @@
 """The gateway's uvicorn servers: the API app and, when ``server.admin_port`` is set, the admin app.
 
 ``kvrouter serve`` and the demo both build their servers here, so both get the same bind
-address, log level and request-head bounds from one ``Config``.
+address, log level and format and request-head bounds from one ``Config``.
 
 **Draining.** uvicorn's own SIGTERM handling closes the listener at once and cuts whatever still
 runs a few seconds later, while a streamed completion may need a minute. :func:`serve` handles
@@ -26,6 +26,7 @@ import uvicorn
 
 from router.config import Config
 from router.limits import uvicorn_options
+from router.logs import uvicorn_log_config
 
 __all__ = ["bound_port", "build_servers", "serve", "wait_started"]
 
@@ -47,6 +48,8 @@ def build_servers(cfg: Config, app: Any, admin: Any | None) -> list[uvicorn.Serv
     stops the router they share."""
     level = cfg.server.log_level.lower()
     head = uvicorn_options(cfg.server.max_header_bytes)
+    # uvicorn's records in server.log_format, like the router's own.
+    log_config = uvicorn_log_config(cfg.server.log_format)
     servers: list[uvicorn.Server] = [
         _Server(
             uvicorn.Config(
@@ -54,6 +57,7 @@ def build_servers(cfg: Config, app: Any, admin: Any | None) -> list[uvicorn.Serv
                 host=cfg.server.host,
                 port=cfg.server.port,
                 log_level=level,
+                log_config=log_config,
                 access_log=False,
                 lifespan="on",
                 # A stop without a signal (the demo, tests) waits briefly; a SIGTERM drain
@@ -71,6 +75,7 @@ def build_servers(cfg: Config, app: Any, admin: Any | None) -> list[uvicorn.Serv
                     host=cfg.server.host,
                     port=cfg.server.admin_port,
                     log_level=level,
+                    log_config=log_config,
                     access_log=False,
                     lifespan="off",
                     **head,

@@ -55,9 +55,39 @@ def rows(doc: dict[str, Any]) -> list[dict[str, str]]:
                     "CPU blocks": str(_medium(resident, "CPU")),
                     "in flight": str(load.get("inflight_requests", 0)),
                     "queued": str(load.get("queued_prefill_tokens", 0)),
+                    # Not table columns: the status page (router/status_page.py) shows them.
+                    "reason": _reason(w, e, sub, verify),
+                    "resident": _resident(resident, e.get("groups") or {}),
                 }
             )
     return out
+
+
+def _reason(w: dict[str, Any], e: dict[str, Any], sub: dict[str, Any], v: dict[str, Any]) -> str:
+    """Why an engine is down, degraded or unverified ("" when it is none of them)."""
+    out = []
+    if not w.get("healthy") and w.get("health_error"):
+        out.append(f"health: {w['health_error']}")
+    if e.get("degraded"):
+        out.append(f"degraded: {sub.get('degraded_reason') or '?'}")
+    if v.get("state") == "unverified":
+        detail = v.get("cause_detail")
+        out.append(f"unverified: {v.get('cause') or '?'}" + (f" ({detail})" if detail else ""))
+    return "; ".join(out)
+
+
+def _resident(resident: dict[str, int], groups: dict[Any, Any]) -> str:
+    """Resident blocks per KV cache group and medium, e.g. ``full_attention/GPU 120`` (the group's
+    index is added when there are several)."""
+    kinds = {str(g): (spec or {}).get("kind", "group") for g, spec in groups.items()}
+    parts = []
+    for key, n in resident.items():
+        group, _, medium = key.rpartition("/")
+        name = kinds.get(group, "group")
+        if len(kinds) > 1 or group not in kinds:
+            name += f" {group}"
+        parts.append(f"{name}/{medium} {n}")
+    return ", ".join(parts)
 
 
 def _events(w: dict[str, Any], e: dict[str, Any], sub: dict[str, Any]) -> str:

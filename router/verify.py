@@ -492,7 +492,7 @@ class StreamUsageFilter:
     Until a choice has finished (a non-null ``finish_reason``) the usage event cannot come, so
     bytes are forwarded as they arrive (chunk boundaries kept); after that, whole events only, so
     the usage event can be recognised and dropped. ``usage`` holds ``(cached_tokens,
-    prompt_tokens, completion_tokens)`` once the dropped event carried them.
+    prompt_tokens)`` once the dropped event carried them.
     """
 
     __slots__ = ("_cur", "_eager", "usage")
@@ -500,7 +500,7 @@ class StreamUsageFilter:
     def __init__(self) -> None:
         self._cur = b""
         self._eager = True
-        self.usage: tuple[int, int | None, int | None] | None = None
+        self.usage: tuple[int, int | None] | None = None
 
     def feed(self, chunk: bytes) -> bytes:
         combined = self._cur + chunk if self._cur else chunk
@@ -543,11 +543,6 @@ class StreamUsageFilter:
         details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-        completion = usage.get("completion_tokens") if isinstance(usage, dict) else None
         if isinstance(cached, int):
-            self.usage = (
-                cached,
-                prompt if isinstance(prompt, int) else None,
-                completion if isinstance(completion, int) else None,
-            )
+            self.usage = (cached, prompt if isinstance(prompt, int) else None)
         return True

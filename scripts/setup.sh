@@ -1,18 +1,28 @@
 #!/usr/bin/env bash
-# Installs what kvrouter needs on a fresh machine: the package with its test extra, and
-# Debian's redis-server (used by the shared-state tests). Idempotent; safe to re-run.
+# Installs what kvrouter needs on a fresh machine: the package with its test extra and, when asked,
+# Debian's redis-server (--with-redis: the shared-state tests) and chromium (--with-browser: the
+# status page tests render /debug in a headless browser). Idempotent; safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -m pip install --quiet --disable-pip-version-check -e ".[test]"
-if [[ "${1:-}" == "--with-redis" ]] && ! command -v redis-server >/dev/null 2>&1; then
-  if command -v apt-get >/dev/null 2>&1; then
-    SUDO=""
-    [[ $(id -u) -ne 0 ]] && SUDO="sudo"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
-  else
-    echo "redis-server not found and apt-get unavailable: install Redis >= 6 yourself" >&2
+
+apt_install() {  # apt_install COMMAND PACKAGE: install PACKAGE unless COMMAND is on the PATH
+  command -v "$1" >/dev/null 2>&1 && return 0
+  if ! command -v apt-get >/dev/null 2>&1; then
+    echo "$1 not found and apt-get unavailable: install $2 yourself" >&2
     exit 1
   fi
-fi
+  local sudo=""
+  [[ $(id -u) -ne 0 ]] && sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$2" >/dev/null
+}
+
+for arg in "$@"; do
+  case "$arg" in
+    --with-redis) apt_install redis-server redis-server ;;  # Redis >= 6
+    --with-browser) apt_install chromium chromium ;;
+    *) echo "usage: $0 [--with-redis] [--with-browser]" >&2; exit 2 ;;
+  esac
+done
