@@ -190,31 +190,50 @@ def cpu_extension(
     n_tokens: int,
     chunk: int,
     unit: int,
+    windows: Sequence[tuple[Table, int]] = (),
 ) -> int:
     """Tokens loadable from CPU chunks beyond the GPU hit, as vLLM's OffloadingConnector
-    counts them (``OffloadingConnectorScheduler.get_num_new_matched_tokens``):
+    counts them (``OffloadingConnectorScheduler._lookup_complete_chunks``):
 
     * the lookup covers the request's whole chunks (``n // chunk``) and starts at chunk
       ``gpu_hit // chunk``; present chunks must be contiguous from there;
-    * the loaded part must be at least one whole chunk, else nothing is loaded;
     * a chunk is present when its tail key (the offload key is the chunk's last block hash)
       is resident on CPU in every one of ``tables`` (None: that group holds nothing on CPU);
-    * if GPU + CPU cover the whole prompt, the scheduler recomputes the last token
-      (``num_computed_tokens -= 1`` after the load), so the usable extension is one less.
+    * ``windows``: each sliding-window group's CPU table with the chunks its window needs;
+      the load ends where every such group still has that many contiguous chunks before it
+      (or a shorter run from the start), and with any such group the lookup ends at ``n - 1``;
+    * the loaded part must be at least one whole chunk, else nothing is loaded;
+    * a load reaching the prompt's end counts in full: vLLM reports the tokens it loaded as
+      cached at admission and recomputes the last one only later.
     """
     if any(t is None for t in tables):
         return 0
     whole = n_tokens // chunk
-    if whole * chunk - gpu_hit < chunk:
+    end = min(n_tokens - 1, whole * chunk) if windows else whole * chunk
+    if end - gpu_hit < chunk:
         return 0
     step = chunk // unit
-    k = gpu_hit // chunk
-    while k < whole:
-        key = keys[(k + 1) * step - 1] if (k + 1) * step <= len(keys) else None
-        if key is None or not all(t[key & SLOT_MASK].get(key, 0) & bit for t in tables):  # type: ignore[index]
-            break
+
+    def present(table: Table, c: int) -> bool:
+        key = keys[(c + 1) * step - 1] if (c + 1) * step <= len(keys) else None
+        return key is not None and bool(table[key & SLOT_MASK].get(key, 0) & bit)
+
+    start = k = gpu_hit // chunk
+    while k < whole and all(present(t, k) for t in tables):  # type: ignore[arg-type]
         k += 1
-    loaded = k * chunk - gpu_hit
-    if loaded < chunk:
-        return 0
-    return min(loaded, n_tokens - 1 - gpu_hit)
+    moved = bool(windows)
+    while moved and k > start:
+        moved = False
+        for table, need in windows:
+            run, last = 0, start
+            for c in range(k - 1, start - 1, -1):
+                run = run + 1 if present(table, c) else 0
+                if run == need:
+                    last = c + need
+                    break
+            else:
+                last = start + run
+            if last < k:
+                k, moved = last, True
+    loaded = min(k * chunk, end) - gpu_hit
+    return loaded if loaded >= chunk else 0

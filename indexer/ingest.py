@@ -65,6 +65,13 @@ class Ingest:
         # One re-announce decision per prefix per batch: vLLM sends one event per group for the
         # same request step, and storing the first must not change how the next is judged.
         reannounce: dict[int, bool] = {}
+        if len(e.groups) > 1:
+            # Judge every from-root GPU store on the state before the batch: one group's event
+            # applied first (a sliding-window tail, or the window a CPU load restored) must not
+            # make another group's real store look like vLLM's re-announce of a hit.
+            for ev in events:
+                if type(ev) is BlockStored and ev.parent_block_hash is None:
+                    self._decide_reannounce(e, ev, reannounce)  # type: ignore[arg-type]
         i, n = 0, len(events)
         while i < n:
             ev = events[i]
@@ -124,6 +131,17 @@ class Ingest:
             # Before anything else: even a sparse event listing no block tells us the group
             # exists, and matching without it would ignore that group's rule (over-predict).
             self._learn_group(e, g, ev)
+        located: dict[int, int] | None = None
+        if (
+            medium == GPU
+            and ev.token_ids
+            and e.groups
+            and all(s.kind != FULL for s in e.groups.values())
+        ):
+            # No group lists every block, so a later event's parent may be a block no event
+            # ever listed: follow vLLM's hash chain through every event (even one listing
+            # nothing), not only through events with unresolved hashes.
+            located = self._locate(e, ev)
         if not hashes:
             return False  # sparse groups may list nothing; the event is still sent
         if ev.block_size <= 0 or not ev.token_ids:
@@ -143,6 +161,11 @@ class Ingest:
         if len(hashes) < nblocks:
             return True  # sparse: resolved through the engine map by the caller
         if ev.parent_block_hash is not None and ev.parent_block_hash not in e.hashes:
+            if located and all(h in located for h in hashes):
+                # The parent was never listed, but the recomputed chain places every block.
+                table = self.residency.table(g, medium)
+                self.residency.add_many(e, g, medium, table, hashes, [located[h] for h in hashes])
+                return False
             e.counters["unknown_parent"] += 1
             if len(e.pending) >= self.max_pending_events:
                 e.pending.pop(0)
@@ -364,6 +387,14 @@ class Ingest:
             e.groups[g] = spec
 
     # ------------------------------------------------------------------ re-announce
+
+    def _decide_reannounce(self, e: EngineState, ev: BlockStored, decided: dict[int, bool]) -> None:
+        """Record the re-announce verdict of a from-root store before its batch is applied."""
+        if (ev.medium or GPU) != GPU or ev.block_size <= 0 or not ev.token_ids:
+            return
+        keys = self._block_keys(e, ev)
+        if keys is not None and ev.block_hashes:
+            self._is_reannounce(e, ev, keys, decided)
 
     def _is_reannounce(
         self, e: EngineState, ev: BlockStored, keys: list[int], decided: dict[int, bool]

@@ -16,7 +16,7 @@ from indexer.hit_rules import (
     hit_limit,
 )
 from indexer.staggered import EMPTY_TABLE, Table
-from indexer.types import CPU, FULL, GPU, EngineId, GroupSpec
+from indexer.types import CPU, FULL, GPU, SLIDING, EngineId, GroupSpec
 
 __all__ = ["GroupHit", "PrefixMatch", "match_engines"]
 
@@ -99,6 +99,15 @@ def _match_layout(
                 fa_hit[slot] = h
     other_groups = [(groups[g], tables.get((g, GPU))) for g in others]
     cpu_tables = [tables.get((g, CPU)) for g in (full or others)]
+    # Beside full attention, sliding-window groups need their window's chunks on CPU too.
+    windows = [
+        (
+            tables.get((g, CPU)) or EMPTY_TABLE,
+            -(-(groups[g].sliding_window or 1) // cpu_chunk_tokens),
+        )
+        for g in others
+        if full and groups[g].kind == SLIDING
+    ]
     for e in members:
         start = (fa_hit[e.slot] // align) * align
         point, per_group = fit_point(other_groups, e.bit, keys, start, align, unit)
@@ -109,5 +118,7 @@ def _match_layout(
                 for g, (spec, _res), hit in zip(others, other_groups, per_group, strict=True)
             )
         explain.sort(key=lambda x: x.group_idx)
-        cpu = cpu_extension(cpu_tables, e.bit, keys, point, n_tokens, cpu_chunk_tokens, unit)
+        cpu = cpu_extension(
+            cpu_tables, e.bit, keys, point, n_tokens, cpu_chunk_tokens, unit, windows
+        )
         out[e.engine] = PrefixMatch(point, cpu, explain)

@@ -227,9 +227,20 @@ def test_cpu_extension_covers_the_whole_chunks_of_the_request() -> None:
     assert cpu(held, 0, 200) == 192  # 200 // 64 = 3 whole chunks; the 4th is not looked up
 
 
-def test_cpu_extension_is_one_token_less_when_it_reaches_the_prompt_end() -> None:
-    assert cpu({64: A, 128: A, 192: A}, 0, 192) == 191
-    assert cpu({64: A, 128: A, 192: A}, 64, 192) == 127
+def test_cpu_extension_reaching_the_prompt_end_counts_in_full() -> None:
+    assert cpu({64: A, 128: A, 192: A}, 0, 192) == 192
+    assert cpu({64: A, 128: A, 192: A}, 64, 192) == 128
+
+
+def test_cpu_extension_with_a_sliding_window_group_needs_its_window_and_stops_at_n_1() -> None:
+    full = [table({64: A, 128: A, 192: A})]
+    window = table({128: A, 192: A})  # a 64-token window: one chunk before the load's end
+    assert cpu_extension(full, A, KEYS, 0, 192, CHUNK, UNIT, [(window, 1)]) == 191
+    assert cpu_extension(full, A, KEYS, 0, 200, CHUNK, UNIT, [(window, 1)]) == 192
+    # The window's chunk before the end is missing: the load stops where it is held.
+    sparse = table({64: A, 128: A})
+    assert cpu_extension(full, A, KEYS, 0, 200, CHUNK, UNIT, [(sparse, 1)]) == 128
+    assert cpu_extension(full, A, KEYS, 0, 200, CHUNK, UNIT, [(table({}), 1)]) == 0
 
 
 def test_cpu_extension_is_contiguous_from_the_gpu_hits_chunk() -> None:
@@ -276,10 +287,13 @@ def test_match_engines_composes_full_attention_window_alignment_and_cpu() -> Non
         (0, GPU): table({32: A | B, 64: A | B, 96: A, 128: A}),
         (1, GPU): table({80: A, 96: A, 64: B}),
         (0, CPU): table({64: A, 128: A, 192: A}),
+        (1, CPU): table({192: A}),  # the window group's chunk at the load's end
     }
     got = match_engines(tables, [a, b], KEYS, 200, UNIT, CHUNK)
     assert got[a.engine].gpu_tokens == 96
     assert got[a.engine].cpu_tokens == 96  # chunks 1 and 2 from the hit's chunk: 192 - 96
+    del tables[(1, CPU)]  # without the window's chunk vLLM loads nothing
+    assert match_engines(tables, [a], KEYS, 200, UNIT, CHUNK)[a.engine].cpu_tokens == 0
     assert got[a.engine].groups == [
         GroupHit(0, FULL, 32, 128),
         GroupHit(1, SLIDING, 16, 96, 32),

@@ -21,7 +21,8 @@ group, so sliding-window-only removals happen); CPU chunks are offloaded from GP
 blocks; ``AllBlocksCleared`` resets an engine. One documented special case is modelled exactly
 like the index does (indexer/ingest.py, ``_is_reannounce``): a GPU ``BlockStored`` with parent
 ``None`` that the engine would already hit as a whole is vLLM's ``kv_cache_report_mode=full``
-re-announce and adds no reference.
+re-announce and adds no reference; on a hybrid engine every such store of a batch is judged on
+the state before the batch.
 """
 
 from __future__ import annotations
@@ -174,6 +175,21 @@ class RefEngine:
 
     def apply(self, batch: list) -> None:
         decided: dict[Prefix, bool] = {}
+        if len(self.groups) > 1:
+            # Hybrid engines: every from-root GPU store of the batch is judged on the state
+            # before the batch, so one group's store applied first cannot make another
+            # group's real store look like a re-announce (the real gemma3 captures show it).
+            for ev in batch:
+                if (
+                    isinstance(ev, BlockStored)
+                    and ev.parent_block_hash is None
+                    and (ev.medium or GPU) == GPU
+                    and ev.block_size > 0
+                    and ev.token_ids
+                    and ev.block_hashes
+                    and any(self.res.values())
+                ):
+                    self._reannounce(ev, decided)
         for i, ev in enumerate(batch):
             if isinstance(ev, AllBlocksCleared):
                 self.clear()
@@ -276,24 +292,37 @@ class RefEngine:
         return point, self.cpu_extension(prompt, model, point)
 
     def cpu_extension(self, prompt: tuple[int, ...], model: str, gpu: int) -> int:
-        """vLLM's OffloadingConnectorScheduler.get_num_new_matched_tokens (non-hybrid offload):
-        the request's whole chunks are n // chunk; nothing if less than one chunk lies beyond
-        the GPU hit; otherwise count chunks present on CPU contiguously from chunk gpu // chunk
-        (present: the chunk's tail block is resident on CPU in every full-attention group); the
-        load must gain at least one whole chunk; if GPU + CPU cover the whole prompt, the
-        scheduler recomputes the last token."""
+        """vLLM's OffloadingConnectorScheduler._lookup_complete_chunks: the lookup covers the
+        request's whole chunks (n // chunk), ending at n - 1 when a sliding-window group sits
+        beside full attention; chunks count when present on CPU contiguously from chunk
+        gpu // chunk in every full-attention group; each sliding-window group needs the
+        cdiv(W, chunk) chunks before the load's end (or all of them from that start chunk),
+        so the load ends at the largest such point; it must gain at least one whole chunk;
+        a load reaching the prompt's end counts in full (cached_tokens is taken at admission)."""
         n = len(prompt)
-        fa = [g for g, (k, _, _) in self.groups.items() if k == FA] or list(self.groups)
+        fa = [g for g, (k, _, _) in self.groups.items() if k == FA]
+        swa = [(g, -(-(w or 1) // CHUNK)) for g, (k, _, w) in self.groups.items() if k == SWA]
+        if not fa:
+            fa, swa = list(self.groups), []
         whole = n // CHUNK
-        if whole * CHUNK - gpu < CHUNK:
+        end = min(n - 1, whole * CHUNK) if swa else whole * CHUNK
+        if end - gpu < CHUNK:
             return 0
-        k = gpu // CHUNK
+        start = k = gpu // CHUNK
         while k < whole and all(self.has(g, CPU, model, prompt, (k + 1) * CHUNK) for g in fa):
             k += 1
-        loaded = k * CHUNK - gpu
-        if loaded < CHUNK:
-            return 0
-        return min(loaded, n - 1 - gpu)
+
+        def windows_held(kk: int) -> bool:
+            return all(
+                self.has(g, CPU, model, prompt, (c + 1) * CHUNK)
+                for g, need in swa
+                for c in range(max(kk - need, start), kk)
+            )
+
+        while k > start and not windows_held(k):
+            k -= 1
+        loaded = min(k * CHUNK, end) - gpu
+        return loaded if loaded >= CHUNK else 0
 
 
 # --------------------------------------------------------------------------- generation helpers

@@ -47,16 +47,6 @@ CAPTURES: dict[str, tuple[str, dict[str, tuple[str, int, int | None]], bool]] = 
 
 # Where the index and vLLM 0.32 part ways; docs/vllm-captures.md gives vLLM's rule, the code
 # that deviates, and a fix for each. Strict: a fix makes the test pass and the marker must go.
-KNOWN_MISMATCH = {
-    "gemma3-hybrid": "index: the sliding-window group's store, applied first in the batch, makes "
-    "the full-attention group's real store from token 0 look like a re-announce",
-    "mistral-sliding": "index: with no full-attention group, a sparse event whose parent no "
-    "event listed leaves its hashes unresolved",
-    "llama-offload": "index: a CPU load reaching the whole prompt is reported in full by vLLM; "
-    "the index takes off the last token",
-    "gemma3-offload": "index: re-announce as in gemma3-hybrid, and the CPU rule ignores the "
-    "sliding-window group's chunks and its n - 1 lookup end",
-}
 
 
 @dataclass
@@ -166,15 +156,7 @@ def test_captures_hold_150_requests() -> None:
     assert sum(replay(name).requests for name in CAPTURES) >= 150
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISMATCH[n]))
-        if n in KNOWN_MISMATCH
-        else n
-        for n in CAPTURES
-    ],
-)
+@pytest.mark.parametrize("name", list(CAPTURES))
 def test_predicted_hit_equals_vllm_cached_tokens(name: str, capsys) -> None:
     r = replay(name)
     with capsys.disabled():

@@ -26,8 +26,8 @@ def test_cpu_extension_of_a_prompt_that_ends_on_a_chunk_boundary() -> None:
     index.apply(W0, chunks)
     index.apply(W0, eng.removed(p, list(range(31, -1, -1)), 16))
     m = index.match(p, index.root(MODEL))[W0]
-    assert (m.gpu_tokens, m.cpu_tokens) == (0, 511)
-    assert _tokenized_match(index, p) == (0, 511), "the router's keys reach the chunk's end"
+    assert (m.gpu_tokens, m.cpu_tokens) == (0, 512)
+    assert _tokenized_match(index, p) == (0, 512), "the router's keys reach the chunk's end"
 
 
 def test_gpu_hit_still_stops_at_n_minus_1() -> None:
