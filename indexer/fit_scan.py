@@ -18,8 +18,8 @@ that reference over random residency tables).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import accumulate, compress, repeat
-from operator import and_
+from itertools import accumulate, compress, islice, repeat
+from operator import and_, or_
 
 from indexer.hit_rules import fit_point
 from indexer.staggered import SLOT_MASK, Table
@@ -86,7 +86,9 @@ def _scan(
     tops = [aligned[i] for i in order]
     pending = dict.fromkeys(live, 0)
     pending_fit = 0
+    joined_by = [0, *accumulate(bits, or_)]  # joined_by[k]: the first k engines of order
     joined = 0  # engines of ``order`` already pending
+    ahead = 0  # engines of ``order`` whose start is at or above the batch
     p_hi = tops[0]
     batch = _FIRST_BATCH
     while p_hi > 0:
@@ -99,18 +101,23 @@ def _scan(
         p_lo = max(p_hi - (batch - 1) * align, align)
         points = range(p_hi, p_lo - align, -align)
         batch = min(batch * 2, _MAX_BATCH)
-        maybe = pending_fit
+        while ahead < len(order) and tops[ahead] >= p_lo:
+            ahead += 1
+        # Engines pending now or joining within the batch (bits are distinct: a difference).
+        maybe = pending_fit | (joined_by[ahead] & ~joined_by[joined])
         for m in pending.values():
             maybe |= m
-        j = joined
-        while j < len(order) and tops[j] >= p_lo:
-            maybe |= bits[j]
-            j += 1
-        accepted = {g: _accepted(*groups[g], points, keys, unit) for g in live}
-        masks = list(accepted.values())
-        anyone = masks[0] if len(masks) == 1 else list(map(_or_all, *masks))
-        every = masks[0] if len(masks) == 1 else list(map(_and_all, *masks))
-        for i in compress(range(len(points)), map(maybe.__and__, anyone)):
+        accepted: dict[int, list[int]] = {}
+        skip = len(points)  # the batch's top points no group accepts for a relevant engine
+        for g in live:
+            accepted[g], dead = _accepted(*groups[g], points, keys, unit, maybe)
+            skip = min(skip, dead)
+        masks = [islice(m, skip, None) for m in accepted.values()]
+        anyone = masks[0] if len(masks) == 1 else map(_or_all, *masks)
+        every = accepted[live[0]] if len(live) == 1 else [0] * skip
+        if len(live) > 1:
+            every.extend(map(_and_all, *(islice(m, skip, None) for m in accepted.values())))
+        for i in compress(range(skip, len(points)), map(maybe.__and__, anyone)):
             p = points[i]
             while joined < len(order) and tops[joined] >= p:
                 b = bits[joined]
@@ -162,14 +169,15 @@ def _slots(mask: int) -> list[int]:
 
 
 def _accepted(
-    spec: GroupSpec, res: Table, points: range, keys: Sequence[int], unit: int
-) -> list[int]:
+    spec: GroupSpec, res: Table, points: range, keys: Sequence[int], unit: int, relevant: int
+) -> tuple[list[int], int]:
     """Per point of ``points`` (descending, > 0), the mask of the engines the group accepts
-    there (the rules of :func:`indexer.hit_rules.group_accepts`)."""
+    there (the rules of :func:`indexer.hit_rules.group_accepts`), and how many of the first
+    points accept no engine of ``relevant`` (engines outside it may be left out of the masks)."""
     bs = spec.block_size
     step = bs // unit
     if spec.kind == CHUNKED:
-        return _accepted_chunked(spec, res, points, keys, step)
+        return _accepted_chunked(spec, res, points, keys, step), 0
     if spec.kind == SLIDING:
         window = spec.sliding_window or bs
         width: int | None = -(-(window - 1) // bs)  # cdiv(W - 1, block_size)
@@ -178,23 +186,34 @@ def _accepted(
     else:
         width = None  # every block from 0
     if width is not None and width <= 0:
-        return [_ALL] * len(points)  # no block before the point is needed
+        return [_ALL] * len(points), 0  # no block before the point is needed
     # Block ends of the points, descending by ``stride`` blocks (align is a multiple of bs).
     stride = -points.step // bs
     top = points[0] // bs
     n_full = 0 if width is None else max(0, min(len(points), (top - width) // stride + 1))
     out: list[int] = []
+    n_dead = 0
     if n_full:
         # Blocks [e - width, e) for every end e: window ANDs over the blocks they span.
         first = top - (n_full - 1) * stride - width
-        windows = _window_ands(_block_masks(res, keys, step, first, top), width)
-        out = windows[top - width - first :: -stride]
+        # Every window holds exactly one of the blocks first, first + width, ...: windows
+        # above the highest of those a relevant engine holds are held by none of them (a tail
+        # nobody holds costs a width-th of the lookups).
+        probes = _block_masks(res, keys, step, first, top, width)
+        held = [j for j, m in enumerate(map(relevant.__and__, probes)) if m]
+        limit = first + held[-1] * width + width if held else first
+        n_dead = min(n_full, max(0, -(-(top - limit) // stride)))
+        out = [0] * n_dead
+        if n_dead < n_full:
+            end = top - n_dead * stride
+            windows = _window_ands(_block_masks(res, keys, step, first, end), width)
+            out.extend(windows[end - width - first :: -stride])
     if n_full < len(points):
         # Ends before a whole window: the run from block 0.
         end = top - n_full * stride
         prefix = list(accumulate(_block_masks(res, keys, step, 0, end), and_))
         out.extend(prefix[end - 1 :: -stride][: len(points) - n_full])
-    return out
+    return out, n_dead
 
 
 def _accepted_chunked(
@@ -218,13 +237,16 @@ def _accepted_chunked(
     return out
 
 
-def _block_masks(res: Table, keys: Sequence[int], step: int, first: int, end: int) -> list[int]:
-    """Residency masks of blocks [first, end): block ``b`` ends at ``keys[(b + 1) * step - 1]``."""
-    n = end - first
+def _block_masks(
+    res: Table, keys: Sequence[int], step: int, first: int, end: int, every: int = 1
+) -> list[int]:
+    """Residency masks of every ``every``-th block of [first, end): block ``b`` ends at
+    ``keys[(b + 1) * step - 1]``."""
+    n = -(-(end - first) // every)
     if n <= 0:
         return []
     # Blocks smaller than the unit (step 0): the rule's index is -1.
-    ks = keys[(first + 1) * step - 1 : end * step : step] if step else [keys[-1]] * n
+    ks = keys[(first + 1) * step - 1 : end * step : step * every] if step else [keys[-1]] * n
     return list(map(dict.get, map(res.__getitem__, map(SLOT_MASK.__and__, ks)), ks, repeat(0)))
 
 
