@@ -73,12 +73,10 @@ def _scan(
     fit: list[int],
     best: list[list[int]],
 ) -> None:
-    """Fill ``fit`` and ``best`` walking the aligned points down from the highest start.
-
-    An engine joins (is *pending*) once the walk is at or below its start; at each point, the
-    pending engines a group accepts get that point as the group's best, and those every group
-    accepts get it as their fit. A group without a table accepts no point above 0, so then no
-    engine has a fit above 0 and only the groups' own best points are looked for."""
+    """Fill ``fit`` and ``best`` walking the aligned points down from the highest start: an
+    engine is *pending* once the walk is at or below its start; at each point, the pending
+    engines a group accepts get it as that group's best, those every group accepts as their fit
+    (none when a group has no table: it accepts no point above 0)."""
     fit_possible = len(live) == len(groups)
     index = {bit.bit_length() - 1: i for i, (bit, _s) in enumerate(starts)}
     order = sorted(range(len(starts)), key=aligned.__getitem__, reverse=True)
