@@ -2,8 +2,8 @@
 
 A new router replica imports an engine's snapshot and replays only the sequence numbers after
 it. Size is bounded by the engine's resident blocks (about 30 bytes per block). Exporting runs
-in slices (:class:`EngineExport`): an engine of a million blocks is seconds of work, which the
-router spreads over its event loop while the engine's events keep being applied.
+in slices (:class:`EngineExport`): encoding is proportional to the engine's size, so the router
+spreads it over its event loop while the engine's events keep being applied.
 """
 
 from __future__ import annotations
