@@ -7,7 +7,11 @@ Payloads are realistic vLLM 0.33 msgpack batches of 32-block ``BlockStored`` eve
 encoding, parents chained, int hashes >= 2**63 included), pre-encoded so that the timed part is
 exactly decode + apply. Conversations share system prompts and some are resident on several
 engines, as in a real fleet. ``match`` latency includes computing the prompt's content keys.
-RSS growth is measured around ingest and divided by the resident entries.
+RSS growth is measured around ingest and divided by the resident entries. The collector runs as
+``kvrouter serve`` runs it: enabled, start-up objects frozen (``gc.freeze()``).
+
+``match_p50_ms_128k_swa``: a hybrid full-attention + sliding-window model whose 64 engines hold a
+128k-token prefix in full attention but not the window's tail (:func:`hybrid_swa_case`).
 """
 
 from __future__ import annotations
@@ -54,9 +58,16 @@ def block_hashes(chain: list[int]) -> list[int]:
     return out
 
 
-def stored_event(hashes: list[int], parent: int | None, tokens: list[int]) -> dict:
-    """A vLLM 0.33 BlockStored event map (full attention, GPU)."""
-    return {
+def stored_event(
+    hashes: list[int],
+    parent: int | None,
+    tokens: list[int],
+    group: int = 0,
+    kind: str = "full_attention",
+    window: int | None = None,
+) -> dict:
+    """A vLLM 0.33 BlockStored event map (GPU; full attention unless told)."""
+    event = {
         "type": "BlockStored",
         "block_hashes": hashes,
         "parent_block_hash": parent,
@@ -66,9 +77,12 @@ def stored_event(hashes: list[int], parent: int | None, tokens: list[int]) -> di
         "medium": "GPU",
         "lora_name": None,
         "extra_keys": [None] * len(hashes),
-        "group_idx": 0,
-        "kv_cache_spec_kind": "full_attention",
+        "group_idx": group,
+        "kv_cache_spec_kind": kind,
     }
+    if window is not None:
+        event["kv_cache_spec_sliding_window"] = window
+    return event
 
 
 def chain_payloads(chain: list[int], cached: set[int], rank: int) -> list[bytes]:
@@ -94,11 +108,56 @@ def chain_payloads(chain: list[int], cached: set[int], rank: int) -> list[bytes]
     return payloads
 
 
+def timed(index: PrefixIndex, prompts: list[list[int]]) -> tuple[list[float], list[int]]:
+    """Per prompt: match latency (ms, content keys included) and the best engine's GPU hit."""
+    root = index.root(MODEL)
+    times, hits = [], []
+    for p in prompts:
+        t = time.perf_counter()
+        result = index.match(p, root)
+        times.append((time.perf_counter() - t) * 1000)
+        hits.append(max((m.gpu_tokens for m in result.values()), default=0))
+    return times, hits
+
+
+SWA_WINDOW = 1024
+SWA_HELD_TOKENS = 1024
+
+
+def hybrid_swa_case(
+    workers: int, queries: int, rng: random.Random
+) -> tuple[list[float], list[int]]:
+    """The sliding-window search's worst case: engines of a hybrid model (full attention and a
+    1,024-token window, 16-token blocks) that each hold a 128k-token document's full-attention
+    blocks but its window blocks only for the first 1,024 tokens. Every engine's hit is 1,024,
+    found below ~8k candidate points where the window's tail is missing."""
+    tokens = 131_072
+    doc = make_chain(rng, tokens)
+    hashes = block_hashes(doc)
+    payloads = []
+    for start in range(0, len(hashes), BLOCKS_PER_EVENT):
+        blk = hashes[start : start + BLOCKS_PER_EVENT]
+        parent = hashes[start - 1] if start else None
+        part = doc[start * BLOCK : (start + len(blk)) * BLOCK]
+        events = [stored_event(blk, parent, part)]
+        if start * BLOCK < SWA_HELD_TOKENS:
+            events.append(stored_event(blk, parent, part, 1, "sliding_window", SWA_WINDOW))
+        payloads.append(msgspec.msgpack.encode([time.time(), events, 0]))
+    index = PrefixIndex(unit=16, max_entries=10_000_000)
+    for i in range(workers):
+        engine = (f"http://hybrid-{i}:8000", 0)
+        index.add_engine(engine, MODEL)
+        for payload in payloads:
+            index.apply(engine, decode_payload(payload).events)
+    return timed(index, [[*doc[: tokens - 7], 1, 2, 3, 4, 5, 6, 7] for _ in range(queries)])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workers", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=1_000_000)
     ap.add_argument("--queries", type=int, default=300)
+    ap.add_argument("--swa-queries", type=int, default=30)
     ap.add_argument("--seed", type=int, default=7)
     args = ap.parse_args()
     rng = random.Random(args.seed)
@@ -134,21 +193,6 @@ def main() -> None:
     del cached
     total_blocks = sum(len(msgspec.msgpack.decode(p)[1][0]["block_hashes"]) for _, p in payloads)
 
-    index = PrefixIndex(unit=16, max_entries=10_000_000)
-    for e in engines:
-        index.add_engine(e, MODEL)
-    gc.collect()
-    gc.disable()  # as a long-running service would tune it; ingest allocates no cycles
-    rss0 = rss_bytes()
-    t0 = time.perf_counter()
-    for engine, payload in payloads:
-        index.apply(engine, decode_payload(payload).events)
-    ingest_s = time.perf_counter() - t0
-    gc.enable()
-    gc.collect()
-    rss1 = rss_bytes()
-    resident = index.total_entries
-
     # Steady state of a full cache: every step evicts as many blocks as it stores. vLLM sends
     # one single-hash BlockRemoved per evicted block (tail first), in the same batch as the
     # new request's BlockStored. Churn = stored + removed blocks per second.
@@ -176,32 +220,39 @@ def main() -> None:
     churn_blocks = sum(
         len(e["block_hashes"]) for _, p in churn_payloads for e in msgspec.msgpack.decode(p)[1]
     )
-    gc.disable()
+
+    index = PrefixIndex(unit=16, max_entries=10_000_000)
+    for e in engines:
+        index.add_engine(e, MODEL)
+    # The collector runs as under `kvrouter serve` (router/serving.py): enabled, with the
+    # start-up objects (here: the pre-encoded payloads) frozen out of its reach.
+    gc.collect()
+    gc.freeze()
+    rss0 = rss_bytes()
+    t0 = time.perf_counter()
+    for engine, payload in payloads:
+        index.apply(engine, decode_payload(payload).events)
+    ingest_s = time.perf_counter() - t0
+    gc.collect()
+    rss1 = rss_bytes()
+    resident = index.total_entries
+
     t0 = time.perf_counter()
     for engine, payload in churn_payloads:
         index.apply(engine, decode_payload(payload).events)
     churn_s = time.perf_counter() - t0
-    gc.enable()
-
-    root = index.root(MODEL)
-
-    def timed(prompts: list[list[int]]) -> tuple[list[float], list[int]]:
-        times, hits = [], []
-        for p in prompts:
-            t = time.perf_counter()
-            result = index.match(p, root)
-            times.append((time.perf_counter() - t) * 1000)
-            hits.append(max((m.gpu_tokens for m in result.values()), default=0))
-        return times, hits
 
     q8 = []
     for _ in range(args.queries):
         base = rng.choice(conversations)
         cut = rng.randrange(BLOCK * 8, conv_tokens)
         q8.append(base[:cut] + make_chain(rng, conv_tokens - cut))
-    t8, h8 = timed(q8)
+    t8, h8 = timed(index, q8)
     q128 = [[*rng.choice(long_docs)[: long_tokens - 7], 1, 2, 3, 4, 5, 6, 7] for _ in range(30)]
-    t128, h128 = timed(q128)
+    t128, h128 = timed(index, q128)
+    del index
+    gc.collect()
+    tswa, hswa = hybrid_swa_case(args.workers, args.swa_queries, random.Random(args.seed + 1))
     result = {
         "workers": args.workers,
         "resident_blocks": resident,
@@ -214,6 +265,8 @@ def main() -> None:
         "match_p50_ms_128k": round(statistics.median(t128), 3),
         "match_8k_mean_hit_tokens": round(statistics.mean(h8)),
         "match_128k_hit_tokens": min(h128),
+        "match_p50_ms_128k_swa": round(statistics.median(tswa), 3),
+        "match_128k_swa_hit_tokens": min(hswa),
         "bytes_per_block": round((rss1 - rss0) / max(resident, 1), 1),
     }
     print(json.dumps(result))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from indexer.export_log import ExportLog
 from indexer.staggered import HashMap
 from indexer.types import EngineId, GroupSpec
 from indexer.vllm_hash import VllmHashLocator
@@ -40,7 +41,8 @@ class EngineState:
     or taken from ``configured_groups``; ``group_facts`` the raw facts last seen per group.
     ``resident`` counts entries per (group, medium). ``pending`` holds stores waiting for an
     unknown parent, with the batch number they arrived in; ``pending_removed`` the hashes removed
-    while they wait.
+    while they wait. ``exports`` are the logs of the chunked exports reading it
+    (indexer/export_log.py): every change to its residency records the pre-image there first.
     """
 
     engine: EngineId
@@ -60,3 +62,4 @@ class EngineState:
     ``lookahead_token_ids``, or set for every engine by ``PrefixIndex(eagle=True)``."""
     bit: int = 0
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    exports: list[ExportLog] = field(default_factory=list)

@@ -19,9 +19,10 @@ The rules (vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` and its ma
 
 CPU offload adds whole chunks beyond the GPU hit (:func:`cpu_extension`).
 
-These run once per block or per candidate point on the request path, so each is one plain
-function with its loops inline; ``full_attention_run`` hands its block loop to ``run_scan``
-(C when built, indexer/native.py).
+``group_accepts`` / ``best_point`` / ``fit_point`` state the non-full rules one engine and one
+candidate point at a time; they are the reference that indexer/fit_scan.py's one-pass search
+for a whole layout must equal (matching uses that one). ``full_attention_run`` hands its block
+loop to ``run_scan`` (C when built, indexer/native.py).
 """
 
 from __future__ import annotations
@@ -168,6 +169,8 @@ def fit_point(
     ``groups`` are the non-full-attention groups with their GPU tables; ``start`` is the
     full-attention run, aligned. Full attention is downward-closed, so any point below its run
     is fine for it; each other group's rule is checked at candidate points from right to left.
+    O(points x window) per engine: the request path uses
+    :func:`indexer.fit_scan.fit_points`, which gives the same answers in one pass per group.
     """
     if not groups:
         return start, []

@@ -27,7 +27,7 @@ from indexer.ingest import Ingest
 from indexer.keys import DEFAULT_UNIT, NamespaceRoots, chain_keys
 from indexer.matching import GroupHit, PrefixMatch, match_engines
 from indexer.residency import Residency
-from indexer.snapshot import decode_snapshot, encode_snapshot, restore_snapshot
+from indexer.snapshot import EngineExport, decode_snapshot, encode_snapshot, restore_snapshot
 from indexer.types import EngineId, GroupSpec, group_kind
 from indexer.wire import Event
 
@@ -221,6 +221,14 @@ class PrefixIndex:
         if e is None:
             raise KeyError(engine)
         return encode_snapshot(self._residency, e)
+
+    def export_engine_chunks(self, engine: EngineId) -> EngineExport:
+        """:meth:`export_engine` as of this call, encoded a slice per piece while events keep
+        being applied in between (indexer/snapshot.py). KeyError if unknown."""
+        e = self._engines.get(engine)
+        if e is None:
+            raise KeyError(engine)
+        return EngineExport(self._residency, e)
 
     def import_engine(self, engine: EngineId, data: bytes) -> None:
         """Replace an engine's state with an :meth:`export_engine` snapshot.

@@ -8,13 +8,8 @@ import msgspec
 
 from indexer.eagle import eagle_drop, eagle_full_run, eagle_groups
 from indexer.engine_state import EngineState
-from indexer.hit_rules import (
-    alignment,
-    cpu_extension,
-    fit_point,
-    full_attention_run,
-    hit_limit,
-)
+from indexer.fit_scan import fit_points
+from indexer.hit_rules import alignment, cpu_extension, full_attention_run, hit_limit
 from indexer.staggered import EMPTY_TABLE, Table
 from indexer.types import CPU, FULL, GPU, SLIDING, EngineId, GroupSpec
 
@@ -108,9 +103,10 @@ def _match_layout(
         for g in others
         if full and groups[g].kind == SLIDING
     ]
-    for e in members:
-        start = (fa_hit[e.slot] // align) * align
-        point, per_group = fit_point(other_groups, e.bit, keys, start, align, unit)
+    # The other groups' rules: one right-to-left pass per group for all members at once.
+    starts = [(e.bit, (fa_hit[e.slot] // align) * align) for e in members]
+    fits = fit_points(other_groups, starts, keys, align, unit)
+    for e, (point, per_group) in zip(members, fits, strict=True):
         explain = [GroupHit(g, FULL, groups[g].block_size, fa_per_group[g][e.slot]) for g in full]
         if others:
             explain.extend(

@@ -69,6 +69,9 @@ class Residency:
         known = any(map(dict.__contains__, hdicts, hashes))
         if known:
             keys = _mapped_keys(e, hdicts, hashes, keys)
+        for log in e.exports:  # an export is reading this engine: keep the cut's values
+            log.before_hashes(hashes, hmap, e.extra_refs)
+            log.before_blocks(g, medium, res, bit, keys)
         # The whole event in C-level passes (map/update) rather than a Python loop per block:
         # this is what makes ingest fast. Duplicates (a block already resident on this engine,
         # group and medium) are rare and take the slow loop.
@@ -127,6 +130,10 @@ class Residency:
         # duplicate and extra-reference tables are consulted only when non-empty (both rare).
         res = self.tables.get((g, medium))
         bit = e.bit
+        for log in e.exports:  # an export is reading this engine: keep the cut's values
+            log.before_hashes(block_hashes, e.hashes, e.extra_refs)
+            if res is not None:
+                log.before_blocks(g, medium, res, bit, map(e.hashes.get, block_hashes))
         others = ~bit
         extra_refs = e.extra_refs
         dups = self.dups

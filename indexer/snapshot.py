@@ -1,20 +1,35 @@
 """One engine's exact index state as msgpack, for Redis snapshots.
 
 A new router replica imports an engine's snapshot and replays only the sequence numbers after
-it. Size is bounded by the engine's resident blocks (about 30 bytes per block).
+it. Size is bounded by the engine's resident blocks (about 30 bytes per block). Exporting runs
+in slices (:class:`EngineExport`): encoding is proportional to the engine's size, so the router
+spreads it over its event loop while the engine's events keep being applied.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Generator, Iterator
+from itertools import compress, islice, repeat
+from typing import Any
+
 import msgspec
 
 from indexer.engine_state import EngineState
+from indexer.export_log import ExportLog
 from indexer.residency import Residency
-from indexer.staggered import SLOT_MASK, HashMap
+from indexer.staggered import SLOT_MASK, HashMap, Table, new_table, shards
 from indexer.types import GroupSpec
 from indexer.wire import BlockHash
 
-__all__ = ["EngineSnapshot", "decode_snapshot", "encode_snapshot", "restore_snapshot"]
+__all__ = [
+    "EngineExport",
+    "EngineSnapshot",
+    "ExportAborted",
+    "decode_snapshot",
+    "encode_snapshot",
+    "restore_snapshot",
+]
 
 
 class EngineSnapshot(msgspec.Struct, array_like=True, gc=False):
@@ -26,26 +41,192 @@ class EngineSnapshot(msgspec.Struct, array_like=True, gc=False):
 
 
 def encode_snapshot(residency: Residency, e: EngineState) -> bytes:
-    """Engine ``e``'s state as msgpack."""
-    resident: list[tuple[int, str, list[int]]] = []
-    bit = e.bit
-    held = set(e.hashes.values())
-    for (g, medium), res in residency.tables.items():
-        keys = [k for k in held if res[k & SLOT_MASK].get(k, 0) & bit]
-        if keys:
-            resident.append((g, medium, keys))
-    dups = [(g, m, k, n) for (slot, g, m, k), n in residency.dups.items() if slot == e.slot]
-    state = EngineSnapshot(
-        model=e.model,
-        hashes=[(h, k, 1 + e.extra_refs.get(h, 0)) for h, k in e.hashes.items()],
-        groups=[
+    """Engine ``e``'s state as msgpack, in one go."""
+    return b"".join(EngineExport(residency, e, track=False))
+
+
+class ExportAborted(RuntimeError):
+    """The engine was reset (cleared, dropped, re-imported) while its export was under way."""
+
+
+class EngineExport:
+    """Engine ``e``'s snapshot as of this object's creation (the *cut*), encoded a slice at a
+    time so that exporting a large engine never holds the event loop for long.
+
+    Iterating yields pieces of the msgpack bytes (most of them empty: work done, nothing to emit
+    yet), each after at most :data:`SLICE` entries of work; their concatenation is what
+    :func:`encode_snapshot` would have returned at the cut. The engine's events may be applied
+    between pieces: each change records the cut's value first (indexer/export_log.py). Raises
+    :class:`ExportAborted` if the engine is reset meanwhile. ``close()`` (or exhausting the
+    iterator) stops the recording; ``track=False`` records nothing, for an export that runs to
+    the end with no event applied in between.
+    """
+
+    def __init__(self, residency: Residency, e: EngineState, track: bool = True) -> None:
+        self._e = e
+        self._hmap = e.hashes
+        self._extra = e.extra_refs
+        self._model = e.model
+        self._groups = [
             (g, s.kind, s.block_size, s.sliding_window, s.attention_chunk)
             for g, s in e.groups.items()
-        ],
-        resident=resident,
-        dups=dups,
-    )
-    return msgspec.msgpack.encode(state)
+        ]
+        self._dups = [
+            (g, m, k, n) for (slot, g, m, k), n in residency.dups.items() if slot == e.slot
+        ]
+        self._tables = list(residency.tables.items())
+        self._log = ExportLog()
+        self._tracked = track
+        if track:
+            e.exports.append(self._log)
+
+    def close(self) -> None:
+        """Stop recording the engine's changes (idempotent)."""
+        if self._tracked:
+            self._tracked = False
+            self._e.exports.remove(self._log)
+
+    def __iter__(self) -> Iterator[bytes]:
+        try:
+            # The content keys the engine names, each once: a table of int-keyed dicts, not a
+            # set, so that the collector untracks them (a million entries never traversed) and
+            # they grow at staggered moments (indexer/staggered.py).
+            held = new_table()
+            hashes: list[bytes] = []
+            n_hashes = 0
+            for shard in shards(self._hmap.table):
+                for part, keys in self._shard_hashes(shard):
+                    if part:
+                        hashes.append(part)
+                    n_hashes += len(keys)
+                    dicts = map(held.__getitem__, map(SLOT_MASK.__and__, keys))
+                    _consume(map(dict.__setitem__, dicts, keys, repeat(None)))
+                    yield b""
+            resident: list[list[bytes]] = []
+            for (g, medium), res in self._tables:
+                entry = yield from self._resident(g, medium, res, held)
+                if entry:
+                    resident.append(entry)
+            yield b"\x95" + _enc(self._model) + _array_header(n_hashes)
+            yield from hashes
+            yield _enc(self._groups) + _array_header(len(resident))
+            for entry in resident:
+                yield from entry
+            for d in shards(held):  # freed a shard at a time, not a million entries at once
+                d.clear()
+                yield b""
+            yield _enc(self._dups)
+        finally:
+            self.close()
+
+    def _check(self) -> None:
+        if self._e.hashes is not self._hmap or self._e.extra_refs is not self._extra:
+            raise ExportAborted(f"engine {self._e.engine} was reset during its export")
+
+    def _shard_hashes(self, shard: dict[BlockHash, int]) -> Iterator[tuple[bytes, list[int]]]:
+        """One shard of the hash map as it was at the cut: (encoded triples, their keys) per
+        slice."""
+        self._check()
+        log = self._log.hashes
+        table = self._hmap.table
+        # The shard now, and (in the same step) what it held at the cut but lost since: only
+        # the log still knows those.
+        todo = list(shard)
+        todo.extend(
+            h
+            for h, (key, _x) in list(log.items())
+            if key is not None and h not in shard and table[hash(h) & SLOT_MASK] is shard
+        )
+        yield b"", []
+        extra = self._extra
+        for i in range(0, len(todo), SLICE):
+            self._check()
+            hs = todo[i : i + SLICE]
+            keys = list(map(shard.get, hs))
+            refs = list(map(_ONE.__add__, map(extra.get, hs, repeat(0))))
+            if log:
+                # Hashes changed since the cut take their logged values (C-level passes
+                # find the few; a removed one is no longer in the shard).
+                changed = list(compress(range(len(hs)), map(log.__contains__, hs)))
+                for j in changed:
+                    key, x = log[hs[j]]
+                    keys[j] = key
+                    refs[j] = 1 + x
+                if any(keys[j] is None for j in changed):  # stored after the cut
+                    kept = [k is not None for k in keys]
+                    hs = list(compress(hs, kept))
+                    refs = list(compress(refs, kept))
+                    keys = list(compress(keys, kept))
+            triples = list(map(_Held, hs, keys, refs))
+            yield _items(triples), keys
+
+    def _resident(
+        self, g: int, medium: str, res: Table, keys: Table
+    ) -> Generator[bytes, None, list[bytes]]:
+        """Which of ``keys`` the engine held in (g, medium) at the cut: the encoded
+        ``(g, medium, keys)`` entry in pieces (none if it held none), one slice per yield."""
+        bit = self._e.bit
+        parts: list[bytes] = []
+        n = 0
+        for ks in _slices(keys):
+            self._check()
+            masks = list(
+                map(dict.get, map(res.__getitem__, map(SLOT_MASK.__and__, ks)), ks, repeat(0))
+            )
+            flags = list(map(bit.__and__, masks))
+            log = self._log.resident.get((g, medium))
+            if log:  # keys changed since the cut take their logged values
+                for i in compress(range(len(ks)), map(log.__contains__, ks)):
+                    flags[i] = log[ks[i]]
+            members = list(compress(ks, flags))
+            if members:
+                parts.append(_items(members))
+                n += len(members)
+            yield b""
+        if not n:
+            return []
+        return [b"\x93" + _enc(g) + _enc(medium) + _array_header(n), *parts]
+
+
+class _Held(msgspec.Struct, array_like=True, gc=False):
+    """One ``EngineSnapshot.hashes`` entry, encoded alike. Not a tuple: a million tuples made
+    in a few seconds would set off full garbage collections, each a pause of the loop."""
+
+    h: BlockHash
+    key: int
+    refs: int
+
+
+SLICE = 2048
+"""Entries read or encoded per piece of an export."""
+
+_consume = deque(maxlen=0).extend
+
+
+def _slices(table: Table) -> Iterator[list[int]]:
+    """The keys of ``table`` (not changed meanwhile), at most :data:`SLICE` at a time."""
+    for d in shards(table):
+        keys = iter(d)
+        for _ in range(0, len(d), SLICE):
+            yield list(islice(keys, SLICE))
+
+
+_ONE = 1
+_enc = msgspec.msgpack.Encoder().encode
+
+
+def _array_header(n: int) -> bytes:
+    """msgpack's header of an array of ``n`` items (the shortest form, as msgspec writes it)."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def _items(values: list[Any]) -> bytes:
+    """The msgpack encoding of the items of ``values`` without the array's header."""
+    return _enc(values)[len(_array_header(len(values))) :]
 
 
 def decode_snapshot(data: bytes) -> EngineSnapshot:

@@ -258,7 +258,7 @@ class Router:
         row = self.engine_status(e)
         if row is None or row.last_seq is None or row.degraded or row.replaying:
             return None
-        data = self.index.export_engine(e)
+        data = self.index.export_engine_chunks(e)  # the cut: same instant as last_seq
         return data, row.last_seq, self.index.resident_blocks(e), row.last_event_ts
 
     # ---------------------------------------------------------------- tokenize + route

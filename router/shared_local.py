@@ -11,7 +11,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +31,10 @@ __all__ = [
     "seed_subscriber",
 ]
 
-ExportedEngine = tuple[bytes, int, int, float | None]
-"""(``PrefixIndex.export_engine`` bytes, last applied seq, resident blocks, that batch's ts)."""
+ExportedEngine = tuple[bytes | Iterable[bytes], int, int, float | None]
+"""(snapshot, last applied seq, resident blocks, that batch's ts), all of one instant. The
+snapshot is ``PrefixIndex.export_engine`` bytes or an ``export_engine_chunks`` exporter, whose
+pieces the writer joins a slice at a time (the exporter describes the engine as of that seq)."""
 
 _NO_LOAD = EngineLoad()
 _NO_LOADS: Mapping[EngineId, EngineLoad] = {}

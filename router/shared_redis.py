@@ -18,9 +18,11 @@ from urllib.parse import urlsplit, urlunsplit
 import msgspec
 
 from indexer.index import EngineId
+from indexer.snapshot import ExportAborted
 from router.load import EngineLoad
 from router.policy import SAMPLE_STRIDE, Engine
 from router.shared_local import SharedState, Snapshot, engine_key, parse_engine_key
+from router.snapshot_upload import close_snapshot, commit_snapshot, upload_snapshot
 
 __all__ = ["RedisSharedState"]
 
@@ -125,7 +127,8 @@ class RedisSharedState(SharedState):
         self._spec_q: deque[bytes] = deque(maxlen=max_spec_queue)
         self._spec_wake = asyncio.Event()
         self._snapshots: dict[EngineId, Snapshot] = {}
-        self._written: dict[EngineId, int] = {}
+        self._written: dict[EngineId, tuple[int, float | None]] = {}
+        """(seq, batch timestamp) of each engine's snapshot as last written by this replica."""
         self._tasks: list[asyncio.Task[None]] = []
         self._client: Any = None
         self._bulk: Any = None
@@ -535,32 +538,35 @@ class RedisSharedState(SharedState):
         expire_ms = int(max(10 * self.snapshot_interval_s, 600.0) * 1000)
         n = 0
         for engine in list(self.snapshot_engines()):
-            got = self.export_engine(engine)  # sync: data and seq of one instant
+            got = self.export_engine(engine)  # sync: the state and its seq of one instant
             if got is None:
                 continue
-            data, seq, blocks, event_ts = got
+            snapshot, seq, blocks, event_ts = got
+            # A restarted engine counts its seqs from 0 again: the same seq with another
+            # batch timestamp is another state.
+            mark = (seq, event_ts)
             key = self._snap_key(engine)
+            try:
+                if self._written.get(engine) != mark:
+                    size = await upload_snapshot(
+                        self._call_bulk, self._bulk, key, snapshot, expire_ms
+                    )
+                    self.counters["snapshot_bytes_written"] += size
+            except ExportAborted as exc:  # the engine was reset meanwhile: next round
+                log.debug("snapshot of %s abandoned: %s", engine, exc)
+                continue
+            finally:
+                close_snapshot(snapshot)
             now = time.time()
             async with self._bulk.pipeline(transaction=True) as p:
-                if self._written.get(engine) == seq:
+                if self._written.get(engine) == mark:
                     p.hset(key, "ts", repr(now))  # unchanged since the last write: re-confirm
                 else:
-                    p.hset(
-                        key,
-                        mapping={
-                            "data": data,
-                            "seq": str(seq),
-                            "ts": repr(now),
-                            "blocks": str(blocks),
-                            "writer": self.replica_id,
-                            "event_ts": "" if event_ts is None else repr(event_ts),
-                        },
-                    )
-                    self.counters["snapshot_bytes_written"] += len(data)
+                    commit_snapshot(p, key, seq, now, blocks, self.replica_id, event_ts)
                 p.pexpire(key, expire_ms)
                 p.zadd(self.k_snaps, {engine_key(engine): now})
                 await self._call(p.execute(), self.snapshot_timeout_s)
-            self._written[engine] = seq
+            self._written[engine] = mark
             n += 1
             self.counters["snapshots_written"] += 1
             await asyncio.sleep(0)  # one engine at a time: keep the loop responsive
@@ -569,6 +575,9 @@ class RedisSharedState(SharedState):
         await self._call(self._client.zremrangebyscore(self.k_snaps, "-inf", cutoff))
         self.last_snapshot_at = time.time()
         return n
+
+    def _call_bulk(self, aw: Any) -> Any:
+        return self._call(aw, self.snapshot_timeout_s)
 
     async def _snapshot_loop(self) -> None:
         while True:

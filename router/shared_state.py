@@ -33,9 +33,12 @@ protection for ``speculative_ttl_s``. The publish queue is bounded (``max_spec_q
 **Index snapshots.** One replica at a time holds the lease ``<prefix>:snapshot:leader``
 (``SET NX PX``, renewed by compare-and-PEXPIRE) and every ``snapshot_interval_s`` writes each
 engine whose index is exact (not degraded, not replaying, seq known) as a hash
-``<prefix>:snap:<url#rank>`` ``{data, seq, ts, blocks, writer}`` (``data`` =
-``PrefixIndex.export_engine``; ``seq`` = the subscriber's ``last_seq`` read in the same
-synchronous step) and indexes it in the ZSET ``<prefix>:snaps``. A starting replica loads all
+``<prefix>:snap:<url#rank>`` ``{data, seq, ts, blocks, writer, event_ts}`` (``data`` =
+``PrefixIndex.export_engine_chunks``, whose cut is taken in the same synchronous step as
+``seq`` = the subscriber's ``last_seq``, then encoded a slice per loop turn while events keep
+being applied) and indexes it in the ZSET ``<prefix>:snaps``. An engine whose ``(seq,
+event_ts)`` is the one last written is only re-confirmed (``ts``); a restarted engine can reach
+the same seq again, with another batch timestamp. A starting replica loads all
 of them in :meth:`start` (bounded by ``startup_timeout_s``); the router imports an engine's
 snapshot right before subscribing to it and starts its event source at ``seq`` (see
 :func:`seed_subscriber`), so only later batches are replayed.
