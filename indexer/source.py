@@ -67,6 +67,8 @@ class Source:
     replay_endpoint: str | None
     state: SourceState
     queue: deque[tuple[int, bytes, DecodedBatch | None]] = field(default_factory=deque)
+    queued_bytes: int = 0
+    """Payload bytes in ``queue`` (bounded by ``Subscriber.queue_bytes``)."""
     """Received messages ``(seq, payload, decoded batch or None)``, oldest first."""
     feed: Feed | None = None
     topic: str | None = None

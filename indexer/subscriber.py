@@ -21,7 +21,8 @@ Data path, all on the event-loop thread (the index is single-threaded):
 
 Reader and applier both return to the loop after bounded work, so a flood never starves it.
 A full deque drops the newest message (``queue_overflows``) and that seq becomes an ordinary gap:
-memory stays bounded by ``queue_depth`` messages per source plus ZMQ's RCVHWM (the same number).
+memory stays bounded by ``queue_depth`` messages and ``queue_bytes`` payload bytes per source, plus
+ZMQ's RCVHWM (``queue_depth`` messages).
 While a replay is in flight the source's live messages stay queued; the replay runs in its own
 task (at most ``replay_concurrency`` at once) and feeds its batches to the state in order.
 
@@ -97,6 +98,7 @@ class Subscriber:
         *,
         topic: str = "",
         queue_depth: int = 10_000,
+        queue_bytes: int = 64 << 20,
         replay_timeout_s: float = 2.0,
         replay_concurrency: int = 4,
         bind: str | None = None,
@@ -107,11 +109,13 @@ class Subscriber:
         on_batch: Callable[[EngineId, int, DecodedBatch], None] | None = None,
         heartbeat_s: float = 5.0,
     ) -> None:
-        if queue_depth < 1 or replay_concurrency < 1:
-            raise ValueError("queue_depth and replay_concurrency must be >= 1")
+        if queue_depth < 1 or replay_concurrency < 1 or queue_bytes < 1:
+            raise ValueError("queue_depth, queue_bytes and replay_concurrency must be >= 1")
         self.index = index
         self.topic = topic
         self.queue_depth = queue_depth
+        self.queue_bytes = queue_bytes
+        """Payload bytes a source may hold queued: a few huge batches bound memory like many."""
         self.replay_timeout_s = replay_timeout_s
         self.replay_concurrency = replay_concurrency
         self.bind = bind
@@ -262,6 +266,7 @@ class Subscriber:
         for src in sources:
             src.removed = True
             src.queue.clear()
+            src.queued_bytes = 0
             self._ready.pop(src, None)
             if src.replay_task is not None:
                 src.replay_task.cancel()
@@ -440,11 +445,12 @@ class Subscriber:
     def _enqueue(self, src: Source, seq: int, payload: bytes, batch: DecodedBatch | None) -> None:
         src.seen = True
         q = src.queue
-        if len(q) >= self.queue_depth:
+        if len(q) >= self.queue_depth or src.queued_bytes + len(payload) > self.queue_bytes:
             src.queue_overflows += 1
             src.state.dropped(seq)
             return
         q.append((seq, payload, batch))
+        src.queued_bytes += len(payload)
         if src.replay_task is None:
             self._ready[src] = None
 
@@ -469,6 +475,7 @@ class Subscriber:
                 except Exception:  # never let one source's data stop the applier
                     log.exception("applying events of %s", src.engine)
                     src.queue.clear()
+                    src.queued_bytes = 0
                     self._run(src, src.state.apply_failed(time.monotonic()))
                 if not src.queue or src.replay_task is not None or src.removed:
                     self._ready.pop(src, None)
@@ -496,7 +503,7 @@ class Subscriber:
             if request is not None:
                 self._start_replay(src, request)
                 return  # the message stays queued until the replay ends
-            q.popleft()
+            src.queued_bytes -= len(q.popleft()[1])
             n += 1
         if not q and src.replay_task is None:
             request = self._run(src, state.queue_emptied(clock()))

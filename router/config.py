@@ -129,6 +129,8 @@ class WorkerSpec(_Section):
 class EventsConfig(_Section):
     bind: str | None = None
     queue_depth: int = 10_000
+    queue_bytes: int = 64 << 20
+    """Payload bytes queued per event source (past it: a counted overflow, then replay)."""
     replay_timeout_s: float = 2.0
     replay_concurrency: int = 4
 
@@ -539,7 +541,7 @@ def _check_workers(workers: list[WorkerSpec]) -> None:
 def _check_events_and_index(e: EventsConfig, index: IndexConfig) -> None:
     if e.bind is not None and not e.bind.startswith(ZMQ_SCHEMES):
         raise ConfigError(f"events.bind: {e.bind!r} is not a tcp://, ipc:// or inproc:// endpoint")
-    for key in ("queue_depth", "replay_concurrency"):
+    for key in ("queue_depth", "queue_bytes", "replay_concurrency"):
         if getattr(e, key) < 1:
             raise ConfigError(f"events.{key}: must be >= 1")
     if e.replay_timeout_s <= 0:

@@ -116,6 +116,7 @@ class Router:
         self.subscriber = Subscriber(
             self.index,
             queue_depth=e.queue_depth,
+            queue_bytes=e.queue_bytes,
             replay_timeout_s=e.replay_timeout_s,
             replay_concurrency=e.replay_concurrency,
             bind=e.bind,

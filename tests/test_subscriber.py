@@ -476,6 +476,27 @@ async def test_live_messages_during_slow_replay_neither_lost_nor_doubled(make) -
     _assert_same(sub.index, _reference((("w", 0), pub)), ("w", 0), chains)
 
 
+async def test_queue_bytes_bound_is_a_counted_gap(make) -> None:
+    """A few huge batches are bounded like many small ones: past ``queue_bytes`` a message is
+    a counted overflow and its seq an ordinary gap, repaired by replay."""
+    pub, sub = await _one(make, queue_bytes=6_000)
+    chains = Chains(19)
+    for _ in range(20):
+        for _ in range(50):
+            pub.publish(chains.request(16))  # ~1 KB payloads: five fill the bound
+        await asyncio.sleep(0.02)
+        if _st(sub, "w").queue_overflows:
+            break
+    n = pub.seq
+    await _until(lambda: _st(sub, "w").last_seq == n - 1, what="caught up")
+    assert await sub.wait_idle(DEADLINE)
+    st = _st(sub, "w")
+    assert st.queue_overflows > 0 and st.gaps > 0 and st.replays_ok > 0
+    assert st.batches == n and not st.degraded
+    assert all(s.queued_bytes == 0 for s in sub._sources.values())
+    _assert_same(sub.index, _reference((("w", 0), pub)), ("w", 0), chains)
+
+
 async def test_queue_overflow_is_a_counted_gap(make) -> None:
     pub, sub = await _one(make, queue_depth=4)
     chains = Chains(18)
