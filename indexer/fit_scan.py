@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from itertools import accumulate, compress, islice, repeat
 from operator import and_, or_
 
-from indexer.hit_rules import fit_point
+from indexer.hit_rules import fit_point, mask_slots
 from indexer.staggered import SLOT_MASK, Table
 from indexer.types import CHUNKED, MAMBA, SLIDING, GroupSpec
 
@@ -128,13 +128,13 @@ def _scan(
                 m = accepted[g][i] & pending[g]
                 if m:
                     pending[g] ^= m
-                    for slot in _slots(m):
+                    for slot in mask_slots(m):
                         best[index[slot]][g] = p
             if fit_possible:
                 m = every[i] & pending_fit
                 if m:
                     pending_fit ^= m
-                    for slot in _slots(m):
+                    for slot in mask_slots(m):
                         fit[index[slot]] = p
             if not pending_fit and not any(pending.values()):
                 p_hi = p - align  # nobody is pending until the next start: go there
@@ -154,15 +154,6 @@ def _and_all(*masks: int) -> int:
     out = _ALL
     for m in masks:
         out &= m
-    return out
-
-
-def _slots(mask: int) -> list[int]:
-    out = []
-    while mask:
-        low = mask & -mask
-        out.append(low.bit_length() - 1)
-        mask ^= low
     return out
 
 

@@ -69,7 +69,7 @@ def full_attention_run(
     """
     step = block_size // unit
     if step == 0:  # blocks smaller than the unit are never indexed (unaligned_blocks)
-        return dict.fromkeys(_slots(alive), 0)
+        return dict.fromkeys(mask_slots(alive), 0)
     hits: dict[int, int] = {}
     nblocks = limit // block_size
     # One lookup per block (keyed by its last unit): an 8k-token prompt is 512 lookups, most
@@ -97,7 +97,8 @@ def full_attention_run(
     return hits
 
 
-def _slots(mask: int) -> list[int]:
+def mask_slots(mask: int) -> list[int]:
+    """The engine slots whose bits are set in ``mask``, lowest first."""
     out = []
     while mask:
         low = mask & -mask

@@ -55,7 +55,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router.core import Router
 from router.epp_core import Pick, Picker, RequestState
 from router.errors import BodyError
-from router.messages import cached_tokens_of, prompt_tokens_of
+from router.messages import cached_from_sse, cached_tokens_of, prompt_tokens_of
 from router.verify import StreamUsageFilter
 
 __all__ = ["DESTINATION", "SERVED", "SUBSET", "EppServer", "serve_epp"]
@@ -127,17 +127,6 @@ def _subset_of(req: pb.ProcessingRequest) -> list[str] | None:
     if kind == "string_value":
         return [s.strip() for s in v.string_value.split(",") if s.strip()]
     return []
-
-
-def _usage_in_sse(chunk: bytes) -> tuple[int, int | None] | None:
-    for line in chunk.split(b"\n"):
-        if line.startswith(b"data: {") and b"cached_tokens" in line:
-            with contextlib.suppress(msgspec.DecodeError):
-                doc = _json.decode(line[6:])
-                cached = cached_tokens_of(doc)
-                if cached is not None:
-                    return cached, prompt_tokens_of(doc)
-    return None
 
 
 def _body_chunks(data: bytes, eos: bool) -> list[pb.ProcessingResponse]:
@@ -338,7 +327,7 @@ class Exchange:
             elif self.resp_mode in BUFFERED:
                 self.usage_of_json(st, chunk)
             elif b"cached_tokens" in chunk:
-                usage = _usage_in_sse(chunk) if self.sse else None
+                usage = cached_from_sse(chunk) if self.sse else None
                 if usage is None and not self.sse:
                     self.usage_of_json(st, chunk)
                 elif usage is not None:
