@@ -487,7 +487,7 @@ def _check_key(request: Request, keys: set[str], quotas: QuotaTable | None = Non
     """The request's API key, checked against ``server.api_keys`` and the keys file, and one
     request spent of its per-minute limit (BodyError 401 / 429)."""
     key = _bearer(request)
-    extra = quotas.keys() if quotas is not None else set()
+    extra = quotas.keys() if quotas is not None else {}
     if (keys or extra) and key not in keys and key not in extra:
         raise BodyError(401, "invalid or missing API key (Authorization: Bearer <key>)")
     if quotas is not None:

@@ -87,11 +87,13 @@ class QuotaTable:
         if path is not None:
             self._load(force=True)
 
-    def keys(self) -> set[str]:
+    def keys(self) -> dict[str, KeyLimits]:
+        """The keys file's keys and limits as last read (empty without a file); not copied:
+        every request checks its key here."""
         if self.path is None:
-            return set()
+            return self.limits
         self._maybe_reload()
-        return set(self.limits)
+        return self.limits
 
     def admit(self, key: str | None, now: float | None = None) -> None:
         """Spend one request of ``key``'s RPM. RateLimited when there is none left."""
