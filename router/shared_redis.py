@@ -176,11 +176,7 @@ class RedisSharedState(SharedState):
         if self.on_redis_up is not None:
             self.on_redis_up(False)
         deadline = time.monotonic() + self.startup_timeout_s
-        try:
-            await asyncio.wait_for(self._client.ping(), self.op_timeout_s * 5)
-            self._mark_up()
-        except Exception as exc:
-            self._mark_down(exc)
+        await self._first_ping(deadline)
         if self._up:
             try:
                 left = max(deadline - time.monotonic(), 0.1)
@@ -198,6 +194,22 @@ class RedisSharedState(SharedState):
             ("snapshot", self._snapshot_loop()),
         ):
             self._tasks.append(loop.create_task(coro, name=f"kvrouter-shared-{name}"))
+
+    async def _first_ping(self, deadline: float) -> None:
+        """Ping until Redis answers or ``startup_timeout_s`` passes: one slow first answer (a
+        cold connection on a busy node) is not an outage, so start reports down only when Redis
+        stays silent for the whole startup window."""
+        while True:
+            try:
+                await asyncio.wait_for(self._client.ping(), self.op_timeout_s * 5)
+            except Exception as exc:
+                if time.monotonic() + self.op_timeout_s >= deadline:
+                    self._mark_down(exc)
+                    return
+                await asyncio.sleep(min(self.op_timeout_s, 0.1))
+            else:
+                self._mark_up()
+                return
 
     async def stop(self) -> None:
         for t in self._tasks:
