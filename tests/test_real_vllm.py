@@ -17,9 +17,9 @@ everything vLLM published for the earlier requests (the captures of scripts/reco
 are recorded the same way).
 
 Runtime on two shared cores: the venv, when absent, about 80 s; per kind, vLLM's start-up
-(25 s idle, up to a few minutes under load) plus 54 requests (60 with offloading) of well under
-a second of compute each plus the quiet time: about 2 to 4 minutes per kind, 10 to 20 minutes in
-all. Each test is bounded by its timeout.
+(25 s idle, minutes under load) plus 54 requests (60 with offloading), each under a second of
+compute plus the quiet time: about 4 to 5 minutes per kind, 20 to 25 minutes in all. Each test
+is bounded by its timeout.
 
     KVROUTER_REAL_VLLM=1 KVROUTER_VLLM_VENV=/path/to/venv PYTHONPATH=$PWD \\
         python -m pytest -q -p no:cacheprovider -m real_vllm tests/test_real_vllm.py
