@@ -353,16 +353,7 @@ class SimEngine:
                     if req.load_ready_s > now:
                         skipped.append(self.waiting.popleft())
                         continue
-                    req.num_computed += req.cpu_loaded_tokens
-                    if req.num_computed >= len(req.all_token_ids):
-                        # vLLM (_update_waiting_for_remote_kv): a load that covers the whole
-                        # prompt still recomputes its last token.
-                        req.num_computed = len(req.all_token_ids) - 1
-                        req.cpu_loaded_tokens = req.num_computed - req.cached_tokens
-                    kv.cache_blocks(req, req.num_computed)
-                    if req.first_hit is None:
-                        req.first_hit = (req.cached_tokens, req.cpu_loaded_tokens)
-                    req.status = WAITING
+                    self._finish_cpu_load(req)
                     new_groups, new_tokens = None, 0
                 elif not req.hit_done:
                     if not self._first_schedule(req, now):
@@ -398,6 +389,19 @@ class SimEngine:
         end = now + self._step_duration(prefill_tokens, decode_tokens, 0)
         self._inflight = (now, end, scheduled)
         return end
+
+    def _finish_cpu_load(self, req: Request) -> None:
+        """A waiting request's CPU-tier load is done: the loaded tokens count as computed."""
+        req.num_computed += req.cpu_loaded_tokens
+        if req.num_computed >= len(req.all_token_ids):
+            # vLLM (_update_waiting_for_remote_kv): a load that covers the whole prompt still
+            # recomputes its last token.
+            req.num_computed = len(req.all_token_ids) - 1
+            req.cpu_loaded_tokens = req.num_computed - req.cached_tokens
+        self.kv.cache_blocks(req, req.num_computed)
+        if req.first_hit is None:
+            req.first_hit = (req.cached_tokens, req.cpu_loaded_tokens)
+        req.status = WAITING
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
