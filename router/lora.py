@@ -51,6 +51,8 @@ log = logging.getLogger("kvrouter.lora")
 
 
 class LoraAdapter(msgspec.Struct, forbid_unknown_fields=True):
+    """One entry of ``lora.adapters``."""
+
     path: str
     """``lora_path`` of the load call: a path or URI the worker can read."""
     base_model: str | None = None
@@ -62,8 +64,9 @@ class LoraConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     dynamic_loading: bool = False
     """Load an adapter no worker has (workers run with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)."""
-    adapters: dict[str, str | LoraAdapter] = {}
-    """Adapter name -> its path (or ``{path, base_model}``): what the router may load."""
+    adapters: dict[str, str | dict[str, str | None]] = {}
+    """Adapter name -> its path, or ``{path, base_model}`` (:class:`LoraAdapter`): what the
+    router may load."""
     worker_resolver: bool = False
     """Workers resolve unknown adapter names themselves (vLLM LoRA resolver plugins)."""
     load_timeout_s: float = 120.0
@@ -74,12 +77,24 @@ class LoraConfig(msgspec.Struct, forbid_unknown_fields=True):
     retry_failed_after_s: float = 30.0
     """A worker that failed to load an adapter is not asked again for it this long."""
 
+    def entries(self) -> dict[str, LoraAdapter]:
+        """``adapters`` as :class:`LoraAdapter` (ValueError naming the key of a bad entry)."""
+        out = {}
+        for name, a in self.adapters.items():
+            try:
+                out[name] = msgspec.convert({"path": a} if isinstance(a, str) else a, LoraAdapter)
+            except msgspec.ValidationError as exc:
+                raise ValueError(f"lora.adapters.{name}: {exc} (keys: path, base_model)") from None
+            if not name or not out[name].path:
+                raise ValueError(f"lora.adapters.{name}: needs a name and a path")
+        return out
+
     def problems(self) -> list[str]:
         out = []
-        for name, a in self.adapters.items():
-            path = a if isinstance(a, str) else a.path
-            if not name or not path:
-                out.append(f"lora.adapters.{name}: needs a name and a path")
+        try:
+            self.entries()
+        except ValueError as exc:
+            out.append(str(exc))
         if self.load_timeout_s <= 0:
             out.append("lora.load_timeout_s: must be positive")
         if min(self.load_cost_tokens, self.slot_wait_tokens, self.retry_failed_after_s) < 0:
@@ -130,6 +145,11 @@ def _names(joined: str) -> frozenset[str]:
     return frozenset(n.strip() for n in joined.split(",") if n.strip())
 
 
+RESOLVE_PIN_S = 30.0
+"""How long requests for an adapter a worker resolves follow the first one there: long enough
+for the worker's /v1/models (re-read every 10 s) to list it once resolved."""
+
+
 class LoadFailure(msgspec.Struct):
     url: str
     status: int | None
@@ -144,11 +164,12 @@ class LoraPlacement:
 
     def __init__(self, cfg: LoraConfig) -> None:
         self.cfg = cfg
-        self.adapters = {
-            name: LoraAdapter(a) if isinstance(a, str) else a for name, a in cfg.adapters.items()
-        }
+        self.adapters = cfg.entries()
         self._loading: dict[str, asyncio.Task[str]] = {}
         self._failed: dict[tuple[str, str], tuple[float, LoadFailure]] = {}
+        self._resolving: dict[str, tuple[str, float]] = {}
+        """Adapter -> the worker resolving it and until when later requests follow it there:
+        not listed as served until the worker's /v1/models says so (the name may be a typo)."""
 
     # ---------------------------------------------------------------- which workers, what cost
 
@@ -170,6 +191,10 @@ class LoraPlacement:
         if self._loadable(model):
             base = self.adapters[model].base_model
         elif self._resolvable(model, registry):
+            url, until = self._resolving.get(model, ("", 0.0))
+            pinned = [w for w in workers if w.url == url]
+            if pinned and until > time.monotonic():
+                return pinned
             base = None
         else:
             return []
@@ -240,7 +265,10 @@ class LoraPlacement:
             if dry_run:
                 return
             url = w.url
-            _assume_loaded(w, model, None)  # not learned: the name may be a typo
+            if len(self._resolving) > 1024:  # names clients made up must not pile up
+                now = time.monotonic()
+                self._resolving = {k: v for k, v in self._resolving.items() if v[1] > now}
+            self._resolving[model] = (url, time.monotonic() + RESOLVE_PIN_S)
         else:
             return
         mine = [e for e in decision.ranked if e[0] == url]

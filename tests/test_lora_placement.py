@@ -217,6 +217,8 @@ async def test_with_a_worker_resolver_the_request_goes_to_the_best_worker_as_is(
             # A name no resolver finds: the worker's own 404.
             r = await c.post(base + "/v1/completions", json=complete("typo", "t"))
             assert r.status_code == 404 and "typo" in r.json()["error"]["message"]
+            listed = {m["id"] for m in (await c.get(base + "/v1/models")).json()["data"]}
+            assert "typo" not in listed
 
 
 def test_the_current_lora_requests_info_series_is_the_latest_one() -> None:
