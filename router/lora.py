@@ -252,15 +252,18 @@ class LoraPlacement:
         it there (or on the next worker of the ranking when that fails), or, for a resolver,
         note that the worker loads it itself. The decision is narrowed to that worker's
         engines, since no other has the adapter. BodyError when no worker could load it."""
+        loadable = self._loadable(model)
+        if not loadable and not self._resolvable(model, registry):
+            return  # nothing for the router to place: the plain path
         w = registry.workers.get(decision.engine[0])
         if w is None or not w.models or model in w.served:
             return
-        if self._loadable(model):
+        if loadable:
             if dry_run:
                 decision.reason += f"; LoRA adapter `{model}` is loaded there first"
                 return
             url = await self._single_flight(model, decision, registry)
-        elif self._resolvable(model, registry):
+        else:
             decision.reason += f"; the worker resolves LoRA adapter `{model}` itself"
             if dry_run:
                 return
@@ -269,8 +272,6 @@ class LoraPlacement:
                 now = time.monotonic()
                 self._resolving = {k: v for k, v in self._resolving.items() if v[1] > now}
             self._resolving[model] = (url, time.monotonic() + RESOLVE_PIN_S)
-        else:
-            return
         mine = [e for e in decision.ranked if e[0] == url]
         if mine:
             decision.engine, decision.ranked = mine[0], mine
