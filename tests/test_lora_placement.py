@@ -190,7 +190,10 @@ async def test_lora_requests_info_steers_a_new_adapter_away_from_full_slots() ->
                 full = LoraSlots(1, frozenset({"busy"}), frozenset())
                 await until(lambda: router.registry.workers[w0.url].lora_slots == full, 30)
                 await until(lambda: router.registry.workers[w0.url].load(0).running == 1, 30)
-                assert await chosen() == w1.url
+                e = (await c.post(base + "/debug/route", json=body)).json()
+                assert e["chosen"] == w1.url
+                charged = {w["url"]: w["adapter_tokens"] for w in e["workers"]}
+                assert charged == {w0.url: 2048 + 4096, w1.url: 2048}  # load; load + slot wait
                 r = await c.post(base + "/v1/completions", json=body)
                 assert r.status_code == 200 and r.headers["x-kvrouter-worker"] == w1.url
             assert (await lora_state(c, w1.url))["load_calls"] == {"new": 1}
