@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
+from router.lora import LoraConfig
 from router.policy import PolicyParams
 from router.quotas import parse_keys
 
@@ -208,6 +209,7 @@ class Config(_Section):
     redis: RedisConfig = msgspec.field(default_factory=RedisConfig)
     verify: VerifyConfig = msgspec.field(default_factory=VerifyConfig)
     session: SessionConfig = msgspec.field(default_factory=SessionConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
 
 
 # ---------------------------------------------------------------- reading the declarations
@@ -591,6 +593,8 @@ def _validate(cfg: Config) -> None:
     _check_discovery_and_redis(cfg.discovery.kubernetes, cfg.redis)
     _check_verify(cfg.verify)
     _check_session(cfg.session)
+    for problem in cfg.lora.problems():
+        raise ConfigError(problem)
 
 
 def _check_session(s: SessionConfig) -> None:

@@ -28,6 +28,7 @@ from router.config import Config, WorkerSpec, upstream_api_key
 from router.discovery import Discovery
 from router.errors import BodyError
 from router.load import EngineLoad
+from router.lora import LoraPlacement
 from router.metrics import RouterMetrics, fleet_state
 from router.policy import Candidate, Decision, make_policy
 from router.quotas import QuotaTable
@@ -131,6 +132,7 @@ class Router:
         self.started = time.time()
         self.sessions = SessionTable(cfg.session.ttl_s, cfg.session.max_sessions)
         self.quotas = QuotaTable(cfg.server.api_keys_file)
+        self.lora = LoraPlacement(cfg.lora)
         self.draining = False
         """Set on SIGTERM (router/serving.py): /ready answers 503 while requests finish."""
 
@@ -290,7 +292,10 @@ class Router:
         raise TokenizeError(last)
 
     def namespace_root(self, body: dict[str, Any]) -> tuple[str, int]:
-        ns = self.registry.models.namespace(body.get("model"), self.registry.workers.values())
+        model = body.get("model")
+        ns = self.lora.namespace(model, self.registry) or self.registry.models.namespace(
+            model, self.registry.workers.values()
+        )
         salt = body.get("cache_salt")
         return ns, self.index.root(ns, salt if isinstance(salt, str) else None)
 
@@ -308,15 +313,17 @@ class Router:
         leaving the policy's learned state (and the session's binding) untouched. ``session``:
         the request's session key (router/sessions.py). ``tokenize=False``: the body has no
         prompt to match (router/passthrough.py), so the choice is by load."""
+        model = body.get("model")
+        workers = self._serving(model)
         ns, root = self.namespace_root(body)
         tok: Tokenized | None = None
         err = None if tokenize else "no prompt to match: routed by load"
         try:
             if tokenize:
-                tok = await self.tokenizer.tokenize(body, chat, root, self._remote_tokenize)
+                as_base = self.lora.tokenize_body(body, workers, self.registry)
+                tok = await self.tokenizer.tokenize(as_base, chat, root, self._remote_tokenize)
         except TokenizeError as exc:
             err = str(exc)
-        workers = self._serving(body.get("model"))
         loads = [(e, w.load(e[1])) for w in workers for e in w.engines()]
         bound = self._session_binding(session, now)
         if bound is not None and self.cfg.session.mode == "hard":
@@ -348,11 +355,13 @@ class Router:
             remote=self.shared.remote_loads(),  # other replicas' in-flight work (Redis)
             load_only={e for e in engines if load_only(self.subscriber, e)},
             unverified=self._unverified(engines),
+            adapter=self.lora.adapter_tokens(model, workers, self.registry),
         )
         if not cands:
             raise BodyError(503, "no workers configured")
         n = tok.n_tokens if tok is not None else 0
         decision = self.policy.choose(cands, n, now, dry_run=dry_run)
+        await self.lora.place(model, decision, self.registry, dry_run=dry_run)
         if session is not None and tok is not None and len(tok.keys) and not dry_run:
             covered = len(tok.keys) * self.index.unit
             self.sessions.bind(session, decision.engine, covered, tok.keys[-1], now)
@@ -371,6 +380,9 @@ class Router:
         serving = [w for w in workers if w.serves(model)]
         if serving or not workers:
             return serving
+        placeable = self.lora.placeable(model, workers, self.registry)  # an adapter to load
+        if placeable:
+            return placeable
         names = sorted({name for w in self.registry.workers.values() for name in w.served})
         raise BodyError(
             404,
