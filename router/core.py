@@ -11,6 +11,7 @@ trust gating (degraded and unverified engines get no index credit) -> candidates
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -266,10 +267,12 @@ class Router:
 
     # ---------------------------------------------------------------- tokenize + route
 
-    async def _remote_tokenize(self, payload: dict[str, Any] | bytes) -> TokenIds:
+    async def _remote_tokenize(
+        self, payload: dict[str, Any] | bytes, among: list[Worker] | None = None
+    ) -> TokenIds:
         body = payload if isinstance(payload, bytes) else _enc.encode(payload)
         last = "no healthy worker"
-        for w in self.registry.tokenizer_workers()[:2]:
+        for w in self.registry.tokenizer_workers(among)[:2]:
             try:
                 r = await w.client.post(
                     "/tokenize",
@@ -321,7 +324,8 @@ class Router:
         try:
             if tokenize:
                 as_base = self.lora.tokenize_body(body, workers, self.registry)
-                tok = await self.tokenizer.tokenize(as_base, chat, root, self._remote_tokenize)
+                remote = functools.partial(self._remote_tokenize, among=workers)
+                tok = await self.tokenizer.tokenize(as_base, chat, root, remote)
         except TokenizeError as exc:
             err = str(exc)
         loads = [(e, w.load(e[1])) for w in workers for e in w.engines()]

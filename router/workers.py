@@ -303,9 +303,10 @@ class WorkerRegistry:
     def healthy(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.healthy]
 
-    def tokenizer_workers(self) -> list[Worker]:
-        """Healthy workers, rotated so /tokenize calls spread over the fleet."""
-        ws = self.healthy()
+    def tokenizer_workers(self, among: list[Worker] | None = None) -> list[Worker]:
+        """Healthy workers (of ``among`` when given: the ones serving the request's model,
+        whose tokenizer is the one that counts), rotated so /tokenize calls spread out."""
+        ws = self.healthy() if among is None else [w for w in among if w.healthy]
         if not ws:
             return []
         self._rr = (self._rr + 1) % len(ws)
