@@ -14,9 +14,9 @@ limit allows, not N times it. The keys file itself is still read by every replic
   time would need the hosts synchronised to well under the refill interval). Scripts that read
   ``TIME`` and write are replicated by effects, Redis's default since 5.0.
 * **On the request path, by necessity.** Enforcing one limit across replicas means asking the
-  one place that holds it: a request of a key with limits waits for one script call (a
-  round trip, bounded by ``op_timeout_s``), once for its request and once for its prompt
-  tokens. Keys without limits never touch Redis. Completion tokens are charged after the
+  one place that holds it: a request of a key with limits waits for one script call (a round
+  trip, bounded like every ordinary Redis call: 200 ms), once for its request and once for its
+  prompt tokens. Keys without limits never touch Redis. Completion tokens are charged after the
   response by a background task.
 * **Redis down.** While ``RedisSharedState.up`` is false, or when a call fails, the replica's
   own buckets (:class:`router.quotas.QuotaTable`) decide: the limit then holds per replica,
@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from router.quotas import KeyLimits, Limits, QuotaTable, RateLimited
+from router.shared_redis import cancel_tasks
 from router.shared_state import RedisSharedState, SharedState
 
 __all__ = ["RedisQuotas", "shared_quotas"]
@@ -114,8 +115,7 @@ class RedisQuotas:
         """Let pending completion charges finish (bounded), then drop the rest."""
         if self._charges:
             await asyncio.wait(set(self._charges), timeout=self.shared.op_timeout_s * 3)
-        for t in list(self._charges):
-            t.cancel()
+        await cancel_tasks(list(self._charges))
 
     # ---------------------------------------------------------------- internals
 
@@ -149,9 +149,7 @@ class RedisQuotas:
         bucket = f"{self.prefix}{hashlib.sha256(key.encode()).hexdigest()[:32]}:{kind}"
         args = [rate, amount, mode, self.local.period_s]
         try:
-            ok, wait = await self.shared.call(
-                self._script(keys=[bucket], args=args), self.shared.op_timeout_s
-            )
+            ok, wait = await self.shared.call(self._script(keys=[bucket], args=args))
         except asyncio.CancelledError:
             raise
         except Exception:

@@ -24,7 +24,7 @@ from router.policy import SAMPLE_STRIDE, Engine
 from router.shared_local import SharedState, Snapshot, engine_key, parse_engine_key
 from router.snapshot_upload import close_snapshot, commit_snapshot, upload_snapshot
 
-__all__ = ["RedisSharedState"]
+__all__ = ["RedisSharedState", "cancel_tasks"]
 
 log = logging.getLogger("kvrouter.shared")
 
@@ -61,6 +61,20 @@ def sampled_keys(keys: Sequence[int], max_keys: int) -> list[int]:
     if len(keys) % SAMPLE_STRIDE and len(out) < max_keys:
         out.append(keys[-1])
     return out
+
+
+async def cancel_tasks(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Cancel ``tasks`` and wait until they are done. Python 3.11's ``wait_for`` loses a
+    cancellation that arrives as the awaited operation completes, and a loop that lost one runs
+    on: each is cancelled again until it ends."""
+    pending = set(tasks)
+    while pending:
+        for t in pending:
+            t.cancel()
+        done, pending = await asyncio.wait(pending, timeout=0.5)
+        for t in done:
+            if not t.cancelled():
+                t.exception()  # retrieved: a loop that died of an error is not logged twice
 
 
 class _SpecMsg(msgspec.Struct, array_like=True):
@@ -213,9 +227,7 @@ class RedisSharedState(SharedState):
                 return
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_tasks(self._tasks)
         self._tasks.clear()
         if self._up and self._client is not None:
             # Leave cleanly: our load disappears now instead of after the TTL.

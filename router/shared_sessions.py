@@ -13,8 +13,8 @@ over several replicas stays on its engine:
   local table stays its replica's own working set.
 * **Read on a local miss.** A session this replica has not seen (a new replica, a turn that a
   balancer sent here first, a record missed while disconnected) is read from Redis (``GET`` +
-  ``PTTL``, one round trip bounded by ``op_timeout_s``) and cached for what is left of its TTL.
-  A session's first turn pays that round trip once; later turns find it locally.
+  ``PTTL``, one round trip bounded like every ordinary Redis call) and cached for what is left
+  of its TTL. A session's first turn pays that round trip once; later turns find it locally.
 
 A record (msgpack ``[replica, key, url, rank, tokens, last_key, ttl_ms]``) names the engine the
 way every replica does (same worker URLs and DP ranks). Redis down (``RedisSharedState.up``
@@ -26,7 +26,6 @@ are not written afterwards: the next turn of such a session rebinds it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,6 +34,7 @@ import msgspec
 
 from indexer.index import EngineId
 from router.sessions import Binding, Sessions, SessionTable
+from router.shared_redis import cancel_tasks
 from router.shared_state import RedisSharedState, SharedState
 
 __all__ = ["RedisSessions", "shared_sessions"]
@@ -93,7 +93,7 @@ class RedisSessions:
             async with self.shared.client.pipeline(transaction=False) as p:
                 p.get(self.prefix + key)
                 p.pttl(self.prefix + key)
-                raw, ttl_ms = await self.shared.call(p.execute(), self.shared.op_timeout_s)
+                raw, ttl_ms = await self.shared.call(p.execute())
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -128,9 +128,7 @@ class RedisSessions:
 
     async def close(self) -> None:
         if self._writer is not None:
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
+            await cancel_tasks([self._writer])
             self._writer = None
 
     # ---------------------------------------------------------------- internals
