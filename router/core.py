@@ -332,7 +332,7 @@ class Router:
             err = str(exc)
         workers = self._serving(body.get("model"))
         loads = [(e, w.load(e[1])) for w in workers for e in w.engines()]
-        bound = await self._session_binding(session, now)
+        bound = None if session is None else await self._session_binding(session, now)
         if bound is not None and self.cfg.session.mode == "hard":
             pinned = [x for x in loads if x[0] == bound[0]]
             loads = pinned or loads  # its engine is gone or unhealthy: route freely
@@ -373,8 +373,8 @@ class Router:
         churn = {c.engine: self.index.churn(c.engine) for c in cands}
         return RouteResult(decision, tok, ns, matches, cands, err, churn, reads_cache)
 
-    async def _session_binding(self, session: str | None, now: float) -> Binding | None:
-        if session is None or self.cfg.session.mode == "off":
+    async def _session_binding(self, session: str, now: float) -> Binding | None:
+        if self.cfg.session.mode == "off":
             return None
         return await self.sessions.lookup(session, now)
 
