@@ -58,6 +58,8 @@ class ServerConfig(_Section):
     api_keys: list[str] = []
     api_keys_file: str | None = None
     """More keys with per-key rpm / tpm limits, from a file reloaded on change (quotas.py)."""
+    rate_limit_period_s: float = 60.0
+    """The period a key's rpm and tpm count over: its buckets hold one period of the limit."""
     forward_authorization: bool = False
     max_body_bytes: int = 10_485_760
     cors_origins: list[str] = []
@@ -446,8 +448,8 @@ def _check_server(s: ServerConfig) -> None:
         raise ConfigError("server.connect_timeout_s / first_byte_timeout_s: must be positive")
     if s.request_timeout_s is not None and s.request_timeout_s <= 0:
         raise ConfigError("server.request_timeout_s: must be positive (or null: no total limit)")
-    if s.pool_timeout_s <= 0:
-        raise ConfigError("server.pool_timeout_s: must be positive")
+    if s.pool_timeout_s <= 0 or s.rate_limit_period_s <= 0:
+        raise ConfigError("server.pool_timeout_s / rate_limit_period_s: must be positive")
     if s.api_keys_file is not None:
         try:
             with open(s.api_keys_file) as f:

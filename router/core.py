@@ -32,11 +32,13 @@ from router.load import EngineLoad
 from router.lora import LoraPlacement
 from router.metrics import RouterMetrics, fleet_state
 from router.policy import Candidate, Decision, make_policy
-from router.quotas import QuotaTable
+from router.quotas import Limits, QuotaTable
 from router.recorder import Recorder
 from router.resilience import WorkerWatch, load_only
 from router.selfcheck import SelfCheck
-from router.sessions import SessionTable
+from router.sessions import Binding, Sessions, SessionTable
+from router.shared_quotas import shared_quotas
+from router.shared_sessions import shared_sessions
 from router.shared_state import ExportedEngine, SharedState, make_shared_state, seed_subscriber
 from router.tokenize import (
     LocalTokenizer,
@@ -131,8 +133,18 @@ class Router:
         self.recorder = Recorder()
         """The last decisions and the hit rate per minute (the status page, /debug)."""
         self.started = time.time()
-        self.sessions = SessionTable(cfg.session.ttl_s, cfg.session.max_sessions)
-        self.quotas = QuotaTable(cfg.server.api_keys_file)
+        # Session bindings and per-key buckets: in Redis with redis.url, else this replica's.
+        fallbacks = self.metrics.redis_fallbacks
+        self.sessions: Sessions = shared_sessions(
+            SessionTable(cfg.session.ttl_s, cfg.session.max_sessions),
+            self.shared,
+            fallbacks.labels("sessions").inc,
+        )
+        self.quotas: Limits = shared_quotas(
+            QuotaTable(cfg.server.api_keys_file, cfg.server.rate_limit_period_s),
+            self.shared,
+            fallbacks.labels("limits").inc,
+        )
         self.lora = LoraPlacement(cfg.lora)
         self.draining = False
         """Set on SIGTERM (router/serving.py): /ready answers 503 while requests finish."""
@@ -186,6 +198,8 @@ class Router:
         if self.discovery is not None:
             await self.discovery.stop()
         await self.registry.stop()
+        await self.sessions.close()
+        await self.quotas.close()
         await self.shared.stop()
         await self.subscriber.stop()
 
@@ -329,7 +343,7 @@ class Router:
         except TokenizeError as exc:
             err = str(exc)
         loads = [(e, w.load(e[1])) for w in workers for e in w.engines()]
-        bound = self._session_binding(session, now)
+        bound = None if session is None else await self._session_binding(session, now)
         if bound is not None and self.cfg.session.mode == "hard":
             pinned = [x for x in loads if x[0] == bound[0]]
             loads = pinned or loads  # its engine is gone or unhealthy: route freely
@@ -372,10 +386,10 @@ class Router:
         churn = {c.engine: self.index.churn(c.engine) for c in cands}
         return RouteResult(decision, tok, ns, matches, cands, err, churn, reads_cache)
 
-    def _session_binding(self, session: str | None, now: float) -> tuple[EngineId, int, int] | None:
-        if session is None or self.cfg.session.mode == "off":
+    async def _session_binding(self, session: str, now: float) -> Binding | None:
+        if self.cfg.session.mode == "off":
             return None
-        return self.sessions.get(session, now)
+        return await self.sessions.lookup(session, now)
 
     def _serving(self, model: Any) -> list[Worker]:
         """The workers a request for ``model`` may go to: healthy ones that serve it (all of
