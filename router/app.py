@@ -483,14 +483,16 @@ def _passthrough_handler(router: Router) -> Callable[[Request, str], Awaitable[R
     return handle
 
 
-async def _check_key(request: Request, keys: set[str], quotas: Limits | None = None) -> str | None:
-    """The request's API key, checked against ``server.api_keys`` and the keys file, and one
-    request spent of its per-minute limit (BodyError 401 / 429)."""
+async def _check_key(
+    request: Request, keys: set[str], quotas: Limits | None = None, *, charge: bool = True
+) -> str | None:
+    """The request's API key, checked against ``server.api_keys`` and the keys file, and (with
+    ``charge``) one request spent of its per-minute limit (BodyError 401 / 429)."""
     key = _bearer(request)
     extra = quotas.keys() if quotas is not None else {}
     if (keys or extra) and key not in keys and key not in extra:
         raise BodyError(401, "invalid or missing API key (Authorization: Bearer <key>)")
-    if quotas is not None:
+    if quotas is not None and charge:
         try:
             await quotas.take_request(key)
         except RateLimited as exc:
@@ -528,7 +530,7 @@ def _add_api_routes(app: FastAPI, router: Router) -> dict[str, ProxyHandler]:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         """Every model and adapter the fleet serves (each worker's /v1/models, merged)."""
-        await _check_key(request, keys)
+        await _check_key(request, keys, router.quotas, charge=False)  # a listing costs nothing
         return JSONResponse({"object": "list", "data": router.registry.fleet_models()})
 
     @app.get("/health")
