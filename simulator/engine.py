@@ -13,6 +13,10 @@ Scheduling follows vLLM v1 (continuous batching, chunked prefill): running reque
 (decode = 1 token, unfinished prefills chunked by the token budget), then waiting requests
 in FIFO order while the budget, ``max_num_seqs`` and free blocks allow. A running request
 that cannot get a block preempts the most recently scheduled running request (recompute).
+With ``scheduling_policy="priority"`` (vLLM's ``--scheduling-policy priority``) the waiting
+queue is ordered by (priority, arrival), lowest first, and the preemption victim is the
+running request with the largest (priority, arrival); vLLM refuses a non-zero priority
+under ``fcfs``.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # token budget per step
     max_num_seqs: int = 256
     max_waiting: int = 10000  # bounded request queue
+    scheduling_policy: str = "fcfs"  # fcfs | priority (vLLM's --scheduling-policy)
     # timing
     prefill_tokens_per_s: float = 20000.0
     cpu_load_tokens_per_s: float = 200000.0
@@ -79,6 +84,8 @@ class EngineConfig:
             raise ValueError("a CPU tier needs every KV-cache group to share one block size")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError("scheduling_policy must be fcfs or priority")
 
 
 @dataclass
@@ -151,8 +158,12 @@ class SimEngine:
         cache_salt: str | None = None,
         session_id: str | None = None,
         report_full: bool = False,
+        priority: int = 0,
     ) -> Request:
         c = self.config
+        if priority != 0 and c.scheduling_policy != "priority":
+            # vLLM's input processor, word for word (the server answers 400)
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
         if len(self.waiting) >= c.max_waiting:
             raise QueueFull("request queue is full")
         if request_id in self.requests:
@@ -184,11 +195,25 @@ class SimEngine:
             cache_salt,
             session_id,
             RequestHasher(self.kv.hbs, lora_name, cache_salt),
+            priority,
         )
         req.report_full = report_full
         self.requests[request_id] = req
-        self.waiting.append(req)
+        if c.scheduling_policy == "priority":
+            self._insert_by_priority(req)
+        else:
+            self.waiting.append(req)
         return req
+
+    def _insert_by_priority(self, req: Request) -> None:
+        """Into the waiting queue at its (priority, arrival) place: vLLM's priority queue pops
+        in that order. Scanned from the back, where a new arrival usually belongs."""
+        key = (req.priority, req.arrival_s)
+        w = self.waiting
+        i = len(w)
+        while i > 0 and (w[i - 1].priority, w[i - 1].arrival_s) > key:
+            i -= 1
+        w.insert(i, req)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -321,7 +346,18 @@ class SimEngine:
             req = self.running[i]
             n = min(len(req.all_token_ids) - req.num_computed, budget)
             while not kv.allocate_slots(req, n):
-                victim = self.running.pop()
+                victim = self._victim()
+                at = self.running.index(victim)
+                del self.running[at]
+                if at < i:  # scheduled earlier in this step: its tokens go back to the budget
+                    j = next(k for k, (r, _) in enumerate(scheduled) if r is victim)
+                    m = scheduled.pop(j)[1]
+                    budget += m
+                    if victim.num_computed < victim.num_prompt:
+                        prefill_tokens -= m
+                    else:
+                        decode_tokens -= m
+                    i -= 1
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -388,12 +424,22 @@ class SimEngine:
         self._inflight = (now, end, scheduled)
         return end
 
+    def _victim(self) -> Request:
+        """The running request to preempt: the last scheduled (fcfs), or the one with the
+        largest (priority, arrival) (vLLM's priority policy)."""
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_s))
+        return self.running[-1]
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.num_computed = 0
         req.hit_done = False
         req.status = WAITING
-        self.waiting.appendleft(req)
+        if self.config.scheduling_policy == "priority":
+            self._insert_by_priority(req)
+        else:
+            self.waiting.appendleft(req)
 
     def finish_step(self) -> StepOutput:
         assert self._inflight is not None
