@@ -373,56 +373,66 @@ class SimEngine:
                 continue
             break
         if not preempted:
-            skipped: list[Request] = []
-            while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
-                req = self.waiting[0]
-                if req.status == WAITING_FOR_REMOTE_KVS:
-                    if req.load_ready_s > now:
-                        skipped.append(self.waiting.popleft())
-                        continue
-                    req.num_computed += req.cpu_loaded_tokens
-                    if req.num_computed >= len(req.all_token_ids):
-                        # vLLM (_update_waiting_for_remote_kv): a load that covers the whole
-                        # prompt still recomputes its last token.
-                        req.num_computed = len(req.all_token_ids) - 1
-                        req.cpu_loaded_tokens = req.num_computed - req.cached_tokens
-                    kv.cache_blocks(req, req.num_computed)
-                    if req.first_hit is None:
-                        req.first_hit = (req.cached_tokens, req.cpu_loaded_tokens)
-                    req.status = WAITING
-                    new_groups, new_tokens = None, 0
-                elif not req.hit_done:
-                    if not self._first_schedule(req, now):
-                        if req.status == WAITING_FOR_REMOTE_KVS:
-                            skipped.append(self.waiting.popleft())
-                            continue
-                        break
-                    new_groups, new_tokens = self._hit_groups, self._hit_tokens
-                else:
-                    new_groups, new_tokens = None, 0
-                base = req.num_computed + new_tokens
-                n = min(len(req.all_token_ids) - base, budget)
-                if not kv.allocate_slots(req, n, new_groups, new_tokens):
-                    if new_groups is not None:  # retry the lookup next step
-                        req.hit_done = False
-                        self.prefix_queries -= len(req.all_token_ids)
-                        self.prefix_hits -= new_tokens
-                    break
-                req.num_computed = base
-                self.waiting.popleft()
-                req.status = RUNNING
-                self.running.append(req)
-                scheduled.append((req, n))
-                budget -= n
-                prefill_tokens += n
-            for r in reversed(skipped):
-                self.waiting.appendleft(r)
+            prefill_tokens += self._schedule_waiting(now, budget, scheduled)
         if self.cpu is not None:
             for req, n in scheduled:
                 self.cpu.prepare_store(req, req.num_computed + n)
         end = now + self._step_duration(prefill_tokens, decode_tokens, 0)
         self._inflight = (now, end, scheduled)
         return end
+
+    def _schedule_waiting(
+        self, now: float, budget: int, scheduled: list[tuple[Request, int]]
+    ) -> int:
+        """Admit waiting requests in queue order into this step's batch (``scheduled``) while
+        ``budget``, ``max_num_seqs`` and free blocks allow; returns the prefill tokens added."""
+        c, kv = self.config, self.kv
+        added = 0
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
+            req = self.waiting[0]
+            if req.status == WAITING_FOR_REMOTE_KVS:
+                if req.load_ready_s > now:
+                    skipped.append(self.waiting.popleft())
+                    continue
+                req.num_computed += req.cpu_loaded_tokens
+                if req.num_computed >= len(req.all_token_ids):
+                    # vLLM (_update_waiting_for_remote_kv): a load that covers the whole
+                    # prompt still recomputes its last token.
+                    req.num_computed = len(req.all_token_ids) - 1
+                    req.cpu_loaded_tokens = req.num_computed - req.cached_tokens
+                kv.cache_blocks(req, req.num_computed)
+                if req.first_hit is None:
+                    req.first_hit = (req.cached_tokens, req.cpu_loaded_tokens)
+                req.status = WAITING
+                new_groups, new_tokens = None, 0
+            elif not req.hit_done:
+                if not self._first_schedule(req, now):
+                    if req.status == WAITING_FOR_REMOTE_KVS:
+                        skipped.append(self.waiting.popleft())
+                        continue
+                    break
+                new_groups, new_tokens = self._hit_groups, self._hit_tokens
+            else:
+                new_groups, new_tokens = None, 0
+            base = req.num_computed + new_tokens
+            n = min(len(req.all_token_ids) - base, budget)
+            if not kv.allocate_slots(req, n, new_groups, new_tokens):
+                if new_groups is not None:  # retry the lookup next step
+                    req.hit_done = False
+                    self.prefix_queries -= len(req.all_token_ids)
+                    self.prefix_hits -= new_tokens
+                break
+            req.num_computed = base
+            self.waiting.popleft()
+            req.status = RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+            added += n
+        for r in reversed(skipped):
+            self.waiting.appendleft(r)
+        return added
 
     def _victim(self) -> Request:
         """The running request to preempt: the last scheduled (fcfs), or the one with the
