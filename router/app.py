@@ -339,7 +339,6 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
     m = router.metrics
     policy_name = router.policy.name
     forward_ids = cfg.tokenizer.forward_ids
-    released = router.admission.wake if router.admission is not None else None
 
     async def handle(request: Request, path: str, chat: bool) -> Response:
         t0 = time.perf_counter()
@@ -373,7 +372,7 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
             m.requests.labels(policy_name, str(exc.status)).inc()
             _refused(req, exc.status, exc.message)
             return exc.response()
-        except ClientDisconnect:  # gone while sending its body: nothing to answer, nothing broke
+        except ClientDisconnect:  # gone while sending its body or queued: nothing to answer
             m.requests.labels(policy_name, "499").inc()
             log.info("client disconnected before its request was routed (499)")
             _refused(req, 499, "client disconnected")
@@ -409,7 +408,7 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
             limits=router.proxy_limits,
             on_failed=_on_failed(router, res),
             on_sent=_on_sent(router, res, decided, req.id),
-            on_released=released,
+            on_released=router.admission.wake if router.admission is not None else None,
         )
 
     return handle
