@@ -201,7 +201,9 @@ class _QueueDepth(Collector):
 class AdmissionMetrics:
     """The admission queue's metrics (router/admission.py); registered only when it is on."""
 
-    def __init__(self, registry: CollectorRegistry, depths: Callable[[], Mapping[int, int]]):
+    def __init__(
+        self, registry: CollectorRegistry, depths: Callable[[], Mapping[int, int]]
+    ) -> None:
         self.wait = Histogram(
             "kvrouter_admission_wait_seconds",
             "Time requests admitted from the admission queue waited there",

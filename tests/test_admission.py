@@ -12,9 +12,10 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.requests import ClientDisconnect
 from test_router_support import config_for, serve_router, until, words
 
-from router.admission import FairQueue, priority_of
+from router.admission import Admission, FairQueue, priority_of
 from router.config import ConfigError, parse_config
 from router.core import Router
 from simulator.engine import EngineConfig, SimEngine
@@ -73,6 +74,47 @@ def test_admission_config_is_off_by_default_and_checked() -> None:
         parse_config({"admission": {"queued_prefill_tokens_threshold": 0}})
     with pytest.raises(ConfigError, match=r"unknown key admission\.threshold"):
         parse_config({"admission": {"threshold": 1}})
+
+
+async def test_headroom_admits_several_at_once_and_waits_for_their_routes() -> None:
+    loads = {"m": [0, 9000]}  # engine 2 is over the threshold, engine 1 idle
+    cfg = parse_config({"admission": {"queued_prefill_tokens_threshold": 4096}}).admission
+    adm = Admission(cfg, lambda model: loads.get(model, []))
+    client_gone = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        await client_gone.wait()
+        return {"type": "http.disconnect"}
+
+    # 4,096 tokens of headroom hold four prompts of the assumed 1,024 tokens before any route
+    # is chosen; the fifth waits until one of them has its route.
+    passes = [await adm.admit("m", 0, None, receive) for _ in range(4)]
+    assert adm.counts["direct"] == 4
+    fifth = asyncio.create_task(adm.admit("m", 0, None, receive))
+    await until(lambda: len(adm.queue) == 1, 5, "the fifth queued")
+    loads["m"] = [4000, 9000]  # the four routed: the idle engine is nearly full now
+    for p in passes:
+        p.release(1000)
+    p5 = await asyncio.wait_for(fifth, 5)  # 96 tokens of room left: one more goes
+    assert adm.counts["queue"] == 1
+    sixth = asyncio.create_task(adm.admit("m", 0, None, receive))
+    await until(lambda: len(adm.queue) == 1, 5, "the sixth queued")
+    p5.release(1000)
+    loads["m"] = [5000, 9000]
+    await asyncio.sleep(0.05)
+    assert not sixth.done()
+    loads["m"] = [5000, 100]  # the busy engine drained (seen by the periodic re-check)
+    (await asyncio.wait_for(sixth, 5)).release()
+    # A model nobody serves is not held: routing answers it.
+    (await adm.admit("other", 0, None, receive)).release()
+    # A client that leaves while waiting is out of the queue.
+    loads["m"] = [5000, 9000]
+    seventh = asyncio.create_task(adm.admit("m", 0, None, receive))
+    await until(lambda: len(adm.queue) == 1, 5, "the seventh queued")
+    client_gone.set()
+    with pytest.raises(ClientDisconnect):
+        await asyncio.wait_for(seventh, 5)
+    assert len(adm.queue) == 0 and adm.counts["abandoned"] == 1
 
 
 # ---------------------------------------------------------------- the simulator's scheduler
