@@ -217,6 +217,9 @@ async def test_high_priority_requests_are_admitted_before_earlier_low_priority_o
             ]
             await until(lambda: len(adm.queue) == 8, 10, "the high-priority requests queued")
             assert adm.queue.depths() == {-5: 4, 10: 4}
+            text = (await c.get(base + "/metrics")).text
+            assert 'kvrouter_admission_queue_depth_by_priority{priority="-5"} 4.0' in text
+            assert "kvrouter_admission_queue_depth 8.0" in text
             assert not blocker.done()  # everything queued behind the blocker's prefill
             codes = await asyncio.gather(blocker, *low, *high)
             assert codes == [200] * 9
