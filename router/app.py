@@ -363,15 +363,18 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
             validate_request(body, chat)
             sc = cfg.session
             session = session_key(request.headers, body, sc.header, sc.user_field)
-            res = await router.route(body, chat, time.monotonic(), session=session)
+            if router.admission is None:
+                res = await router.route(body, chat, time.monotonic(), session=session)
+            else:
+                res = await _route_admitted(router, request, body, chat, session, key)
             await _spend_prompt(router, key, res)
         except BodyError as exc:
             m.requests.labels(policy_name, str(exc.status)).inc()
             _refused(req, exc.status, exc.message)
             return exc.response()
-        except ClientDisconnect:  # gone while sending its body: nothing to answer, nothing broke
+        except ClientDisconnect:  # gone while sending its body or queued: nothing to answer
             m.requests.labels(policy_name, "499").inc()
-            log.info("client disconnected before its request body was complete (499)")
+            log.info("client disconnected before its request was routed (499)")
             _refused(req, 499, "client disconnected")
             return Response(status_code=499)
         decided = time.perf_counter() - req.t0
@@ -405,9 +408,34 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
             limits=router.proxy_limits,
             on_failed=_on_failed(router, res),
             on_sent=_on_sent(router, res, decided, req.id),
+            on_released=router.admission.wake if router.admission is not None else None,
         )
 
     return handle
+
+
+async def _route_admitted(
+    router: Router,
+    request: Request,
+    body: dict[str, Any],
+    chat: bool,
+    session: str | None,
+    key: str | None,
+) -> RouteResult:
+    """Route once the admission queue lets the request through (router/admission.py). Its
+    pass is given back as the route is chosen: the proxy puts the prompt on the chosen
+    engine's load before the queue can look again."""
+    assert router.admission is not None
+    admitted = await router.admission.admit(
+        body.get("model"), body.get("priority"), key, request.receive
+    )
+    tokens = None
+    try:
+        res = await router.route(body, chat, time.monotonic(), session=session)
+        tokens = res.tokens.n_tokens if res.tokens is not None else None
+        return res
+    finally:
+        admitted.release(tokens)
 
 
 async def _routed(

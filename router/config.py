@@ -185,6 +185,21 @@ class SessionConfig(_Section):
     max_sessions: int = 100_000
 
 
+class AdmissionConfig(_Section):
+    """The router-side admission queue (router/admission.py); off while the threshold is null."""
+
+    queued_prefill_tokens_threshold: int | None = None
+    """A request waits while every engine serving its model has at least this many prefill
+    tokens queued (this router's and the other replicas'); null: admission off."""
+    max_queue: int = 1000
+    """Requests waiting at most; a request arriving past it gets 429 at once."""
+    max_wait_s: float = 30.0
+    """A request still waiting after this long gets 429."""
+    retry_after_s: float = 1.0
+    """Retry-After of a 429 until the queue has been seen draining (then: the time the
+    requests ahead take at the observed rate)."""
+
+
 class VerifyConfig(_Section):
     """Prediction verification, drift handling and the worker self-check."""
 
@@ -212,6 +227,7 @@ class Config(_Section):
     verify: VerifyConfig = msgspec.field(default_factory=VerifyConfig)
     session: SessionConfig = msgspec.field(default_factory=SessionConfig)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
+    admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
 
 
 # ---------------------------------------------------------------- reading the declarations
@@ -597,6 +613,7 @@ def _validate(cfg: Config) -> None:
     _check_session(cfg.session)
     for problem in cfg.lora.problems():
         raise ConfigError(problem)
+    _check_admission(cfg.admission)
 
 
 def _check_session(s: SessionConfig) -> None:
@@ -606,6 +623,16 @@ def _check_session(s: SessionConfig) -> None:
         raise ConfigError("session.ttl_s / session.max_sessions: must be positive")
     if not s.header:
         raise ConfigError("session.header: must name a header")
+
+
+def _check_admission(a: AdmissionConfig) -> None:
+    t = a.queued_prefill_tokens_threshold
+    if t is not None and t < 1:
+        raise ConfigError("admission.queued_prefill_tokens_threshold: must be >= 1 (or null: off)")
+    if a.max_queue < 0:
+        raise ConfigError("admission.max_queue: must be >= 0")
+    if a.max_wait_s <= 0 or a.retry_after_s <= 0:
+        raise ConfigError("admission.max_wait_s / admission.retry_after_s: must be positive")
 
 
 def upstream_api_key(cfg: Config) -> str | None:

@@ -23,6 +23,7 @@ import msgspec
 from indexer.index import EngineId, PrefixIndex, PrefixMatch
 from indexer.subscriber import SourceStatus, Subscriber
 from router import proxy
+from router.admission import Admission, make_admission
 from router.cache_read import reads_prefix_cache
 from router.candidates import build_candidates
 from router.config import Config, WorkerSpec, upstream_api_key
@@ -148,6 +149,8 @@ class Router:
         self.lora = LoraPlacement(cfg.lora)
         self.draining = False
         """Set on SIGTERM (router/serving.py): /ready answers 503 while requests finish."""
+        self.admission: Admission | None = make_admission(self)
+        """The admission queue (router/admission.py); None while ``admission`` is off."""
 
     def _verifier(self) -> Verifier:
         v = self.cfg.verify

@@ -68,6 +68,7 @@ def debug_index(router: Router) -> dict[str, Any]:
         "policy": router.cfg.policy.name,
         "shared_state": router.shared.status(),
         "discovery": router.discovery.debug() if router.discovery is not None else None,
+        "admission": router.admission.status() if router.admission is not None else None,
         "process_rss_bytes": _rss_bytes(),
         "uptime_s": round(time.time() - router.started, 3),
         "recent": {

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from indexer.subscriber import SourceStatus
     from router.workers import ModelNames, Worker
 
-__all__ = ["RouterMetrics", "fleet_state", "model_label", "version"]
+__all__ = ["AdmissionMetrics", "RouterMetrics", "fleet_state", "model_label", "version"]
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -185,6 +185,73 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _QueueDepth(Collector):
+    """The admission queue's depth, read at scrape time: in total, and per priority waiting
+    (only the priorities that have requests waiting, so clients cannot grow the label set)."""
+
+    def __init__(self, depths: Callable[[], Mapping[int, int]]) -> None:
+        self._depths = depths
+
+    def collect(self) -> Iterable[Metric]:
+        d = self._depths()
+        total = GaugeMetricFamily(
+            "kvrouter_admission_queue_depth", "Requests waiting in the admission queue"
+        )
+        total.add_metric([], sum(d.values()))
+        by = GaugeMetricFamily(
+            "kvrouter_admission_queue_depth_by_priority",
+            "Requests waiting in the admission queue per request priority (lower is served first)",
+            labels=["priority"],
+        )
+        for p, n in d.items():
+            by.add_metric([str(p)], n)
+        yield from (total, by)
+
+
+class AdmissionMetrics:
+    """The admission queue's metrics (router/admission.py); registered only when it is on."""
+
+    def __init__(
+        self, registry: CollectorRegistry, depths: Callable[[], Mapping[int, int]]
+    ) -> None:
+        self.wait = Histogram(
+            "kvrouter_admission_wait_seconds",
+            "Time requests admitted from the admission queue waited there",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        admitted = Counter(
+            "kvrouter_admission_admitted_total",
+            "Requests admitted: at once (via=direct) or after waiting (via=queue)",
+            ["via"],
+            registry=registry,
+        )
+        rejected = Counter(
+            "kvrouter_admission_rejected_total",
+            "Requests refused with 429 by admission: queue_full (max_queue waiting) or deadline "
+            "(waited max_wait_s)",
+            ["reason"],
+            registry=registry,
+        )
+        abandoned = Counter(
+            "kvrouter_admission_abandoned_total",
+            "Requests whose client disconnected while they waited in the admission queue",
+            registry=registry,
+        )
+        self._counters = {
+            "direct": admitted.labels("direct"),
+            "queue": admitted.labels("queue"),
+            "queue_full": rejected.labels("queue_full"),
+            "deadline": rejected.labels("deadline"),
+            "abandoned": abandoned,
+        }
+        registry.register(_QueueDepth(depths))
+
+    def count(self, what: str) -> None:
+        """One more of ``what``: direct, queue, queue_full, deadline or abandoned."""
+        self._counters[what].inc()
 
 
 def version() -> str:

@@ -80,9 +80,11 @@ _usage_dec = msgspec.json.Decoder()
 class Ticket:
     """The router's own load accounting for one request on one engine (idempotent release)."""
 
-    __slots__ = ("_done", "_first", "ld", "uncached")
+    __slots__ = ("_done", "_first", "_on_released", "ld", "uncached")
 
-    def __init__(self, w: Worker, rank: int, uncached: int) -> None:
+    def __init__(
+        self, w: Worker, rank: int, uncached: int, on_released: Callable[[], None] | None = None
+    ) -> None:
         self.ld = w.load(rank)
         self.uncached = uncached
         self.ld.inflight_requests += 1
@@ -90,12 +92,16 @@ class Ticket:
         self.ld.queued_prefill_tokens += uncached
         self._first = False
         self._done = False
+        self._on_released = on_released
+        """Told when the queued prefill drops (the admission queue waits for that)."""
 
     def first_token(self) -> None:
         if not self._first:
             self._first = True
             self.ld.prefilling_requests -= 1
             self.ld.queued_prefill_tokens -= self.uncached
+            if self._on_released is not None:
+                self._on_released()
 
     def finish(self) -> None:
         self.first_token()
@@ -280,6 +286,7 @@ async def forward(
     on_failed: Callable[[tuple[str, int], str], None] | None = None,
     strip_usage: bool = False,
     on_sent: Callable[[EngineId], None] | None = None,
+    on_released: Callable[[], None] | None = None,
 ) -> Response:
     """Send ``body`` to the first attempt that answers; stream or buffer the answer back.
 
@@ -294,7 +301,7 @@ async def forward(
     if lim.request_timeout_s is not None:
         deadline = asyncio.get_running_loop().time() + lim.request_timeout_s
         deadline -= time.perf_counter() - t0
-    ctx = _Ctx(lim, deadline, on_failed, strip_usage, on_sent)
+    ctx = _Ctx(lim, deadline, on_failed, strip_usage, on_sent, on_released)
     try:
         return await _forward(
             registry, path, body, headers, attempts, stream, watcher, t0, done, ctx
@@ -317,6 +324,8 @@ class _Ctx:
     strip_usage: bool = False
     """The router added ``stream_options.include_usage``: drop the usage-only final event."""
     on_sent: Callable[[EngineId], None] | None = None
+    on_released: Callable[[], None] | None = None
+    """Runs as a request's queued prefill leaves an engine's load (its first token or end)."""
 
     def failed(self, engine: tuple[str, int], reason: str) -> None:
         if self.on_failed is not None:
@@ -364,7 +373,7 @@ async def _forward(
         hdrs = list(headers)
         if w.dp_size > 1:
             hdrs.append((b"x-data-parallel-rank", str(att.engine[1]).encode()))
-        ticket = Ticket(w, att.engine[1], att.uncached)
+        ticket = Ticket(w, att.engine[1], att.uncached, ctx.on_released)
         req = w.client.build_request("POST", path, content=body, headers=hdrs)
         started = w.client.write_now(req)
         if ctx.on_sent is not None:

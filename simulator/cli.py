@@ -142,6 +142,12 @@ def _add_kv_cache_args(a: Callable[..., Any]) -> None:
     )
     a("--max-num-seqs", type=int, default=256)
     a("--max-waiting", type=int, default=10000)
+    a(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="vLLM's: priority orders waiting requests by (priority, arrival), lowest first",
+    )
 
 
 def _add_timing_and_offload_args(a: Callable[..., Any]) -> None:
@@ -225,6 +231,7 @@ def settings_from_args(ns: argparse.Namespace, worker_idx: int) -> WorkerSetting
         max_num_batched_tokens=ns.max_num_batched_tokens,
         max_num_seqs=ns.max_num_seqs,
         max_waiting=ns.max_waiting,
+        scheduling_policy=ns.scheduling_policy,
         prefill_tokens_per_s=ns.prefill_tps,
         cpu_load_tokens_per_s=ns.cpu_load_tps,
         decode_s_per_token=ns.decode_ms / 1000.0,

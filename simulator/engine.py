@@ -13,6 +13,10 @@ Scheduling follows vLLM v1 (continuous batching, chunked prefill): running reque
 (decode = 1 token, unfinished prefills chunked by the token budget), then waiting requests
 in FIFO order while the budget, ``max_num_seqs`` and free blocks allow. A running request
 that cannot get a block preempts the most recently scheduled running request (recompute).
+With ``scheduling_policy="priority"`` (vLLM's ``--scheduling-policy priority``) the waiting
+queue is ordered by (priority, arrival), lowest first, and the preemption victim is the
+running request with the largest (priority, arrival); vLLM refuses a non-zero priority
+under ``fcfs``.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # token budget per step
     max_num_seqs: int = 256
     max_waiting: int = 10000  # bounded request queue
+    scheduling_policy: str = "fcfs"  # fcfs | priority (vLLM's --scheduling-policy)
     # timing
     prefill_tokens_per_s: float = 20000.0
     cpu_load_tokens_per_s: float = 200000.0
@@ -82,6 +87,8 @@ class EngineConfig:
             raise ValueError("a CPU tier needs every KV-cache group to share one block size")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError("scheduling_policy must be fcfs or priority")
 
 
 @dataclass
@@ -154,8 +161,12 @@ class SimEngine:
         cache_salt: str | None = None,
         session_id: str | None = None,
         report_full: bool = False,
+        priority: int = 0,
     ) -> Request:
         c = self.config
+        if priority != 0 and c.scheduling_policy != "priority":
+            # vLLM's input processor, word for word (the server answers 400)
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
         if len(self.waiting) >= c.max_waiting:
             raise QueueFull("request queue is full")
         if request_id in self.requests:
@@ -187,11 +198,25 @@ class SimEngine:
             cache_salt,
             session_id,
             RequestHasher(self.kv.hbs, lora_name, cache_salt),
+            priority,
         )
         req.report_full = report_full
         self.requests[request_id] = req
-        self.waiting.append(req)
+        if c.scheduling_policy == "priority":
+            self._insert_by_priority(req)
+        else:
+            self.waiting.append(req)
         return req
+
+    def _insert_by_priority(self, req: Request) -> None:
+        """Into the waiting queue at its (priority, arrival) place: vLLM's priority queue pops
+        in that order. Scanned from the back, where a new arrival usually belongs."""
+        key = (req.priority, req.arrival_s)
+        w = self.waiting
+        i = len(w)
+        while i > 0 and (w[i - 1].priority, w[i - 1].arrival_s) > key:
+            i -= 1
+        w.insert(i, req)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -324,7 +349,18 @@ class SimEngine:
             req = self.running[i]
             n = min(len(req.all_token_ids) - req.num_computed, budget)
             while not kv.allocate_slots(req, n):
-                victim = self.running.pop()
+                victim = self._victim()
+                at = self.running.index(victim)
+                del self.running[at]
+                if at < i:  # scheduled earlier in this step: its tokens go back to the budget
+                    j = next(k for k, (r, _) in enumerate(scheduled) if r is victim)
+                    m = scheduled.pop(j)[1]
+                    budget += m
+                    if victim.num_computed < victim.num_prompt:
+                        prefill_tokens -= m
+                    else:
+                        decode_tokens -= m
+                    i -= 1
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -340,49 +376,7 @@ class SimEngine:
                 continue
             break
         if not preempted:
-            skipped: list[Request] = []
-            # vLLM's Scheduler.schedule: a waiting request whose adapter would be one more than
-            # max_loras distinct adapters in the batch is skipped until a slot frees up.
-            loras = {r.lora_id for r in self.running if r.lora_id}
-            while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
-                req = self.waiting[0]
-                if req.lora_id and req.lora_id not in loras and len(loras) >= c.max_loras:
-                    skipped.append(self.waiting.popleft())
-                    continue
-                if req.status == WAITING_FOR_REMOTE_KVS:
-                    if req.load_ready_s > now:
-                        skipped.append(self.waiting.popleft())
-                        continue
-                    self._finish_cpu_load(req)
-                    new_groups, new_tokens = None, 0
-                elif not req.hit_done:
-                    if not self._first_schedule(req, now):
-                        if req.status == WAITING_FOR_REMOTE_KVS:
-                            skipped.append(self.waiting.popleft())
-                            continue
-                        break
-                    new_groups, new_tokens = self._hit_groups, self._hit_tokens
-                else:
-                    new_groups, new_tokens = None, 0
-                base = req.num_computed + new_tokens
-                n = min(len(req.all_token_ids) - base, budget)
-                if not kv.allocate_slots(req, n, new_groups, new_tokens):
-                    if new_groups is not None:  # retry the lookup next step
-                        req.hit_done = False
-                        self.prefix_queries -= len(req.all_token_ids)
-                        self.prefix_hits -= new_tokens
-                    break
-                req.num_computed = base
-                self.waiting.popleft()
-                if req.lora_id:
-                    loras.add(req.lora_id)
-                req.status = RUNNING
-                self.running.append(req)
-                scheduled.append((req, n))
-                budget -= n
-                prefill_tokens += n
-            for r in reversed(skipped):
-                self.waiting.appendleft(r)
+            prefill_tokens += self._schedule_waiting(now, budget, scheduled)
         if self.cpu is not None:
             for req, n in scheduled:
                 self.cpu.prepare_store(req, req.num_computed + n)
@@ -403,12 +397,74 @@ class SimEngine:
             req.first_hit = (req.cached_tokens, req.cpu_loaded_tokens)
         req.status = WAITING
 
+    def _schedule_waiting(
+        self, now: float, budget: int, scheduled: list[tuple[Request, int]]
+    ) -> int:
+        """Admit waiting requests in queue order into this step's batch (``scheduled``) while
+        ``budget``, ``max_num_seqs`` and free blocks allow; returns the prefill tokens added."""
+        c, kv = self.config, self.kv
+        added = 0
+        skipped: list[Request] = []
+        # vLLM's Scheduler.schedule: a waiting request whose adapter would be one more than
+        # max_loras distinct adapters in the batch is skipped until a slot frees up.
+        loras = {r.lora_id for r in self.running if r.lora_id}
+        while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
+            req = self.waiting[0]
+            if req.lora_id and req.lora_id not in loras and len(loras) >= c.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
+            if req.status == WAITING_FOR_REMOTE_KVS:
+                if req.load_ready_s > now:
+                    skipped.append(self.waiting.popleft())
+                    continue
+                self._finish_cpu_load(req)
+                new_groups, new_tokens = None, 0
+            elif not req.hit_done:
+                if not self._first_schedule(req, now):
+                    if req.status == WAITING_FOR_REMOTE_KVS:
+                        skipped.append(self.waiting.popleft())
+                        continue
+                    break
+                new_groups, new_tokens = self._hit_groups, self._hit_tokens
+            else:
+                new_groups, new_tokens = None, 0
+            base = req.num_computed + new_tokens
+            n = min(len(req.all_token_ids) - base, budget)
+            if not kv.allocate_slots(req, n, new_groups, new_tokens):
+                if new_groups is not None:  # retry the lookup next step
+                    req.hit_done = False
+                    self.prefix_queries -= len(req.all_token_ids)
+                    self.prefix_hits -= new_tokens
+                break
+            req.num_computed = base
+            self.waiting.popleft()
+            if req.lora_id:
+                loras.add(req.lora_id)
+            req.status = RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+            added += n
+        for r in reversed(skipped):
+            self.waiting.appendleft(r)
+        return added
+
+    def _victim(self) -> Request:
+        """The running request to preempt: the last scheduled (fcfs), or the one with the
+        largest (priority, arrival) (vLLM's priority policy)."""
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_s))
+        return self.running[-1]
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.num_computed = 0
         req.hit_done = False
         req.status = WAITING
-        self.waiting.appendleft(req)
+        if self.config.scheduling_policy == "priority":
+            self._insert_by_priority(req)
+        else:
+            self.waiting.appendleft(req)
 
     def finish_step(self) -> StepOutput:
         assert self._inflight is not None

@@ -31,6 +31,7 @@ class Request:
         "num_output",
         "num_prompt",
         "offloaded_chunks",
+        "priority",
         "reachable",
         "report_full",
         "request_id",
@@ -52,12 +53,14 @@ class Request:
         cache_salt: str | None = None,
         session_id: str | None = None,
         hasher: RequestHasher | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.all_token_ids: list[int] = list(prompt)
         self.num_prompt = len(prompt)
         self.max_tokens = max(1, int(max_tokens))
         self.arrival_s = arrival_s
+        self.priority = priority  # vLLM's request priority: lower is scheduled earlier
         self.first_token_s: float | None = None
         self.finish_s: float | None = None
         self.num_computed = 0

@@ -71,6 +71,7 @@ class EngineRunner:
         cache_salt: str | None,
         session_id: str | None = None,
         report_full: bool = False,
+        priority: int = 0,
     ) -> asyncio.Queue[TokenOut]:
         q: asyncio.Queue[TokenOut] = asyncio.Queue()
         self.engine.add_request(
@@ -82,6 +83,7 @@ class EngineRunner:
             cache_salt,
             session_id,
             report_full,
+            priority,
         )
         self._streams[request_id] = q
         self._wake.set()

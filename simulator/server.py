@@ -76,6 +76,7 @@ class Generation:
     salt: str | None
     session: str | None
     report_full: bool
+    priority: int
     stream: bool
     include_usage: bool
     finish: str  # finish_reason once max_tokens is reached
@@ -258,6 +259,14 @@ class Worker:
         return mt
 
     @staticmethod
+    def _priority(data: dict[str, Any]) -> int:
+        """vLLM's ``priority`` field: an int64, default 0 (lower is served earlier)."""
+        p = data.get("priority", 0)
+        if not isinstance(p, int) or isinstance(p, bool) or not -(2**63) <= p < 2**63:
+            raise ApiError(400, "priority must be a 64-bit integer", param="priority")
+        return p
+
+    @staticmethod
     def _salt(data: dict[str, Any]) -> str | None:
         salt = data.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
@@ -305,6 +314,7 @@ class Worker:
             salt=salt,
             session=session,
             report_full=xargs.get("kv_cache_report_mode") == "full",
+            priority=self._priority(data),
             stream=stream,
             include_usage=include_usage,
             # Without max_tokens the fake model "emits EOS" after default_max_tokens.
@@ -316,7 +326,9 @@ class Worker:
         g = self._generation(data, chat)
         runner = self.pick_runner()
         try:
-            q = runner.submit(g.rid, g.ids, g.max_tokens, g.lora, g.salt, g.session, g.report_full)
+            q = runner.submit(
+                g.rid, g.ids, g.max_tokens, g.lora, g.salt, g.session, g.report_full, g.priority
+            )
         except QueueFull:
             raise ApiError(
                 503, "server is overloaded, request queue full", "ServiceUnavailableError"
