@@ -22,6 +22,7 @@ import yaml
 
 from router.policy import PolicyParams
 from router.quotas import parse_keys
+from router.tracing import TracingConfig, config_problem
 
 __all__ = [
     "POLICIES",
@@ -208,6 +209,7 @@ class Config(_Section):
     redis: RedisConfig = msgspec.field(default_factory=RedisConfig)
     verify: VerifyConfig = msgspec.field(default_factory=VerifyConfig)
     session: SessionConfig = msgspec.field(default_factory=SessionConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
 
 
 # ---------------------------------------------------------------- reading the declarations
@@ -591,6 +593,8 @@ def _validate(cfg: Config) -> None:
     _check_discovery_and_redis(cfg.discovery.kubernetes, cfg.redis)
     _check_verify(cfg.verify)
     _check_session(cfg.session)
+    if (problem := config_problem(cfg.tracing)) is not None:
+        raise ConfigError(problem)
 
 
 def _check_session(s: SessionConfig) -> None:

@@ -10,6 +10,7 @@ trust gating (degraded and unverified engines get no index credit) -> candidates
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -44,6 +45,7 @@ from router.tokenize import (
     TokenizeError,
     decode_tokenize_response,
 )
+from router.tracing import RequestTrace, make_tracer
 from router.verify import Verifier, VerifyCollector, VerifyParams
 from router.workers import Worker, WorkerRegistry
 
@@ -133,6 +135,8 @@ class Router:
         self.quotas = QuotaTable(cfg.server.api_keys_file)
         self.draining = False
         """Set on SIGTERM (router/serving.py): /ready answers 503 while requests finish."""
+        self.tracer = make_tracer(cfg.tracing)
+        """OpenTelemetry spans per request (router/tracing.py); None: tracing off."""
 
     def _verifier(self) -> Verifier:
         v = self.cfg.verify
@@ -185,6 +189,8 @@ class Router:
         await self.registry.stop()
         await self.shared.stop()
         await self.subscriber.stop()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # exports what is queued
 
     async def _verify_local(self) -> None:
         try:
@@ -303,19 +309,25 @@ class Router:
         dry_run: bool = False,
         session: str | None = None,
         tokenize: bool = True,
+        trace: RequestTrace | None = None,
     ) -> RouteResult:
         """Tokenize, match, gate and choose. ``dry_run`` (``/debug/route``): the same decision,
         leaving the policy's learned state (and the session's binding) untouched. ``session``:
         the request's session key (router/sessions.py). ``tokenize=False``: the body has no
-        prompt to match (router/passthrough.py), so the choice is by load."""
+        prompt to match (router/passthrough.py), so the choice is by load. ``trace``: the
+        request's spans (router/tracing.py)."""
         ns, root = self.namespace_root(body)
         tok: Tokenized | None = None
         err = None if tokenize else "no prompt to match: routed by load"
         try:
             if tokenize:
+                if trace is not None:
+                    trace.tokenizing()
                 tok = await self.tokenizer.tokenize(body, chat, root, self._remote_tokenize)
         except TokenizeError as exc:
             err = str(exc)
+        if trace is not None:
+            trace.routing(tok, err)
         workers = self._serving(body.get("model"))
         loads = [(e, w.load(e[1])) for w in workers for e in w.engines()]
         bound = self._session_binding(session, now)
@@ -353,6 +365,8 @@ class Router:
             raise BodyError(503, "no workers configured")
         n = tok.n_tokens if tok is not None else 0
         decision = self.policy.choose(cands, n, now, dry_run=dry_run)
+        if trace is not None:
+            trace.routed(decision, len(cands), body.get("model"))
         if session is not None and tok is not None and len(tok.keys) and not dry_run:
             covered = len(tok.keys) * self.index.unit
             self.sessions.bind(session, decision.engine, covered, tok.keys[-1], now)
