@@ -17,7 +17,6 @@ tests run several routers in one process.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -44,7 +43,8 @@ class TracingConfig(msgspec.Struct, forbid_unknown_fields=True):
     """OTLP/HTTP traces URL (``http://collector:4318/v1/traces``); None: the SDK's
     ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT``, else localhost."""
     service_name: str | None = None
-    """None: ``OTEL_SERVICE_NAME``, else ``kvrouter``."""
+    """None: ``OTEL_SERVICE_NAME`` (or ``service.name`` of ``OTEL_RESOURCE_ATTRIBUTES``), else
+    ``kvrouter``."""
     sample_ratio: float | None = None
     """Share of new traces recorded (a client's sampled flag is followed); None: the SDK's
     ``OTEL_TRACES_SAMPLER`` (default: every trace)."""
@@ -84,7 +84,7 @@ def make_tracer(cfg: TracingConfig) -> Tracer | None:
 class Tracer:
     """An OpenTelemetry tracer provider of the router's own, exporting over OTLP/HTTP."""
 
-    def __init__(self, cfg: TracingConfig, exporter: Any = None) -> None:
+    def __init__(self, cfg: TracingConfig) -> None:
         from opentelemetry import trace
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
@@ -93,17 +93,19 @@ class Tracer:
         from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        name = cfg.service_name or os.environ.get("OTEL_SERVICE_NAME") or "kvrouter"
+        resource = Resource.create({"service.name": cfg.service_name} if cfg.service_name else {})
+        if resource.attributes["service.name"].startswith("unknown_service"):
+            # Neither the config nor OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES names it.
+            resource = resource.merge(Resource({"service.name": "kvrouter"}))
         sampler = (
             None if cfg.sample_ratio is None else ParentBased(TraceIdRatioBased(cfg.sample_ratio))
         )
         self.provider = TracerProvider(
             sampler=sampler,
-            resource=Resource.create({"service.name": name}),
+            resource=resource,
             shutdown_on_exit=False,  # Router.stop flushes it
         )
-        if exporter is None:
-            exporter = OTLPSpanExporter(endpoint=cfg.endpoint, headers=cfg.headers or None)
+        exporter = OTLPSpanExporter(endpoint=cfg.endpoint, headers=cfg.headers or None)
         self.provider.add_span_processor(BatchSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("kvrouter")
         self.propagator = TraceContextTextMapPropagator()

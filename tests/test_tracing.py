@@ -396,3 +396,19 @@ def test_tracing_section_is_validated_and_read_from_env():
         parse_config({"tracing": {"endpoint": "otel:4317"}})
     with pytest.raises(ConfigError, match=r"unknown key tracing\.sampler"):
         parse_config({"tracing": {"sampler": "always_on"}})
+
+
+def test_service_name_is_the_configs_then_otel_service_name_then_kvrouter(monkeypatch):
+    from router.tracing import Tracer, TracingConfig
+
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    names = []
+    for configured, env in ((None, None), (None, "from-env"), ("from-config", "from-env")):
+        if env is None:
+            monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+        else:
+            monkeypatch.setenv("OTEL_SERVICE_NAME", env)
+        t = Tracer(TracingConfig(enabled=True, service_name=configured))
+        names.append(t.provider.resource.attributes["service.name"])
+        t.shutdown()
+    assert names == ["kvrouter", "from-env", "from-config"]
