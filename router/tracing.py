@@ -154,8 +154,9 @@ class RequestTrace:
         span = self._step
         if span is not None and span.is_recording():
             if tok is not None:
-                span.set_attribute("kvrouter.prompt_tokens", tok.n_tokens)
-                span.set_attribute("kvrouter.tokenize.source", tok.source)
+                span.set_attributes(
+                    {"kvrouter.prompt_tokens": tok.n_tokens, "kvrouter.tokenize.source": tok.source}
+                )
             if error is not None:
                 span.set_status(self._t.error)
                 span.set_attribute("error.type", error)
@@ -168,14 +169,16 @@ class RequestTrace:
         if span is None:
             return
         if span.is_recording():
-            worker, rank = decision.engine
-            span.set_attribute("kvrouter.worker", worker)
-            span.set_attribute("kvrouter.dp_rank", rank)
-            span.set_attribute("kvrouter.predicted_hit_tokens", decision.predicted_hit_tokens)
-            span.set_attribute("kvrouter.candidates", candidates)
-            span.set_attribute("kvrouter.reason", decision.reason)
+            attrs = {
+                "kvrouter.worker": decision.engine[0],
+                "kvrouter.dp_rank": decision.engine[1],
+                "kvrouter.predicted_hit_tokens": decision.predicted_hit_tokens,
+                "kvrouter.candidates": candidates,
+                "kvrouter.reason": decision.reason,
+            }
             if isinstance(model, str):
-                span.set_attribute("gen_ai.request.model", model)
+                attrs["gen_ai.request.model"] = model
+            span.set_attributes(attrs)
         span.end()
 
     def upstream(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -228,16 +231,17 @@ class RequestTrace:
 
 
 def _outcome_attributes(span: Any, o: Outcome) -> None:
-    span.set_attribute("http.response.status_code", o.status)
+    attrs: dict[str, Any] = {"http.response.status_code": o.status}
     if o.worker is not None:
-        span.set_attribute("kvrouter.worker", o.worker)
+        attrs["kvrouter.worker"] = o.worker
     if o.engine is not None:
-        span.set_attribute("kvrouter.dp_rank", o.engine[1])
+        attrs["kvrouter.dp_rank"] = o.engine[1]
     if o.cached_tokens is not None:
-        span.set_attribute("kvrouter.cached_tokens", o.cached_tokens)
+        attrs["kvrouter.cached_tokens"] = o.cached_tokens
     if o.ttft_s is not None:
-        span.set_attribute("kvrouter.ttft_s", o.ttft_s)
+        attrs["kvrouter.ttft_s"] = o.ttft_s
     if o.prompt_tokens is not None:
-        span.set_attribute("gen_ai.usage.input_tokens", o.prompt_tokens)
+        attrs["gen_ai.usage.input_tokens"] = o.prompt_tokens
     if o.completion_tokens is not None:
-        span.set_attribute("gen_ai.usage.output_tokens", o.completion_tokens)
+        attrs["gen_ai.usage.output_tokens"] = o.completion_tokens
+    span.set_attributes(attrs)
