@@ -113,6 +113,10 @@ class Tracer:
         self.kinds = (trace.SpanKind.SERVER, trace.SpanKind.CLIENT)
         self.error = trace.Status(trace.StatusCode.ERROR)
 
+    def failed(self, message: str) -> Any:
+        """An error status with its message (``error.type`` stays low-cardinality)."""
+        return type(self.error)(self.error.status_code, message)
+
     def start(self, headers: list[tuple[bytes, bytes]], path: str, request_id: str) -> RequestTrace:
         """A request's server span, continuing the client's trace when it sent a traceparent."""
         return RequestTrace(self, headers, path, request_id)
@@ -158,8 +162,8 @@ class RequestTrace:
                     {"kvrouter.prompt_tokens": tok.n_tokens, "kvrouter.tokenize.source": tok.source}
                 )
             if error is not None:
-                span.set_status(self._t.error)
-                span.set_attribute("error.type", error)
+                span.set_status(self._t.failed(error))
+                span.set_attribute("error.type", "tokenize")
         if span is not None:
             span.end()
         self._step = self._t.tracer.start_span("route", self._ctx)
@@ -212,8 +216,8 @@ class RequestTrace:
         """Answered before (or instead of) forwarding: open spans end with the error."""
         for span in (self._step, self._upstream):
             if span is not None:
-                span.set_status(self._t.error)
-                span.set_attribute("error.type", error)
+                span.set_status(self._t.failed(error))
+                span.set_attribute("error.type", str(status))
                 span.end()
         self._step = self._upstream = None
         self._end_server(status, error)
@@ -223,10 +227,12 @@ class RequestTrace:
         if span is None:
             return  # answered already (a refusal after the outcome)
         span.set_attribute("http.response.status_code", status)
-        if status >= 500:
-            span.set_status(self._t.error)
+        if status >= 400:
+            span.set_attribute("error.type", str(status))  # HTTP semantic conventions
         if error is not None:
-            span.set_attribute("error.type", error)
+            span.set_attribute("kvrouter.error", error)
+        if status >= 500:
+            span.set_status(self._t.failed(error) if error is not None else self._t.error)
         span.end()
 
 

@@ -82,6 +82,7 @@ class Collector:
                             "parent": s.parent_span_id.hex() or None,
                             "kind": s.kind,
                             "status": s.status.code,
+                            "status_message": s.status.message,
                             "attrs": _attrs(s.attributes),
                             "events": [(e.name, _attrs(e.attributes)) for e in s.events],
                             "start": s.start_time_unix_nano,
@@ -302,8 +303,10 @@ async def test_a_refused_request_ends_its_spans_with_the_error(fleet, collector)
     assert set(spans) == {"POST /v1/completions", "tokenize", "route"}
     server = spans["POST /v1/completions"]
     assert server["attrs"]["http.response.status_code"] == 404
-    assert "does not exist" in server["attrs"]["error.type"]
+    assert server["attrs"]["error.type"] == "404"
+    assert "does not exist" in server["attrs"]["kvrouter.error"]
     assert spans["route"]["status"] == 2  # STATUS_CODE_ERROR
+    assert "does not exist" in spans["route"]["status_message"]
     assert spans["route"]["end"] <= server["end"]
 
 
