@@ -32,6 +32,7 @@ from router.messages import error_response, request_headers
 from router.metrics import model_label
 from router.quotas import Limits, RateLimited, retry_after
 from router.sessions import session_key
+from router.tracing import RequestTrace
 from router.verify import with_stream_usage
 
 __all__ = ["create_apps"]
@@ -215,6 +216,8 @@ class _Request(msgspec.Struct):
     t0: float
     key: str | None = None
     """The request's API key (its per-key token limit is charged the completion)."""
+    trace: RequestTrace | None = None
+    """Its spans (router/tracing.py); None: tracing off."""
 
 
 def _on_done(router: Router, res: RouteResult, req: _Request) -> Callable[[proxy.Outcome], None]:
@@ -262,12 +265,16 @@ def _on_done(router: Router, res: RouteResult, req: _Request) -> Callable[[proxy
             )
         if o.completion_tokens:
             router.quotas.charge_completion(req.key, o.completion_tokens)
+        if req.trace is not None:
+            req.trace.finish(o)
 
     return done
 
 
 def _refused(req: _Request, status: int, error: str) -> None:
     """The access line of a request answered before it was routed."""
+    if req.trace is not None:
+        req.trace.refused(status, error)
     if access.enabled():
         access.log_request(
             {
@@ -315,7 +322,9 @@ _PROBE_AFTER = frozenset({"first_byte_timeout", "protocol", "status_5xx", "mid_r
 """Failures that may mean the worker is dead: its health is re-checked at once."""
 
 
-def _on_failed(router: Router, res: RouteResult) -> Callable[[EngineId, str], None]:
+def _on_failed(
+    router: Router, res: RouteResult, trace: RequestTrace | None = None
+) -> Callable[[EngineId, str], None]:
     """Runs for every failed attempt (see proxy.forward): counted by reason, its speculative
     entry withdrawn so siblings do not follow it, and the worker re-probed when it may be dead."""
     tok = res.tokens
@@ -323,6 +332,8 @@ def _on_failed(router: Router, res: RouteResult) -> Callable[[EngineId, str], No
 
     def failed(engine: EngineId, reason: str) -> None:
         failures.labels(reason).inc()
+        if trace is not None:
+            trace.attempt_failed(engine, reason)
         if tok is not None:
             router.speculative.withdraw(engine, tok.keys)
         w = router.registry.workers.get(engine[0])
@@ -339,11 +350,14 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
     m = router.metrics
     policy_name = router.policy.name
     forward_ids = cfg.tokenizer.forward_ids
+    tracer = router.tracer
 
     async def handle(request: Request, path: str, chat: bool) -> Response:
         t0 = time.perf_counter()
         rid, from_client = access.request_id(request.scope["headers"])
         req = _Request(rid, path, None, t0)
+        if tracer is not None:
+            req.trace = tracer.start(request.scope["headers"], path, rid)
         try:
             response = await route_and_forward(request, req, chat, from_client)
         except Exception as exc:
@@ -364,9 +378,11 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
             sc = cfg.session
             session = session_key(request.headers, body, sc.header, sc.user_field)
             if router.admission is None:
-                res = await router.route(body, chat, time.monotonic(), session=session)
+                res = await router.route(
+                    body, chat, time.monotonic(), session=session, trace=req.trace
+                )
             else:
-                res = await _route_admitted(router, request, body, chat, session, key)
+                res = await _route_admitted(router, request, body, chat, session, key, req.trace)
             await _spend_prompt(router, key, res)
         except BodyError as exc:
             m.requests.labels(policy_name, str(exc.status)).inc()
@@ -398,7 +414,7 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
             registry=router.registry,
             path=req.path,
             body=data,
-            headers=headers,
+            headers=headers if req.trace is None else req.trace.upstream(headers),
             attempts=attempts,
             stream=stream,
             strip_usage=strip,
@@ -406,7 +422,7 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
             t0=req.t0,
             done=done,
             limits=router.proxy_limits,
-            on_failed=_on_failed(router, res),
+            on_failed=_on_failed(router, res, req.trace),
             on_sent=_on_sent(router, res, decided, req.id),
             on_released=router.admission.wake if router.admission is not None else None,
         )
@@ -421,6 +437,7 @@ async def _route_admitted(
     chat: bool,
     session: str | None,
     key: str | None,
+    trace: RequestTrace | None = None,
 ) -> RouteResult:
     """Route once the admission queue lets the request through (router/admission.py). Its
     pass is given back as the route is chosen: the proxy puts the prompt on the chosen
@@ -431,7 +448,7 @@ async def _route_admitted(
     )
     tokens = None
     try:
-        res = await router.route(body, chat, time.monotonic(), session=session)
+        res = await router.route(body, chat, time.monotonic(), session=session, trace=trace)
         tokens = res.tokens.n_tokens if res.tokens is not None else None
         return res
     finally:
@@ -439,7 +456,7 @@ async def _route_admitted(
 
 
 async def _routed(
-    router: Router, request: Request, path: str, data: bytes
+    router: Router, request: Request, path: str, data: bytes, trace: RequestTrace | None = None
 ) -> tuple[RouteResult, dict[str, Any] | None, str]:
     """Route a request of the rest of vLLM's API (router/passthrough.py): by the prompt it
     carries as chat messages, else by load. Returns the result, the JSON body (None for a
@@ -457,7 +474,13 @@ async def _routed(
     session = session_key(request.headers, body or {}, sc.header, sc.user_field)
     dry = request.url.path == "/debug/route"
     res = await router.route(
-        routed, True, time.monotonic(), session=session, tokenize=msgs is not None, dry_run=dry
+        routed,
+        True,
+        time.monotonic(),
+        session=session,
+        tokenize=msgs is not None,
+        dry_run=dry,
+        trace=trace,
     )
     return res, body, passthrough.describe(path, msgs)
 
@@ -468,15 +491,18 @@ def _passthrough_handler(router: Router) -> Callable[[Request, str], Awaitable[R
     keys = set(cfg.server.api_keys)
     m = router.metrics
     policy_name = router.policy.name
+    tracer = router.tracer
 
     async def handle(request: Request, path: str) -> Response:
         t0 = time.perf_counter()
         rid, from_client = access.request_id(request.scope["headers"])
         req = _Request(rid, path, None, t0)
+        if tracer is not None:
+            req.trace = tracer.start(request.scope["headers"], path, rid)
         try:
             req.key = await _check_key(request, keys, router.quotas)
             data = await read_body(request, cfg.server.max_body_bytes)
-            res, body, _how = await _routed(router, request, path, data)
+            res, body, _how = await _routed(router, request, path, data, req.trace)
             req.model = body.get("model") if body is not None else None
             await _spend_prompt(router, req.key, res)
         except BodyError as exc:
@@ -495,14 +521,14 @@ def _passthrough_handler(router: Router) -> Callable[[Request, str], Awaitable[R
             registry=router.registry,
             path=path,
             body=data,
-            headers=headers,
+            headers=headers if req.trace is None else req.trace.upstream(headers),
             attempts=_attempts(res),
             stream=bool(body is not None and body.get("stream") is True),
             receive=request.receive,
             t0=t0,
             done=_on_done(router, res, req),
             limits=router.proxy_limits,
-            on_failed=_on_failed(router, res),
+            on_failed=_on_failed(router, res, req.trace),
             on_sent=_on_sent(router, res, decided, rid),
         )
         response.raw_headers.append((access.HEADER, rid.encode()))

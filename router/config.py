@@ -23,6 +23,7 @@ import yaml
 from router.lora import LoraConfig
 from router.policy import PolicyParams
 from router.quotas import parse_keys
+from router.tracing import TracingConfig, config_problem
 
 __all__ = [
     "POLICIES",
@@ -228,6 +229,7 @@ class Config(_Section):
     session: SessionConfig = msgspec.field(default_factory=SessionConfig)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
 
 
 # ---------------------------------------------------------------- reading the declarations
@@ -614,6 +616,8 @@ def _validate(cfg: Config) -> None:
     for problem in cfg.lora.problems():
         raise ConfigError(problem)
     _check_admission(cfg.admission)
+    if (problem := config_problem(cfg.tracing)) is not None:
+        raise ConfigError(problem)
 
 
 def _check_session(s: SessionConfig) -> None:

