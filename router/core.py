@@ -342,7 +342,12 @@ class Router:
         prompt to match (router/passthrough.py), so the choice is by load. ``trace``: the
         request's spans (router/tracing.py)."""
         model = body.get("model")
-        workers = self._serving(model)
+        try:
+            workers = self._serving(model)
+        except BodyError:
+            if trace is not None:
+                trace.routing(None, None)  # no model to tokenize for: routing refuses it
+            raise
         ns, root = self.namespace_root(body)
         tok: Tokenized | None = None
         err = None if tokenize else "no prompt to match: routed by load"
