@@ -16,6 +16,7 @@ import os
 import sys
 
 from router.config import Config, ConfigError, load_config, parse_worker_arg
+from router.config_rules import validate
 from router.logs import configure as configure_logging
 from router.serving import serve
 
@@ -37,9 +38,7 @@ def build_config(ns: argparse.Namespace) -> Config:
     if ns.log_format is not None:
         cfg.server.log_format = ns.log_format
     # Re-validate with the command-line values applied (same messages as the YAML path).
-    from router.config import _validate
-
-    _validate(cfg)
+    validate(cfg)
     if not cfg.workers and not cfg.discovery.kubernetes.enabled:
         raise ConfigError("workers: no workers configured (give --worker URL or workers: in YAML)")
     return cfg
