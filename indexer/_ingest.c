@@ -553,9 +553,13 @@ block_keys(uint64_t seed, const unsigned char *tokens, Py_ssize_t nblocks, Py_ss
     }
 }
 
+enum { RES_UNTOUCHED, RES_INSERTED, RES_UPDATED };
+
 typedef struct {
-    PyObject *h, *k, *m; /* engine hash, content key, mask before (NULL: absent) */
+    PyObject *h, *k, *m; /* engine hash, content key, mask before (RES_UPDATED) */
     PyObject *hd, *d;    /* their dicts (borrowed) */
+    int mapped;          /* h -> k inserted into hd */
+    int res;             /* what happened to k in d */
 } pending_block;
 
 static void
@@ -601,27 +605,76 @@ out:
     return verdict;
 }
 
-/* Check every block (engine hash not yet mapped, block not yet held): 0, STORE_BAIL, or -3
- * with an error. Fills pb. */
-static int
-check_blocks(pending_block *pb, PyObject *res, PyObject *hmap, const engine_bit *b,
-             const unsigned char *hashes, const uint64_t *keys, Py_ssize_t n)
+/* Take back what insert_blocks did to blocks [0, n), last first. */
+static void
+undo_blocks(pending_block *pb, Py_ssize_t n)
 {
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
+        pending_block *p = &pb[i];
+        /* Deleting a key just inserted, or re-setting a present one, allocates nothing. */
+        if (p->res == RES_INSERTED) {
+            (void)PyDict_DelItem(p->d, p->k);
+        } else if (p->res == RES_UPDATED) {
+            (void)PyDict_SetItem(p->d, p->k, p->m);
+        }
+        if (p->mapped) {
+            (void)PyDict_DelItem(p->hd, p->h);
+        }
+    }
+}
+
+/* Record every block: its engine hash mapped to its key, its entry or'ed with the engine's bit
+ * (one lookup each: set-if-absent). A hash already mapped or a block already held is a rarer
+ * case for Python (extra references, duplicates): everything is taken back and STORE_BAIL
+ * returned. 0 when done, -3 with an error set. The dicts end up as Residency.add_many leaves
+ * them: same entries, each inserted in block order. */
+static int
+insert_blocks(pending_block *pb, PyObject *res, PyObject *hmap, const engine_bit *b,
+              const unsigned char *hashes, const uint64_t *keys, Py_ssize_t n)
+{
+    Py_ssize_t i;
+    int code = 0;
+    for (i = 0; i < n && code == 0; i++) {
         pending_block *p = &pb[i];
         p->h = PyLong_FromUnsignedLongLong(load_le(hashes + 8 * i, 8));
         p->k = PyLong_FromUnsignedLongLong(keys[i]);
-        if (p->h == NULL || p->k == NULL) return -3;
-        if ((p->hd = hash_dict(hmap, p->h)) == NULL) return -3;
-        int known = PyDict_Contains(p->hd, p->h);
-        if (known) return known < 0 ? -3 : STORE_BAIL;
-        if ((p->d = slot_dict(res, keys[i])) == NULL) return -3;
-        p->m = Py_XNewRef(PyDict_GetItemWithError(p->d, p->k));
-        if (p->m == NULL && PyErr_Occurred()) return -3;
-        int held = p->m == NULL ? 0 : mask_has(p->m, b);
-        if (held) return held < 0 ? -3 : STORE_BAIL; /* a duplicate */
+        if (p->h == NULL || p->k == NULL || (p->hd = hash_dict(hmap, p->h)) == NULL ||
+            (p->d = slot_dict(res, keys[i])) == NULL) {
+            return -3;
+        }
+        PyObject *got = PyDict_SetDefault(p->hd, p->h, p->k);
+        if (got == NULL) return -3;
+        if (got != p->k) { /* p->k is a new object: an existing value is never it */
+            code = STORE_BAIL;
+            break;
+        }
+        p->mapped = 1;
+        Py_ssize_t before = PyDict_GET_SIZE(p->d);
+        got = PyDict_SetDefault(p->d, p->k, b->obj);
+        if (got == NULL) return -3;
+        if (PyDict_GET_SIZE(p->d) != before) {
+            p->res = RES_INSERTED;
+            continue;
+        }
+        int held = mask_has(got, b);
+        if (held) {
+            if (held < 0) return -3;
+            code = STORE_BAIL; /* a duplicate */
+            break;
+        }
+        PyObject *m = mask_with(got, b, 0);
+        p->m = Py_NewRef(got);
+        if (m == NULL || PyDict_SetItem(p->d, p->k, m) < 0) {
+            Py_XDECREF(m);
+            return -3;
+        }
+        Py_DECREF(m);
+        p->res = RES_UPDATED;
     }
-    return 0;
+    if (code == STORE_BAIL) {
+        undo_blocks(pb, i + 1);
+    }
+    return code;
 }
 
 PyObject *
@@ -674,18 +727,8 @@ ingest_store_dense(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (code == 1) code = STORE_REANNOUNCED;
     }
     if (code == 0) {
-        code = check_blocks(pb, res, hmap, &b, (const unsigned char *)PyBytes_AS_STRING(args[5]),
-                            keys, n);
-    }
-    /* Every block checked: record them all (residency first, then the hash map, in block
-     * order, as Residency.add_many does). */
-    for (Py_ssize_t i = 0; code == 0 && i < n; i++) {
-        PyObject *m = mask_with(pb[i].m, &b, 0);
-        if (m == NULL || PyDict_SetItem(pb[i].d, pb[i].k, m) < 0) code = -3;
-        Py_XDECREF(m);
-    }
-    for (Py_ssize_t i = 0; code == 0 && i < n; i++) {
-        if (PyDict_SetItem(pb[i].hd, pb[i].h, pb[i].k) < 0) code = -3;
+        code = insert_blocks(pb, res, hmap, &b, (const unsigned char *)PyBytes_AS_STRING(args[5]),
+                             keys, n);
     }
     PyMem_Free(keys);
     release_blocks(pb, n);
