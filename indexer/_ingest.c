@@ -225,6 +225,25 @@ field_of(const item *key)
     return -1;
 }
 
+/* Strings every batch repeats, made once: a str per event field would be most of a removal's
+ * cost. Returns a new reference, or NULL with an error set (invalid UTF-8 included). */
+static PyObject *
+str_value(const item *it)
+{
+    static const char *const COMMON[] = {"BlockStored", "BlockRemoved", "AllBlocksCleared",
+                                         "GPU", "CPU", "full_attention", "sliding_window"};
+    static PyObject *cache[sizeof COMMON / sizeof COMMON[0]];
+    for (size_t i = 0; i < sizeof COMMON / sizeof COMMON[0]; i++) {
+        if (strlen(COMMON[i]) == it->n && memcmp(COMMON[i], it->s, it->n) == 0) {
+            if (cache[i] == NULL && (cache[i] = PyUnicode_InternFromString(COMMON[i])) == NULL) {
+                return NULL;
+            }
+            return Py_NewRef(cache[i]);
+        }
+    }
+    return PyUnicode_DecodeUTF8(it->s, (Py_ssize_t)it->n, NULL);
+}
+
 /* Packed little-endian values of an array of non-negative ints below `limit` (0: 2**64),
  * `width` bytes each. NULL without an error: not that shape. */
 static PyObject *
@@ -295,7 +314,7 @@ field_value(cursor *c, int f)
     }
     switch (f) {
     case F_TYPE:
-        return it.t == T_STR ? PyUnicode_DecodeUTF8(it.s, (Py_ssize_t)it.n, NULL) : NULL;
+        return it.t == T_STR ? str_value(&it) : NULL;
     case F_PARENT:
         if (it.t == T_NIL) return Py_NewRef(Py_None);
         return it.t == T_UINT ? PyLong_FromUnsignedLongLong(it.u) : NULL;
@@ -307,7 +326,7 @@ field_value(cursor *c, int f)
     case F_MEDIUM: case F_LORA_NAME: case F_KIND: case F_LOCALITY: case F_OWNERSHIP:
     case F_SESSION:
         if (it.t == T_NIL) return Py_NewRef(Py_None);
-        return it.t == T_STR ? PyUnicode_DecodeUTF8(it.s, (Py_ssize_t)it.n, NULL) : NULL;
+        return it.t == T_STR ? str_value(&it) : NULL;
     case F_EXTRA: /* nil, or one nil per block: the count */
         if (it.t == T_NIL) return Py_NewRef(Py_None);
         if (it.t != T_ARR || it.n > (size_t)(c->end - c->p)) return NULL;

@@ -213,7 +213,10 @@ _native_decode = None if _native is None else _native.decode_batch
 def decode_payload(payload: bytes | memoryview) -> DecodedBatch:
     """Decode one msgpack ``EventBatch`` payload; raise :class:`DecodeError` if malformed."""
     if _native_decode is not None:
-        packed = _native_decode(payload)
+        try:
+            packed = _native_decode(payload)
+        except (BufferError, TypeError):  # not a contiguous buffer: the Python decoder judges
+            packed = None
         if packed is not None:
             ts, rank, records = packed
             return DecodedBatch(ts, PackedEvents(records), rank)  # type: ignore[arg-type]

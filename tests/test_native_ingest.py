@@ -29,6 +29,9 @@ from indexer.index import PrefixIndex
 from indexer.wire import DecodeError, PackedEvents, decode_payload, decode_payload_py
 from tests.ingest_impls import as_impl, require_native
 
+NATIVE = wire._native_decode is not None
+"""Without the extension (allowed unless KVROUTER_REQUIRE_NATIVE=1) both sides are Python."""
+
 enc = msgspec.msgpack.encode
 H_BIG = 2**64 - 5
 
@@ -97,7 +100,7 @@ def test_common_batches_decode_packed_and_read_as_python_objects() -> None:
     ]
     for payload in payloads:
         batch = decode_payload(payload)
-        assert type(batch.events) is PackedEvents
+        assert type(batch.events) is PackedEvents or not NATIVE
         assert batch == decode_payload_py(payload)
         assert batch.events[-1:] == decode_payload_py(payload).events[-1:]
 
@@ -327,7 +330,7 @@ def test_random_streams_leave_identical_indexes(seed: int) -> None:
         if i % 25 == 24:
             assert engine_state(nat) == engine_state(ref), f"batch {i}"
     assert engine_state(nat) == engine_state(ref)
-    assert packed > 150, "most batches must take the packed path"
+    assert packed > 150 or not NATIVE, "most batches must take the packed path"
     for prompt in stream.prompts:
         for model in ("m", "other", "adapter"):
             keys = ref.prompt_keys(list(prompt), ref.root(model))
@@ -349,7 +352,7 @@ def test_packed_batches_during_an_export_keep_the_cut() -> None:
     for i in range(40):
         events = stream.request(eid) if i % 2 else stream.evictions(eid)
         batch = decode_payload(enc([1.0, events, 0]))
-        assert type(batch.events) is PackedEvents
+        assert type(batch.events) is PackedEvents or not NATIVE
         index.apply(eid, batch.events)
     out += list(pieces)
     assert _canonical(b"".join(out)) == _canonical(cut)
