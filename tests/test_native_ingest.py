@@ -304,18 +304,21 @@ class Stream:
         return eid, enc([rng.random(), events, 0])
 
 
-def _index() -> PrefixIndex:
+def _index(fillers: int = 0) -> PrefixIndex:
+    """The stream's three engines, after ``fillers`` idle ones (70: their bits pass 2**64)."""
     index = PrefixIndex(unit=16, cpu_chunk_tokens=64, max_entries=100_000)
+    for i in range(fillers):
+        index.add_engine((f"idle{i}", 0), "m")
     for eid, model in ((("e0", 0), "m"), (("e1", 0), "m"), (("e2", 0), "other")):
         index.add_engine(eid, model)
     return index
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_random_streams_leave_identical_indexes(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "fillers"), [(s, 0) for s in range(8)] + [(8, 62), (9, 70)])
+def test_random_streams_leave_identical_indexes(seed: int, fillers: int) -> None:
     require_native()
     stream = Stream(seed)
-    ref, nat = _index(), _index()
+    ref, nat = _index(fillers), _index(fillers)
     packed = 0
     for i in range(250):
         eid, payload = stream.batch()
