@@ -37,6 +37,9 @@ import msgspec
 from indexer.keys import _native
 
 __all__ = [
+    "CLEARED",
+    "REMOVED",
+    "STORED",
     "AllBlocksCleared",
     "BlockHash",
     "BlockRemoved",
@@ -167,8 +170,9 @@ class PackedEvents(Sequence[Event]):
     A stored record is ``(STORED, hashes, parent, tokens, block_size, lora_id, medium,
     lora_name, extra_count, group_idx, kv_cache_spec_kind, window, locality, ownership,
     session_id)``, a removed one ``(REMOVED, hashes, medium, group_idx, locality, ownership)``,
-    with ``hashes`` packed uint64 and ``tokens`` packed uint32 (native byte order, little-endian
-    on every supported platform), ``extra_count`` the number of nil extra keys (None: no list).
+    with ``hashes`` packed uint64 and ``tokens`` packed uint32, little-endian (the byte order
+    every supported platform reads them in), ``extra_count`` the number of nil extra keys (None:
+    no list).
     As a sequence it holds the decoded events, built once on first access.
     """
 
