@@ -8,7 +8,8 @@ setup(
     ext_modules=[
         Extension(
             "indexer._native",
-            ["indexer/_native.c"],
+            ["indexer/_native.c", "indexer/_ingest.c"],
+            depends=["indexer/_ingest.h"],
             include_dirs=["third_party/xxhash"],
             optional=True,
             extra_compile_args=["-O2"],

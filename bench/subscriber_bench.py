@@ -45,7 +45,7 @@ from index_bench import stored_event  # the same vLLM 0.33 BlockStored map (benc
 
 from indexer.index import PrefixIndex
 from indexer.subscriber import Subscriber
-from indexer.wire import BlockStored, DecodedBatch
+from indexer.wire import STORED, BlockStored, DecodedBatch, PackedEvents
 
 MODEL = "bench-model"
 BLOCK = 16
@@ -204,11 +204,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         now = clock()
         lags.append(now - batch.ts)
         blocks = removed = 0
-        for ev in batch.events:
-            if type(ev) is BlockStored:
-                blocks += len(ev.block_hashes)
-            else:
-                removed += 1
+        events = batch.events
+        if type(events) is PackedEvents:  # counted from the records: no events built
+            for r in events.records:
+                if r[0] == STORED:
+                    blocks += len(r[1]) // 8
+                else:
+                    removed += 1
+        else:
+            for ev in events:
+                if type(ev) is BlockStored:
+                    blocks += len(ev.block_hashes)
+                else:
+                    removed += 1
         applied["blocks"] += blocks
         applied["removed"] += removed
         applied["events"] += len(batch.events)

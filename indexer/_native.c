@@ -6,6 +6,7 @@
  *   run_scan(tables, keys, first, step, count, alive)
  *                                          -> (b, now)   (full_attention_run's block loop)
  *   ids_to_json(data)                      -> bytes      (uint32 LE ids as a compact JSON array)
+ *   decode_batch, store_dense, remove_hashes: the event plane's hot path (indexer/_ingest.c)
  *
  * indexer/native.py is the public face and holds the pure-Python equivalents; the tests check
  * both against each other. Every input is read through bounds-checked indexes only: any bytes
@@ -23,6 +24,8 @@
 
 #define XXH_INLINE_ALL
 #include "xxhash.h"
+
+#include "_ingest.h"
 
 /* ------------------------------------------------------------------ ids_from_json */
 
@@ -781,6 +784,16 @@ static PyMethodDef native_methods[] = {
      "ids_to_json(data, /)\n--\n\n"
      "Little-endian uint32 ids (any bytes-like, a multiple of 4 bytes) as a compact JSON\n"
      "array, the inverse of ids_from_json."},
+    {"decode_batch", (PyCFunction)ingest_decode_batch, METH_O,
+     "decode_batch(payload, /)\n--\n\n"
+     "A vLLM msgpack EventBatch of the common shape as (ts, dp_rank, records), hashes and\n"
+     "token ids as packed bytes; None for any other payload. See indexer/_ingest.c."},
+    {"store_dense", (PyCFunction)(void (*)(void))ingest_store_dense, METH_FASTCALL,
+     "store_dense(res, hmap, bit, seed, parent, hashes, tokens, unit, block_size, decided, /)\n"
+     "--\n\nRecord a dense full-attention BlockStored; see indexer/_ingest.c."},
+    {"remove_hashes", (PyCFunction)(void (*)(void))ingest_remove_hashes, METH_FASTCALL,
+     "remove_hashes(res, hmap, bit, hashes, dups, extra_refs, dup_prefix, sink, /)\n--\n\n"
+     "Residency.remove over packed uint64 hashes; see indexer/_ingest.c."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -13,6 +13,12 @@ keys (indexer/keys.py) and records them. The cases that make this exact:
 * an event whose parent is unknown waits a few batches for it (replay may fill the gap);
 * a GPU store from token 0 that the engine would already hit is vLLM's full-report re-announce
   and adds no reference.
+
+Batches decoded by the C decoder (indexer/wire.py ``PackedEvents``) take ``_apply_packed``: the
+common events -- dense full-attention stores on an engine with that one group, and removals --
+are applied in C from their packed hashes and token ids (indexer/residency.py
+``store_packed``); every other event, and every batch of an engine with several groups or an
+export in progress, is applied by the Python code below, the reference, from the decoded event.
 """
 
 from __future__ import annotations
@@ -23,11 +29,20 @@ from typing import Any
 from indexer.engine_state import EngineState
 from indexer.hit_rules import alignment, group_accepts
 from indexer.keys import chain_keys, mix_extra, tokens_to_bytes
-from indexer.residency import Residency
+from indexer.residency import NATIVE_INGEST, STORE_BAIL, STORE_REANNOUNCED, Residency
 from indexer.staggered import SLOT_MASK
 from indexer.types import CHUNKED, FULL, GPU, MAMBA, GroupSpec, group_kind
 from indexer.vllm_hash import VllmHashLocator
-from indexer.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
+from indexer.wire import (
+    REMOVED,
+    STORED,
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    PackedEvents,
+)
 
 __all__ = ["Ingest"]
 
@@ -60,6 +75,11 @@ class Ingest:
 
     def apply(self, e: EngineState, events: Sequence[Event]) -> None:
         """Apply one batch of events of one engine, in list order (vLLM's order)."""
+        if type(events) is PackedEvents:
+            if NATIVE_INGEST and len(e.groups) <= 1 and not e.exports:
+                self._apply_packed(e, events)
+                return
+            events = events.events()
         e.counters["batches"] += 1
         lookahead: dict[BlockHash, int] | None = None
         # One re-announce decision per prefix per batch: vLLM sends one event per group for the
@@ -113,6 +133,82 @@ class Ingest:
                 e.counters["cleared"] += 1
         if e.pending:
             self._retry_pending(e)
+
+    def _apply_packed(self, e: EngineState, packed: PackedEvents) -> None:
+        """``apply`` for a batch the C decoder packed, on an engine with at most one group.
+
+        Same order and same result as ``apply``: an event the C path does not take is applied
+        by the Python path from its decoded form, in its place. (With one group at the batch's
+        start there is no re-announce pre-pass to run.)
+        """
+        e.counters["batches"] += 1
+        reannounce: dict[int, bool] = {}
+        lookahead: dict[BlockHash, int] | None = None
+        records = packed.records
+        i, n = 0, len(records)
+        while i < n:
+            r = records[i]
+            i += 1
+            if r[0] == STORED:
+                if self._store_packed(e, r, reannounce):
+                    continue
+                ev: BlockStored = packed[i - 1]  # type: ignore[assignment]
+                if not self._store(e, ev, reannounce):
+                    continue
+                if lookahead is None:
+                    lookahead = self._learn_ahead(e, packed, i)
+                self._store_sparse(e, ev, lookahead)
+            elif r[0] == REMOVED:
+                # Runs of single-hash removals in one pass, as in ``apply``.
+                g, medium, hashes = r[3] or 0, r[2] or GPU, r[1]
+                if i < n and records[i][0] == REMOVED:
+                    parts = [hashes]
+                    while i < n and records[i][0] == REMOVED:
+                        nxt = records[i]
+                        if (nxt[3] or 0) != g or (nxt[2] or GPU) != medium:
+                            break
+                        parts.append(nxt[1])
+                        i += 1
+                    hashes = b"".join(parts)
+                waiting = e.pending_removed if e.pending else None
+                self.residency.remove_packed(e, hashes, g, medium, waiting)
+            else:
+                self.residency.drop(e)
+                e.counters["cleared"] += 1
+        if e.pending:
+            self._retry_pending(e)
+
+    def _store_packed(self, e: EngineState, r: tuple[Any, ...], decided: dict[int, bool]) -> bool:
+        """Apply a packed BlockStored in C when ``_store`` would take its plainest path: a dense
+        store with no extras but nils; on a GPU, of the engine's only group, full attention,
+        with its group facts unchanged. False: nothing done, the Python path applies it."""
+        _, hashes, parent, tokens, bs, _, medium, lora_name, _, g, kind, window = r[:12]
+        g = g or 0
+        if bs <= 0 or bs % self.unit or not hashes or len(hashes) // 8 != len(tokens) // 4 // bs:
+            return False
+        if medium is None or medium == GPU:
+            medium = GPU
+            spec = e.groups.get(g)
+            if (
+                spec is None
+                or len(e.groups) != 1
+                or spec.kind != FULL
+                or spec.block_size != bs
+                or (kind is not None and e.group_facts.get(g) != (kind, bs, window))
+            ):
+                return False
+            check = decided if parent is None and e.resident else None
+        else:
+            check = None  # group facts and re-announces concern GPU stores only
+        seed = None
+        if parent is None:
+            seed = self.root(lora_name if lora_name is not None else e.model, None)
+        code = self.residency.store_packed(
+            e, g, medium, seed, parent, hashes, tokens, self.unit, bs, check
+        )
+        if code == STORE_REANNOUNCED:
+            e.counters["reannounced"] += 1
+        return code != STORE_BAIL
 
     # ------------------------------------------------------------------ stores
 

@@ -18,21 +18,34 @@ Data layout (why it is fast and small in pure Python):
   plain 64-bit values.
 * Duplicates (vLLM does not de-duplicate) are rare, so extra copies live in a side dict
   ``dups[(slot, group, medium, key)]`` instead of a counter on every entry.
+
+:meth:`Residency.store_packed` and :meth:`Residency.remove_packed` do the same work in C
+(indexer/_ingest.c) for events whose hashes arrive packed (indexer/wire.py ``PackedEvents``);
+they leave the rare cases (duplicates, hashes already mapped, exports in progress) to the Python
+methods here, which are the reference.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from itertools import repeat
 from operator import eq
 
 from indexer.engine_state import EngineState
+from indexer.keys import _native
 from indexer.staggered import SLOT_MASK, HashMap, Table, new_table
 from indexer.wire import BlockHash
 
-__all__ = ["Residency"]
+__all__ = ["NATIVE_INGEST", "Residency"]
 
 _consume = deque(maxlen=0).extend
+
+NATIVE_INGEST = _native is not None
+"""Whether ``store_packed`` / ``remove_packed`` can run (the C extension is built)."""
+
+STORE_BAIL = -1
+STORE_REANNOUNCED = -2
 
 
 class Residency:
@@ -184,6 +197,73 @@ class Residency:
             counters["blocks_removed"] += removed
         if unknown:
             counters["unknown_removes"] += unknown
+
+    def store_packed(
+        self,
+        e: EngineState,
+        g: int,
+        medium: str,
+        seed: int | None,
+        parent: int | None,
+        hashes: bytes,
+        tokens: bytes,
+        unit: int,
+        block_size: int,
+        decided: dict[int, bool] | None,
+    ) -> int:
+        """A dense full-attention store of packed ``hashes`` over packed ``tokens``, in C.
+
+        Content keys chain from ``seed``, or from the key ``parent`` is mapped to. ``decided``:
+        the batch's re-announce verdicts, when the store is from token 0 on a GPU that holds
+        blocks (ingest.py ``_is_reannounce``). Returns the blocks stored, ``STORE_REANNOUNCED``,
+        or ``STORE_BAIL`` -- nothing changed, the Python path must apply the event: an unknown
+        parent, a duplicate, a hash already mapped, a re-announce to judge in full, an export
+        in progress, or a table not created yet.
+        """
+        res = self.tables.get((g, medium))
+        if res is None or e.exports:
+            return STORE_BAIL
+        code: int = _native.store_dense(  # type: ignore[union-attr]
+            res, e.hashes.table, e.bit, seed, parent, hashes, tokens, unit, block_size, decided
+        )
+        if code > 0:
+            gm = (g, medium)
+            e.resident[gm] = e.resident.get(gm, 0) + code
+            self.total += code
+            e.counters["blocks_stored"] += code
+        return code
+
+    def remove_packed(
+        self,
+        e: EngineState,
+        hashes: bytes,
+        g: int,
+        medium: str,
+        unknown_sink: set[BlockHash] | None,
+    ) -> None:
+        """:meth:`remove` for packed uint64 ``hashes``, in C unless an export is reading ``e``."""
+        if e.exports:
+            a = array("Q")
+            a.frombytes(hashes)
+            self.remove(e, a.tolist(), g, medium, unknown_sink)
+            return
+        removed, unknown, cleared = _native.remove_hashes(  # type: ignore[union-attr]
+            self.tables.get((g, medium)),
+            e.hashes.table,
+            e.bit,
+            hashes,
+            self.dups,
+            e.extra_refs,
+            (e.slot, g, medium),
+            unknown_sink,
+        )
+        if cleared:
+            e.resident[(g, medium)] -= cleared
+            self.total -= cleared
+        if removed:
+            e.counters["blocks_removed"] += removed
+        if unknown:
+            e.counters["unknown_removes"] += unknown
 
     def drop(self, e: EngineState) -> None:
         """Forget everything engine ``e`` holds, on every group and medium.

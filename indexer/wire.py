@@ -13,6 +13,14 @@ types -- fails that strict schema and is re-decoded generically, where unknown k
 skipped and *counted* (``DecodedBatch.unknown_fields`` / ``unknown_events``). A malformed
 payload raises :class:`DecodeError` and nothing else; the caller treats it like a lost message.
 
+Where the C extension is built, ``decode_payload`` first tries ``indexer._native.decode_batch``
+(indexer/_ingest.c), which takes the common shape only -- map-encoded events with known keys,
+int hashes, token ids in [0, 2**32), no extra keys but nils, no look-ahead tokens -- and keeps
+each event's hashes and token ids as packed bytes: :class:`PackedEvents`. The index applies those
+without making a Python object per block (indexer/ingest.py); anyone else reading the events gets
+exactly the objects the Python decoder makes, built on first access. Anything else, malformed or
+merely unusual, goes to the Python decoder, which is the reference: ``decode_payload_py``.
+
 Block hashes are kept as they arrive: ``int`` (the low 64 bits of vLLM's digest, possibly
 >= 2**63) or ``bytes`` (full digest, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``). The index
 only uses them as opaque dictionary keys, so no conversion is needed.
@@ -20,11 +28,18 @@ only uses them as opaque dictionary keys, so no conversion is needed.
 
 from __future__ import annotations
 
-from typing import Any
+from array import array
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
 
 import msgspec
 
+from indexer.keys import _native
+
 __all__ = [
+    "CLEARED",
+    "REMOVED",
+    "STORED",
     "AllBlocksCleared",
     "BlockHash",
     "BlockRemoved",
@@ -32,7 +47,9 @@ __all__ = [
     "DecodeError",
     "DecodedBatch",
     "Event",
+    "PackedEvents",
     "decode_payload",
+    "decode_payload_py",
 ]
 
 BlockHash = int | bytes
@@ -121,8 +138,97 @@ _KNOWN_KEYS: dict[str, frozenset[str]] = {
 }
 
 
+STORED, REMOVED, CLEARED = 0, 1, 2
+"""``PackedEvents.records[i][0]``: the event's type."""
+
+
+def _u64s(data: bytes) -> list[int]:
+    a = array("Q")
+    a.frombytes(data)
+    return a.tolist()
+
+
+def _u32s(data: bytes) -> list[int]:
+    a = array("I")
+    a.frombytes(data)
+    return a.tolist()
+
+
+def _event(r: tuple[Any, ...]) -> Event:
+    """The event a record stands for, equal to what the Python decoder makes of it."""
+    if r[0] == STORED:
+        extra = None if r[8] is None else [None] * r[8]
+        return BlockStored(_u64s(r[1]), r[2], _u32s(r[3]), r[4], r[5], r[6], r[7], extra, *r[9:])
+    if r[0] == REMOVED:
+        return BlockRemoved(_u64s(r[1]), *r[2:])
+    return AllBlocksCleared()
+
+
+class PackedEvents(Sequence[Event]):
+    """A batch's events as decoded by ``indexer._native.decode_batch``: one record per event.
+
+    A stored record is ``(STORED, hashes, parent, tokens, block_size, lora_id, medium,
+    lora_name, extra_count, group_idx, kv_cache_spec_kind, window, locality, ownership,
+    session_id)``, a removed one ``(REMOVED, hashes, medium, group_idx, locality, ownership)``,
+    with ``hashes`` packed uint64 and ``tokens`` packed uint32, little-endian (the byte order
+    every supported platform reads them in), ``extra_count`` the number of nil extra keys (None:
+    no list).
+    As a sequence it holds the decoded events, built once on first access.
+    """
+
+    __slots__ = ("_events", "records")
+
+    def __init__(self, records: list[tuple[Any, ...]]) -> None:
+        self.records = records
+        self._events: list[Event] | None = None
+
+    def events(self) -> list[Event]:
+        if self._events is None:
+            self._events = [_event(r) for r in self.records]
+        return self._events
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @overload
+    def __getitem__(self, i: int) -> Event: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Event]: ...
+    def __getitem__(self, i: int | slice) -> Event | list[Event]:
+        return self.events()[i]
+
+    def __iter__(self) -> Iterator[Event]:
+        return iter(self.events())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedEvents | list):
+            return self.events() == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(self.events())
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+_native_decode = None if _native is None else _native.decode_batch
+
+
 def decode_payload(payload: bytes | memoryview) -> DecodedBatch:
     """Decode one msgpack ``EventBatch`` payload; raise :class:`DecodeError` if malformed."""
+    if _native_decode is not None:
+        try:
+            packed = _native_decode(payload)
+        except (BufferError, TypeError):  # not a contiguous buffer: the Python decoder judges
+            packed = None
+        if packed is not None:
+            ts, rank, records = packed
+            return DecodedBatch(ts, PackedEvents(records), rank)  # type: ignore[arg-type]
+    return decode_payload_py(payload)
+
+
+def decode_payload_py(payload: bytes | memoryview) -> DecodedBatch:
+    """``decode_payload`` by the Python decoder alone: every event a Python object."""
     try:
         fast = _fast_decoder.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError):

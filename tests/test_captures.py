@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import base64
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from indexer.index import PrefixIndex
 from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, decode_payload
+from tests.ingest_impls import IMPLS, decoder
 
 CAPTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-captures"
 NAMES = [
@@ -24,7 +26,14 @@ NAMES = [
     "llama-offload-legacy",
 ]
 ENGINE = ("http://vllm:8000", 0)
+
 MODEL = "tiny"
+
+
+@pytest.fixture(autouse=True, params=IMPLS)
+def ingest_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs with each decoder (tests/ingest_impls.py): Python and native."""
+    monkeypatch.setattr(sys.modules[__name__], "decode_payload", decoder(request.param))
 
 
 def frames(name: str) -> list[list[bytes]]:

@@ -48,6 +48,7 @@ from hypothesis.stateful import (
 
 from indexer.index import PrefixIndex
 from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from tests.ingest_impls import IMPLS, as_impl
 
 UNIT = 16
 CHUNK = 256
@@ -749,6 +750,7 @@ TestIndexVsReference = IndexVsReference.TestCase
 # --------------------------------------------------------------------------- isolation
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=st.data(),
@@ -757,7 +759,7 @@ TestIndexVsReference = IndexVsReference.TestCase
     seed=st.integers(0, 2**32),
 )
 def test_eviction_on_one_engine_never_changes_another(
-    data: st.DataObject, bs: int, same_hashes: bool, seed: int
+    data: st.DataObject, bs: int, same_hashes: bool, seed: int, impl: str
 ) -> None:
     """Two engines hold overlapping prefixes (with identical engine hashes when they share a
     hash seed). Whatever engine A loses -- single GPU blocks, CPU chunks, AllBlocksCleared,
@@ -777,12 +779,15 @@ def test_eviction_on_one_engine_never_changes_another(
             if cfg is b and seq is not seqs[0] and not data.draw(st.booleans()):
                 continue
             n = len(seq) // bs
-            idx.apply(cfg.eid, [stored(cfg, g, seq, 0, n)])
+            idx.apply(cfg.eid, as_impl([stored(cfg, g, seq, 0, n)], impl))
             if cfg is a:
                 blocks_a += [seq[: (j + 1) * bs] for j in range(n)]
             for k in range(len(seq) // CHUNK):
                 tail = seq[: (k + 1) * CHUNK]
-                idx.apply(cfg.eid, [BlockStored([cfg.h(tail)], None, [], 0, None, CPU, None)])
+                idx.apply(
+                    cfg.eid,
+                    as_impl([BlockStored([cfg.h(tail)], None, [], 0, None, CPU, None)], impl),
+                )
     prompts = [s[:cut] for s in seqs for cut in (1, 17, 33, 257, 300, len(s))] + [
         (*s, 2) for s in seqs
     ]
@@ -799,11 +804,11 @@ def test_eviction_on_one_engine_never_changes_another(
     for _ in range(data.draw(st.integers(1, 12))):
         p = data.draw(st.sampled_from(blocks_a))
         medium = data.draw(st.sampled_from([GPU, CPU]))
-        idx.apply(a.eid, [BlockRemoved([a.h(p)], medium=medium, group_idx=0)])
+        idx.apply(a.eid, as_impl([BlockRemoved([a.h(p)], medium=medium, group_idx=0)], impl))
         assert b_view() == before
     end = data.draw(st.sampled_from(["cleared", "clear_engine", "remove_engine"]))
     if end == "cleared":
-        idx.apply(a.eid, [AllBlocksCleared()])
+        idx.apply(a.eid, as_impl([AllBlocksCleared()], impl))
     elif end == "clear_engine":
         idx.clear_engine(a.eid)
     else:
@@ -812,7 +817,7 @@ def test_eviction_on_one_engine_never_changes_another(
         c = EngineCfg(("c", 0), MODEL, [g], False, None, 9, False)
         idx.add_engine(c.eid, MODEL)
         other = rand_tokens(rng, 64)
-        idx.apply(c.eid, [stored(c, g, other, 0, len(other) // bs)])
+        idx.apply(c.eid, as_impl([stored(c, g, other, 0, len(other) // bs)], impl))
         root = idx.root(MODEL)
         assert all(
             (m.gpu_tokens, m.cpu_tokens) == (0, 0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +25,17 @@ import pytest
 
 from indexer.index import EngineStats, PrefixIndex
 from indexer.wire import BlockRemoved, BlockStored, decode_payload
+from tests.ingest_impls import IMPLS, decoder
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-captures"
 ENGINE = ("http://vllm:8000", 0)
+
+
+@pytest.fixture(autouse=True, params=IMPLS)
+def ingest_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs with each decoder (tests/ingest_impls.py): Python and native."""
+    monkeypatch.setattr(sys.modules[__name__], "decode_payload", decoder(request.param))
+
 
 # name -> (model kind, KV-cache groups as the events declare them, CPU offloading)
 CAPTURES: dict[str, tuple[str, dict[str, tuple[str, int, int | None]], bool]] = {
