@@ -65,8 +65,9 @@ log = logging.getLogger(__name__)
 RECV_BATCH = 256
 """Messages a reader takes off its socket before yielding to the loop."""
 RECV_BUDGET_S = 0.0005
-"""...or this much time, whichever comes first (checked every 16 messages): a flood of junk on
-a socket costs every HTTP request at most this per loop turn (tests/faults/test_garbage.py)."""
+"""...or this much time, whichever comes first (checked after every message): a flood of junk
+on a socket costs every HTTP request at most this plus one message per loop turn
+(tests/faults/test_garbage.py)."""
 APPLY_BATCH = 64
 """Messages the applier takes from one source before moving to the next."""
 APPLY_BUDGET_S = 0.004
@@ -74,6 +75,9 @@ APPLY_BUDGET_S = 0.004
 
 _UNDECODABLE = DecodedBatch(0.0, [])
 """Queue marker: this message's payload failed to decode (counted once)."""
+_RECONNECTED = DecodedBatch(0.0, [])
+"""Queue entry: the SUB reconnected here; the messages queued before it came over the old
+connection, the ones after it over the new one."""
 
 
 @dataclass(eq=False, slots=True)
@@ -174,8 +178,6 @@ class Subscriber:
         feeds = list(self._feeds.values())
         if self._bound_feed is not None:
             feeds.append(self._bound_feed)
-        for feed in feeds:
-            tasks.extend(feed.tasks)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -273,8 +275,6 @@ class Subscriber:
                 src.replay_task = None
             feed = self._feeds.pop(src.engine, None)
             if feed is not None:
-                for t in feed.tasks:
-                    t.cancel()
                 feed.close()
             src.feed = None
             self._sources.pop(src.engine, None)
@@ -286,14 +286,16 @@ class Subscriber:
         Every rank is cleared and marked degraded (``resets += 1``); the sockets stay connected
         and the sequence state is kept, so a restarted worker (its seqs start again at 0) is
         recognised as a restart and rebuilt exactly, while a worker that was only unreachable
-        is rebuilt by the usual rules. Returns the number of ranks cleared (0 if unknown or
-        already dropped).
+        is rebuilt by the usual rules. A replay in flight is cancelled: its answer describes
+        the state just dropped. Returns the number of ranks cleared (0 if unknown or already
+        dropped).
         """
         n = 0
         for src in self._workers.get(worker_id, []):
             state = src.state
             if state.degraded and state.degraded_reason == reason:
                 continue  # already dropped for this outage
+            self._cancel_replay(src)
             self._run(src, state.reset(reason, time.monotonic()))
             n += 1
         return n
@@ -334,12 +336,13 @@ class Subscriber:
         a snapshot taken at that seq). Call right after :meth:`add_worker`, before any message
         of that engine is consumed; returns False (import nothing) if it is too late.
 
-        The first live batch then decides, by the ordinary rules: ``seq + 1`` applies; a later
-        seq is a gap, replayed from ``seq + 1`` (a replay that cannot reach back resets the
-        engine: exact or empty, never wrong); a seq ``<= seq`` means the engine restarted since
-        the snapshot, so it is cleared. With ``event_ts`` (the snapshot batch's ``ts``) the
-        first gap is verified like one after a reconnect: an engine that restarted *and*
-        already passed ``seq`` is caught by comparing that batch's ts.
+        ``event_ts`` is the ``ts`` of the snapshot's batch ``seq``. The first live batch then
+        waits for a replay from ``seq``, whose first batch must carry ``event_ts``: an engine
+        that restarted since the snapshot (whatever seq it reached) is cleared and rebuilt from
+        its replay; the same publisher goes on from ``seq + 1``; a replay that cannot reach
+        back resets the engine (exact or empty, never wrong). A seq ``<= seq`` is a restart at
+        once. Without a replay endpoint or ``event_ts`` nothing could verify the snapshot, so
+        this returns False.
         """
         src = self._sources.get(engine)
         if src is None or src.queue:
@@ -407,7 +410,7 @@ class Subscriber:
                 bind=False,
                 on_message=functools.partial(self._route_connect, src),
                 on_read=self._kick,
-                on_reconnect=src.state.reconnected,
+                on_reconnect=functools.partial(self._reconnected, src),
             )
             src.feed = feed
         return feed
@@ -441,6 +444,16 @@ class Subscriber:
             first.garbage_frames += 1
             return
         self._enqueue(src, seq, frames[2], batch)
+
+    def _reconnected(self, src: Source) -> None:
+        """The feed saw a new handshake before routing any message of that connection: mark the
+        place in the queue (never dropped: it is what makes the state verify the publisher)."""
+        if src.removed:
+            return
+        src.queue.append((-1, b"", _RECONNECTED))
+        if src.replay_task is None:
+            self._ready[src] = None
+            self._kick()
 
     def _enqueue(self, src: Source, seq: int, payload: bytes, batch: DecodedBatch | None) -> None:
         src.seen = True
@@ -491,6 +504,10 @@ class Subscriber:
         n = 0
         while q and n < budget and src.replay_task is None:
             seq, payload, batch = q[0]
+            if batch is _RECONNECTED:
+                q.popleft()
+                state.reconnected()
+                continue
             if batch is None:
                 try:
                     batch = decode_payload(payload)
@@ -563,6 +580,17 @@ class Subscriber:
             self._replay(src, request), name=f"kv-replay {src.engine}"
         )
 
+    def _cancel_replay(self, src: Source) -> None:
+        """Stop the replay in flight (its answer is stale) and let the queue move again."""
+        task = src.replay_task
+        if task is None or task is asyncio.current_task():
+            return
+        task.cancel()
+        src.replay_task = None
+        if src.queue and not src.removed and self._running:
+            self._ready[src] = None
+            self._kick()
+
     async def _replay(self, src: Source, request: RequestReplay) -> None:
         try:
             follow_up = await self._replay_once(src, request)
@@ -572,18 +600,20 @@ class Subscriber:
             raise
         except Exception:
             log.exception("replay for %s", src.engine)
-            if not src.removed:
-                self._run(src, src.state.replay_crashed(request.reason, time.monotonic()))
+            waited = src.state.replay
+            if not src.removed and waited is not None:
+                self._run(src, src.state.replay_crashed(waited.reason, time.monotonic()))
         finally:
             if src.replay_task is asyncio.current_task():
                 src.replay_task = None
-            if src.queue and not src.removed and self._running:
-                self._ready[src] = None
-                self._kick()
+                if src.queue and not src.removed and self._running:
+                    self._ready[src] = None
+                    self._kick()
 
     async def _replay_once(self, src: Source, request: RequestReplay) -> RequestReplay | None:
         """Fetch one replay and feed it to the source's state; return the replay the state
-        asks for instead (its publisher restarted), if any."""
+        asks for instead (its publisher restarted), if any. Nothing of an answer the state no
+        longer waits for is fed."""
         assert self._replay_sem is not None and self._ctx is not None
         assert src.replay_endpoint is not None
         state = src.state
@@ -597,21 +627,24 @@ class Subscriber:
                 if not src.removed:
                     self._run(src, state.replay_failed(request, time.monotonic()))
                 return None
-        if src.removed:
+        if src.removed or not state.awaits(request):
             return None
         batches = result.batches
         first_ts = _batch_ts(batches[0][1]) if request.verify_ts is not None and batches else None
         answer = state.replay_answered(request, result.reaches, first_ts, time.monotonic())
         follow_up = self._run(src, answer)
         if follow_up is None:
-            await self._apply_replay(src, batches)
+            await self._apply_replay(src, request, batches)
+            state.replay_done(request)
         return follow_up
 
-    async def _apply_replay(self, src: Source, batches: list[tuple[int, bytes]]) -> None:
+    async def _apply_replay(
+        self, src: Source, request: RequestReplay, batches: list[tuple[int, bytes]]
+    ) -> None:
         state = src.state
         n = 0
         for seq, payload in batches:
-            if src.removed:
+            if src.removed or not state.awaits(request):
                 return
             if state.already_applied(seq):
                 continue  # already applied from the live stream
