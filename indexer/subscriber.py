@@ -24,7 +24,8 @@ A full deque drops the newest message (``queue_overflows``) and that seq becomes
 memory stays bounded by ``queue_depth`` messages and ``queue_bytes`` payload bytes per source, plus
 ZMQ's RCVHWM (``queue_depth`` messages).
 While a replay is in flight the source's live messages stay queued; the replay runs in its own
-task (at most ``replay_concurrency`` at once) and feeds its batches to the state in order.
+task (:mod:`indexer.resync`, at most ``replay_concurrency`` at once) and feeds its batches to the
+state in order.
 
 A silent socket changes nothing (vLLM 0.33 sends no heartbeat; an idle engine is not an empty
 one); :mod:`indexer.feed` reconnects, detects dead peers and tells the state about reconnects.
@@ -45,7 +46,7 @@ import zmq.asyncio
 from indexer.endpoints import concrete_endpoint, offset_endpoint, resolve_endpoint
 from indexer.feed import Feed, FeedOptions
 from indexer.index import EngineId, PrefixIndex
-from indexer.replay import ReplayError, fetch_replay
+from indexer.resync import Resync
 from indexer.source import Source, SourceStatus
 from indexer.source_state import (
     Action,
@@ -140,7 +141,7 @@ class Subscriber:
         self._ready: dict[Source, None] = {}  # ordered set of sources with work
         self._wake: asyncio.Event | None = None
         self._applier: asyncio.Task[None] | None = None
-        self._replay_sem: asyncio.Semaphore | None = None
+        self._resync: Resync | None = None
         self._running = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -151,7 +152,9 @@ class Subscriber:
         self._running = True
         self._ctx = zmq.asyncio.Context()
         self._wake = asyncio.Event()
-        self._replay_sem = asyncio.Semaphore(self.replay_concurrency)
+        self._resync = Resync(
+            self._ctx, self.replay_timeout_s, self.replay_concurrency, self._run, self._resume
+        )
         self._applier = asyncio.get_running_loop().create_task(
             self._apply_loop(), name="kv-subscriber-applier"
         )
@@ -295,7 +298,8 @@ class Subscriber:
             state = src.state
             if state.degraded and state.degraded_reason == reason:
                 continue  # already dropped for this outage
-            self._cancel_replay(src)
+            if self._resync is not None:
+                self._resync.cancel(src)
             self._run(src, state.reset(reason, time.monotonic()))
             n += 1
         return n
@@ -448,7 +452,7 @@ class Subscriber:
     def _reconnected(self, src: Source) -> None:
         """The feed saw a new handshake before routing any message of that connection: mark the
         place in the queue (never dropped: it is what makes the state verify the publisher)."""
-        if src.removed:
+        if src.removed or (src.queue and src.queue[-1][2] is _RECONNECTED):
             return
         src.queue.append((-1, b"", _RECONNECTED))
         if src.replay_task is None:
@@ -470,6 +474,12 @@ class Subscriber:
     def _kick(self) -> None:
         if self._ready and self._wake is not None:
             self._wake.set()
+
+    def _resume(self, src: Source) -> None:
+        """The source's replay ended: its queued messages may move again."""
+        if src.queue and not src.removed and self._running:
+            self._ready[src] = None
+            self._kick()
 
     # ------------------------------------------------------------------ applying
 
@@ -572,96 +582,7 @@ class Subscriber:
         except Exception:
             log.exception("on_reset callback")
 
-    # ------------------------------------------------------------------ replay
-
     def _start_replay(self, src: Source, request: RequestReplay) -> None:
+        assert self._resync is not None
         self._ready.pop(src, None)
-        src.replay_task = asyncio.get_running_loop().create_task(
-            self._replay(src, request), name=f"kv-replay {src.engine}"
-        )
-
-    def _cancel_replay(self, src: Source) -> None:
-        """Stop the replay in flight (its answer is stale) and let the queue move again."""
-        task = src.replay_task
-        if task is None or task is asyncio.current_task():
-            return
-        task.cancel()
-        src.replay_task = None
-        if src.queue and not src.removed and self._running:
-            self._ready[src] = None
-            self._kick()
-
-    async def _replay(self, src: Source, request: RequestReplay) -> None:
-        try:
-            follow_up = await self._replay_once(src, request)
-            if follow_up is not None and not src.removed:
-                await self._replay_once(src, follow_up)  # a new publisher: from 0
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("replay for %s", src.engine)
-            waited = src.state.replay
-            if not src.removed and waited is not None:
-                self._run(src, src.state.replay_crashed(waited.reason, time.monotonic()))
-        finally:
-            if src.replay_task is asyncio.current_task():
-                src.replay_task = None
-                if src.queue and not src.removed and self._running:
-                    self._ready[src] = None
-                    self._kick()
-
-    async def _replay_once(self, src: Source, request: RequestReplay) -> RequestReplay | None:
-        """Fetch one replay and feed it to the source's state; return the replay the state
-        asks for instead (its publisher restarted), if any. Nothing of an answer the state no
-        longer waits for is fed."""
-        assert self._replay_sem is not None and self._ctx is not None
-        assert src.replay_endpoint is not None
-        state = src.state
-        async with self._replay_sem:
-            try:
-                result = await fetch_replay(
-                    self._ctx, src.replay_endpoint, request.start, self.replay_timeout_s
-                )
-            except ReplayError as exc:
-                log.warning("replay for %s: %s", src.engine, exc)
-                if not src.removed:
-                    self._run(src, state.replay_failed(request, time.monotonic()))
-                return None
-        if src.removed or not state.awaits(request):
-            return None
-        batches = result.batches
-        first_ts = _batch_ts(batches[0][1]) if request.verify_ts is not None and batches else None
-        answer = state.replay_answered(request, result.reaches, first_ts, time.monotonic())
-        follow_up = self._run(src, answer)
-        if follow_up is None:
-            await self._apply_replay(src, request, batches)
-            state.replay_done(request)
-        return follow_up
-
-    async def _apply_replay(
-        self, src: Source, request: RequestReplay, batches: list[tuple[int, bytes]]
-    ) -> None:
-        state = src.state
-        n = 0
-        for seq, payload in batches:
-            if src.removed or not state.awaits(request):
-                return
-            if state.already_applied(seq):
-                continue  # already applied from the live stream
-            try:
-                batch: DecodedBatch | None = decode_payload(payload)
-            except DecodeError:
-                src.decode_errors += 1
-                batch = None
-            self._run(src, state.replayed(seq, batch, time.monotonic()))
-            if batch is not None:
-                n += 1
-                if n % APPLY_BATCH == 0:
-                    await asyncio.sleep(0)
-
-
-def _batch_ts(payload: bytes) -> float | None:
-    try:
-        return decode_payload(payload).ts
-    except DecodeError:
-        return None
+        self._resync.start(src, request)
