@@ -106,7 +106,7 @@ class Feed:
         return not raw.closed and bool(raw.get(zmq.EVENTS) & zmq.POLLIN)
 
     def close(self) -> None:
-        """Close the sockets (the caller cancels :attr:`tasks`)."""
+        """Close the sockets and stop reading them."""
         self.closed = True
         for raw in (self.raw, self.monitor):
             if not raw.closed:

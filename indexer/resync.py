@@ -98,9 +98,10 @@ class Resync:
             return None
         batches = result.batches
         first_ts = _batch_ts(batches[0][1]) if request.verify_ts is not None and batches else None
-        follow_up = self.run(
-            src, state.replay_answered(request, result.reaches, first_ts, time.monotonic())
+        answer = state.replay_answered(
+            request, result.reaches, first_ts, time.monotonic(), empty=not batches
         )
+        follow_up = self.run(src, answer)
         if follow_up is None:
             await self._feed(src, request, batches)
             state.replay_done(request)

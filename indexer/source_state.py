@@ -34,12 +34,14 @@ Rules for a live message:
   one counts again from 0 and may have reached any seq by the time we hear it). So every replay
   asked while the source holds a base starts at its last batch with a known ts and carries that
   ts (``verify_ts``): the answer's first batch must carry it, else the publisher restarted --
-  whichever socket (live or replay) shows the new incarnation first. After every reconnect of
-  the SUB and every warm start (:meth:`SourceState.seed`) the source is *unverified*: its next
-  live message, whatever its seq (unless the stream went back), waits for such a replay
-  (reason ``"reconnect"`` / ``"warm start"``); without a replay endpoint it cannot be verified,
-  so the engine is reset (degraded) and that message is the new base. A warm start is refused
-  (:meth:`SourceState.seed` False) without a replay endpoint or the snapshot's ts.
+  whichever socket (live or replay) shows the new incarnation first. An empty answer is a
+  restart too: a publisher keeps its latest batches, so it never reached ours. After every
+  reconnect of the SUB and every warm start (:meth:`SourceState.seed`) the source is
+  *unverified*: its next live message, whatever its seq (unless the stream went back), waits
+  for such a replay (reason ``"reconnect"`` / ``"warm start"``); without a replay endpoint it
+  cannot be verified, so the engine is reset (degraded) and that message is the new base. A
+  warm start is refused (:meth:`SourceState.seed` False) without a replay endpoint or the
+  snapshot's ts.
 * A restart found while the source was resyncing (a repair asked and not yet confirmed by an
   in-order live batch, or a reset waiting for a new base) also counts ``resync_restarts``.
 * A replay the source stopped waiting for (:meth:`SourceState.reset`, a failure) is stale:
@@ -259,21 +261,30 @@ class SourceState:
         return self.replay is request
 
     def replay_answered(
-        self, request: RequestReplay, reaches: bool, first_ts: float | None, now: float
+        self,
+        request: RequestReplay,
+        reaches: bool,
+        first_ts: float | None,
+        now: float,
+        *,
+        empty: bool = False,
     ) -> list[Action]:
         """The replay of ``request`` answered; ``reaches``: its first batch is ``request.start``;
-        ``first_ts``: that batch's ts (None if undecodable), read only with ``verify_ts``.
+        ``first_ts``: that batch's ts (None if undecodable), read only with ``verify_ts``;
+        ``empty``: it holds no batch at all.
 
-        A :class:`RequestReplay` among the actions means the ts did not match (a restarted
-        publisher): fetch that one instead and feed none of this answer's batches. Otherwise
-        feed them in order with :meth:`replayed`, skipping those :meth:`already_applied`, then
-        call :meth:`replay_done`. A stale request changes nothing."""
+        A :class:`RequestReplay` among the actions means the publisher restarted (the ts did
+        not match, or it has not even reached the batch we applied: the one we heard keeps its
+        latest batches): fetch that one instead and feed none of this answer's batches.
+        Otherwise feed them in order with :meth:`replayed`, skipping those
+        :meth:`already_applied`, then call :meth:`replay_done`. A stale request changes
+        nothing."""
         out = self._begin(now)
         if request is not self.replay:
             return out
         start, reason = request.start, request.reason
-        if request.verify_ts is not None and reaches:
-            if first_ts != request.verify_ts:
+        if request.verify_ts is not None and (reaches or empty):
+            if empty or first_ts != request.verify_ts:
                 self.replays_ok += 1
                 self._restarted()
                 self._request(RequestReplay(0, MID_STREAM))  # a new publisher: from 0

@@ -179,6 +179,28 @@ def test_restart_rules(case: str) -> None:
         assert getattr(state, name) == value, name
 
 
+def test_an_empty_verification_answer_is_a_restart() -> None:
+    """The publisher we hear keeps its latest batches: one that answers nothing from our last
+    applied seq on never got that far, so it is a new incarnation (rebuilt exactly from 0)."""
+    state = SourceState(can_replay=True, rebuild_batches=256, rebuild_s=30.0)
+    driver = Driver(state)
+    steps: list[Step] = [
+        (("live", 0), ["apply 0"]),
+        (("live", 5), ["replay 0 (gap) ts=0.0"]),
+        (("answer", True, 0.0), []),
+        *[(("fill", seq), [f"apply {seq}"]) for seq in range(1, 9)],  # the replay ran ahead
+        (("live", 5), []),
+        (("reconnect",), None),
+        (("live", 6), ["replay 8 (reconnect) ts=8.0"]),  # new incarnation, at seq 6 only
+    ]
+    for step, want in steps:
+        assert driver.step(*step) == want, step
+    assert driver.request is not None
+    got = state.replay_answered(driver.request, False, None, 100.0, empty=True)
+    assert [type(a).__name__ for a in got] == ["ResetEngine", "RequestReplay"]
+    assert (got[1].start, state.restarts, state.resets, state.degraded) == (0, 1, 0, False)
+
+
 def _final(steps: list[tuple[Any, ...]]) -> tuple[Any, ...]:
     state = SourceState(can_replay=True, rebuild_batches=256, rebuild_s=30.0)
     driver = Driver(state)
