@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import select
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,6 +88,11 @@ class Feed:
         self._monitor_owner = sock.get_monitor_socket(_MONITOR_EVENTS)
         self.monitor = zmq.Socket.shadow(self._monitor_owner.underlying)
         """Synchronous view of the monitor socket (read with NOBLOCK, see the module docstring)."""
+        self._monitor_signal = select.poll()
+        """Its ZMQ_FD: readable once an event arrived after the last :meth:`_poll_monitor`
+        (which drains to empty, so libzmq signals the next one): a syscall cheaper than
+        reading ZMQ_EVENTS after every message."""
+        self._monitor_signal.register(self.monitor.FD, select.POLLIN)
         if bind:
             sock.bind(endpoint)
             endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -162,7 +168,8 @@ class Feed:
             while n < limit:
                 frames = raw.recv_multipart(zmq.NOBLOCK)
                 n += 1
-                self._poll_monitor()  # a handshake queued by now precedes this message
+                if self._monitor_signal.poll(0):  # a handshake queued by now precedes it
+                    self._poll_monitor()
                 try:
                     route(frames)
                 except Exception:  # nothing a socket delivers may stop the reader

@@ -362,6 +362,73 @@ async def test_restart_outcome_does_not_depend_on_which_socket_shows_it(
     _assert_same(sub.index, _reference((ENGINE, pub2)), ENGINE, new)
 
 
+class EagerPublisher:
+    """A restarted publisher whose live batch leaves the moment our subscription reaches it
+    (an XPUB sees the subscription), so it arrives right behind the connection's handshake.
+    Its replay ROUTER (a :class:`VllmPublisher` whose own PUB stays unused) buffers
+    ``history`` and that batch."""
+
+    def __init__(self, port: int, rport: int, history: list[bytes], live: bytes) -> None:
+        self.replay = VllmPublisher(replay_endpoint=f"tcp://*:{rport}")
+        for payload in history:
+            self.replay.publish_payload(payload, drop=True)
+        self.seq = self.replay.publish_payload(live, drop=True)
+        self.ctx = zmq.Context()
+        self.xpub = self.ctx.socket(zmq.XPUB)
+        self.xpub.setsockopt(zmq.LINGER, 0)
+        self.xpub.bind(f"tcp://*:{port}")
+        self.sent = threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(live,), daemon=True)
+        self._thread.start()
+
+    def _serve(self, live: bytes) -> None:
+        if self.xpub.poll(int(DEADLINE * 1000)) and self.xpub.recv()[:1] == b"\x01":
+            self.xpub.send_multipart([b"", self.seq.to_bytes(8, "big"), live])
+            self.sent.set()
+
+    def close(self) -> None:
+        self._thread.join(DEADLINE)
+        self.xpub.close(linger=0)
+        self.ctx.term()
+        self.replay.close()
+
+
+async def _eager_restart(sub: Subscriber, port: int, rport: int, restart: int) -> None:
+    await _until(lambda: not _st(sub, "w").connected, what="disconnect seen")
+    chains = Chains(90 + restart)
+    history = [encode_batch(chains.request(2)) for _ in range(4 + restart)]  # live: last + 1
+    eager = EagerPublisher(port, rport, history, encode_batch(chains.request(2)))
+    try:
+        # The loop is busy until the batch is on its way, so the handshake and the batch are
+        # both waiting when it runs again (ZMQ reconnects on its own threads).
+        assert eager.sent.wait(DEADLINE), "never subscribed to"
+        await _until(
+            lambda: _st(sub, "w").restarts == restart and _st(sub, "w").last_seq == eager.seq,
+            what=f"restart {restart} taken",
+        )
+        assert await sub.wait_idle(DEADLINE)
+        st = _st(sub, "w")
+        assert (st.resets, st.degraded) == (0, False)
+        _assert_same(sub.index, _reference((ENGINE, eager.replay)), ENGINE, chains)
+    finally:
+        eager.close()
+
+
+async def test_first_batch_right_behind_the_handshake_is_verified(make) -> None:
+    """The reconnect is queued before any message of the new connection, whichever socket the
+    loop serves first: three restarts in a row, each new incarnation's first batch carrying
+    exactly the seq we expect next and sent the moment it is subscribed to."""
+    pub, sub = await _one(make, reconnect_backoff_s=(0.02, 0.05))
+    port, rport = pub.port, int(pub.replay_endpoint.rsplit(":", 1)[1])
+    chains = Chains(90)
+    for _ in range(5):
+        pub.publish(chains.request(2))
+    await _until(lambda: _st(sub, "w").last_seq == 4, what="first history applied")
+    pub.close()
+    for restart in range(1, 4):
+        await _eager_restart(sub, port, rport, restart)
+
+
 async def test_restart_during_resync_is_counted_and_reported(make) -> None:
     url = "http://w:8000"
     sub, _, _, _ = await _restart_scenario(make, replay_first=True, worker=url)
