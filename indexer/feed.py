@@ -10,9 +10,10 @@ the reader), then ``on_read`` runs once per turn that read something.
 A socket monitor counts the connected ``peers`` and calls ``on_reconnect`` on every handshake
 after the first one. ZMQ reconnects by itself (``reconnect_backoff_s``) and ZMTP heartbeats
 (``heartbeat_s``) detect dead peers. The monitor is read without blocking by its own loop
-callback *and* after every message the reader takes: libzmq queues a connection's handshake
-event before any message of that connection, so ``on_reconnect`` always runs before the first
-message of the new connection is routed, whichever of the two sockets the loop serves first.
+callback *and*, whenever its FD signals, after each message the reader takes: libzmq queues a
+connection's handshake event before any message of that connection, so ``on_reconnect`` runs
+before the first message of the new connection is routed, whichever socket the loop serves
+first.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ task (:mod:`indexer.resync`, at most ``replay_concurrency`` at once) and feeds i
 state in order.
 
 A silent socket changes nothing (vLLM 0.33 sends no heartbeat; an idle engine is not an empty
-one); :mod:`indexer.feed` reconnects, detects dead peers and tells the state about reconnects.
+one); :mod:`indexer.feed` reconnects and detects dead peers. A reconnect is queued in its place
+among the source's messages, and the state then verifies the publisher before taking the next.
 """
 
 from __future__ import annotations
