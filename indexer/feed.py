@@ -1,14 +1,19 @@
 """One ZMQ SUB socket of the subscriber: configured, monitored, and read without blocking.
 
 The reader is a loop callback on the socket's (edge-triggered) ZMQ_FD: it takes at most
-``recv_batch`` messages, or ``recv_budget_s`` of time, per loop turn and then reschedules itself
-with ``call_soon``, so a flood on one socket never starves the event loop, and no future or task
-is created per message. Each message goes to ``on_message`` (whose exceptions are logged: nothing
-a socket delivers may stop the reader), then ``on_read`` runs once per turn that read something.
+``recv_batch`` messages, or ``recv_budget_s`` of time (checked after every message, so one huge
+message is enough), per loop turn and then reschedules itself with ``call_soon``, so a flood on
+one socket never starves the event loop, and no future or task is created per message. Each
+message goes to ``on_message`` (whose exceptions are logged: nothing a socket delivers may stop
+the reader), then ``on_read`` runs once per turn that read something.
 
 A socket monitor counts the connected ``peers`` and calls ``on_reconnect`` on every handshake
 after the first one. ZMQ reconnects by itself (``reconnect_backoff_s``) and ZMTP heartbeats
-(``heartbeat_s``) detect dead peers.
+(``heartbeat_s``) detect dead peers. The monitor is read without blocking by its own loop
+callback *and*, whenever its FD signals, after each message the reader takes: libzmq queues a
+connection's handshake event before any message of that connection, so ``on_reconnect`` runs
+before the first message of the new connection is routed, whichever socket the loop serves
+first.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import select
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +48,7 @@ class FeedOptions:
     """ZMTP heartbeat interval (0: none); a peer silent for 3 intervals is dropped."""
     recv_batch: int
     recv_budget_s: float
-    """Checked every 16 messages."""
+    """Checked after every message."""
 
 
 class Feed:
@@ -67,7 +73,6 @@ class Feed:
         self.peers = 0
         self.handshakes = 0
         self.closed = False
-        self.tasks: list[asyncio.Task[None]] = []
         sock = ctx.socket(zmq.SUB)
         lo, hi = options.reconnect_backoff_s
         sock.setsockopt(zmq.LINGER, 0)
@@ -81,7 +86,14 @@ class Feed:
         self.sock = sock
         self.raw = zmq.Socket.shadow(sock.underlying)
         """Synchronous view of the socket: NOBLOCK reads without a future per message."""
-        self.monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        self._monitor_owner = sock.get_monitor_socket(_MONITOR_EVENTS)
+        self.monitor = zmq.Socket.shadow(self._monitor_owner.underlying)
+        """Synchronous view of the monitor socket (read with NOBLOCK, see the module docstring)."""
+        self._monitor_signal = select.poll()
+        """Its ZMQ_FD: readable once an event arrived after the last :meth:`_poll_monitor`
+        (which drains to empty, so libzmq signals the next one): a syscall cheaper than
+        reading ZMQ_EVENTS after every message."""
+        self._monitor_signal.register(self.monitor.FD, select.POLLIN)
         if bind:
             sock.bind(endpoint)
             endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -90,9 +102,10 @@ class Feed:
         self.endpoint = endpoint
         """The connected endpoint, or the bound one with the port the OS chose."""
         loop = asyncio.get_running_loop()
+        loop.add_reader(self.monitor.FD, self._poll_monitor)
         loop.add_reader(self.raw.FD, self._on_readable)
-        loop.call_soon(self._on_readable)  # anything queued before the reader was added
-        self.tasks.append(loop.create_task(self._monitor_loop(), name=f"kv-mon {endpoint}"))
+        loop.call_soon(self._poll_monitor)  # anything queued before the readers were added
+        loop.call_soon(self._on_readable)
 
     def has_input(self) -> bool:
         """A message is waiting on the socket."""
@@ -100,35 +113,41 @@ class Feed:
         return not raw.closed and bool(raw.get(zmq.EVENTS) & zmq.POLLIN)
 
     def close(self) -> None:
-        """Close the sockets (the caller cancels :attr:`tasks`)."""
+        """Close the sockets and stop reading them."""
         self.closed = True
-        if not self.raw.closed:
-            with contextlib.suppress(Exception):
-                asyncio.get_running_loop().remove_reader(self.raw.FD)
+        for raw in (self.raw, self.monitor):
+            if not raw.closed:
+                with contextlib.suppress(Exception):
+                    asyncio.get_running_loop().remove_reader(raw.FD)
         if not self.sock.closed:
             with contextlib.suppress(zmq.ZMQError):
                 self.sock.disable_monitor()
             self.sock.close(linger=0)
-        if not self.monitor.closed:
-            self.monitor.close(linger=0)
+        if not self._monitor_owner.closed:
+            self._monitor_owner.close(linger=0)
         self.peers = 0
 
-    async def _monitor_loop(self) -> None:
-        while True:
+    def _poll_monitor(self) -> None:
+        """Handle every monitor event already queued, without blocking."""
+        mon = self.monitor
+        while not (mon.closed or self.closed):
             try:
-                frames = await self.monitor.recv_multipart()
-                event = parse_monitor_message(frames)["event"]
-            except asyncio.CancelledError:
-                raise
+                if not mon.get(zmq.EVENTS) & zmq.POLLIN:
+                    return  # reading EVENTS also re-arms the edge-triggered FD
+                event = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return
             except Exception:  # a monitor hiccup must not stop the subscriber
                 log.debug("monitor of %s", self.endpoint, exc_info=True)
-                await asyncio.sleep(0.1)
-                continue
+                return
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.peers += 1
                 self.handshakes += 1
                 if self.on_reconnect is not None and self.handshakes > 1:
-                    self.on_reconnect()
+                    try:
+                        self.on_reconnect()
+                    except Exception:
+                        log.exception("reconnect of %s", self.endpoint)
             elif event == zmq.EVENT_DISCONNECTED:
                 self.peers = max(self.peers - 1, 0)
 
@@ -150,6 +169,8 @@ class Feed:
             while n < limit:
                 frames = raw.recv_multipart(zmq.NOBLOCK)
                 n += 1
+                if self._monitor_signal.poll(0):  # a handshake queued by now precedes it
+                    self._poll_monitor()
                 try:
                     route(frames)
                 except Exception:  # nothing a socket delivers may stop the reader

@@ -57,6 +57,8 @@ class SourceStatus(msgspec.Struct):
     duplicates: int = 0
     """Live batches skipped because a replay had already applied them."""
     replaying: bool = False
+    resync_restarts: int = 0
+    """Publisher restarts found while the source was resyncing (also in ``restarts``)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -67,9 +69,10 @@ class Source:
     replay_endpoint: str | None
     state: SourceState
     queue: deque[tuple[int, bytes, DecodedBatch | None]] = field(default_factory=deque)
+    """Received messages ``(seq, payload, decoded batch or None)``, oldest first, and the
+    subscriber's markers (e.g. where the socket reconnected)."""
     queued_bytes: int = 0
     """Payload bytes in ``queue`` (bounded by ``Subscriber.queue_bytes``)."""
-    """Received messages ``(seq, payload, decoded batch or None)``, oldest first."""
     feed: Feed | None = None
     topic: str | None = None
     """Bound topology only: the worker's exact topic."""
@@ -138,4 +141,5 @@ class Source:
             lag_s=lag,
             duplicates=state.duplicates,
             replaying=self.replay_task is not None,
+            resync_restarts=state.resync_restarts,
         )

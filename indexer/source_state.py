@@ -12,11 +12,12 @@ Rules for a live message:
 
 * ``seq == last + 1``: apply.
 * ``seq > last + 1`` (gap, PUB high-water drops, queue overflow) or an undecodable payload (a
-  lost batch): replay from ``last + 1``. The caller keeps the source's live messages queued while
-  the replay is in flight (the message that asked for it is offered again afterwards); the
-  replayed batches are applied in order, and queued live messages the replay already covered
-  (seq <= last applied while the live stream still moves forward) are skipped as
-  ``duplicates``, so nothing is lost or applied twice.
+  lost batch): replay what is missing (*Identity* below says where the fetch starts). The
+  caller keeps the source's live messages queued while the replay is in flight (the message
+  that asked for it is offered again afterwards); the replayed batches are applied in order,
+  and queued live messages the replay already covered (seq <= last applied while the live
+  stream still moves forward) are skipped as ``duplicates``, so nothing is lost or applied
+  twice.
 * Repair impossible (no replay endpoint, replay timed out, first replayed seq > asked, a hole in
   the replay, the replayed batch still undecodable -- a publisher resending the same bad bytes
   is not retried -- or ``MAX_REPLAY_STREAK`` replays in a row without an in-order live batch):
@@ -29,9 +30,22 @@ Rules for a live message:
   message's; ZMQ delivers one connection in order) means the engine restarted: ``restarts +=
   1``, :class:`ResetEngine` ``"restart"``, and the batch is handled like a first message: seq 0
   starts an exact fresh state (and ends any degradation).
-* A gap right after the SUB reconnected may be a restarted publisher whose new seqs already
-  passed ours: the replay then starts at our last seq and that batch's ts must match ours;
-  if not, it is a restart (reset, replay from 0).
+* **Identity.** A seq alone never proves which incarnation of a publisher sent it (a restarted
+  one counts again from 0 and may have reached any seq by the time we hear it). So every replay
+  asked while the source holds a base starts at its last batch with a known ts and carries that
+  ts (``verify_ts``): the answer's first batch must carry it, else the publisher restarted --
+  whichever socket (live or replay) shows the new incarnation first. An empty answer is a
+  restart too: a publisher keeps its latest batches, so it never reached ours. After every
+  reconnect of the SUB and every warm start (:meth:`SourceState.seed`) the source is
+  *unverified*: its next live message, whatever its seq (unless the stream went back), waits
+  for such a replay (reason ``"reconnect"`` / ``"warm start"``); without a replay endpoint it
+  cannot be verified, so the engine is reset (degraded) and that message is the new base. A
+  warm start is refused (:meth:`SourceState.seed` False) without a replay endpoint or the
+  snapshot's ts.
+* A restart found while the source was resyncing (a repair asked and not yet confirmed by an
+  in-order live batch, or a reset waiting for a new base) also counts ``resync_restarts``.
+* A replay the source stopped waiting for (:meth:`SourceState.reset`, a failure) is stale:
+  its answer and batches are ignored (:meth:`SourceState.awaits`).
 * First message with seq > 0 (joined mid-stream, or restarted while unheard): replay from 0 when
   a replay endpoint exists; if that cannot reach seq 0 (or there is no replay) the source is
   degraded with reason ``"joined mid-stream"``: its index is not wrong, only incomplete.
@@ -59,7 +73,9 @@ __all__ = [
     "INDEX_CAP",
     "MAX_REPLAY_STREAK",
     "MID_STREAM",
+    "RECONNECT",
     "RESTART",
+    "WARM_START",
     "Action",
     "Apply",
     "MarkDegraded",
@@ -75,6 +91,8 @@ MAX_REPLAY_STREAK = 3
 MID_STREAM = "joined mid-stream"
 INDEX_CAP = "index cap"
 RESTART = "restart"
+RECONNECT = "reconnect"
+WARM_START = "warm start"
 
 
 class Apply(msgspec.Struct, frozen=True, gc=False):
@@ -84,11 +102,13 @@ class Apply(msgspec.Struct, frozen=True, gc=False):
     batch: DecodedBatch
 
 
-class RequestReplay(msgspec.Struct, frozen=True, gc=False):
+class RequestReplay(msgspec.Struct, frozen=True, eq=False, gc=False):
     """Fetch every buffered batch from ``start`` on. From :meth:`SourceState.live` it means the
     message was not consumed: keep it (and the later ones) queued and offer it again after the
-    replay. With ``verify_ts``, ``start`` is our last applied seq and the answer's first batch
-    must carry that ts (see :meth:`SourceState.replay_answered`)."""
+    replay. With ``verify_ts``, ``start`` is a batch the source already applied and the
+    answer's first batch must carry that ts (see :meth:`SourceState.replay_answered`).
+
+    Compared by identity: an answer belongs to the one request that asked for it."""
 
     start: int
     reason: str
@@ -131,10 +151,15 @@ class SourceState:
     """Accept the next batch as a new base whatever its seq (after a reset)."""
     last_event_ts: float | None = None
     """The ``ts`` (publisher wall clock) of the last applied batch."""
+    last_ts_seq: int | None = None
+    """Seq of the batch ``last_event_ts`` belongs to (this incarnation), None when unknown."""
     last_live_seq: int | None = None
     """Seq of the last decodable live message handled (restart = the live stream goes back)."""
-    after_reconnect: bool = False
-    """The SUB reconnected since the last live batch: a gap may hide a publisher restart."""
+    unverified: str | None = None
+    """Why the publisher must prove it is the one whose state we hold before its next live
+    message is taken (:data:`RECONNECT`, :data:`WARM_START`), or None."""
+    replay: RequestReplay | None = None
+    """The replay the source waits for; answers to any other are stale."""
     overflow_max: int | None = None
     """Highest seq dropped by a full queue and not yet accounted for."""
     replay_streak: int = 0
@@ -149,6 +174,8 @@ class SourceState:
     replays_failed: int = 0
     resets: int = 0
     restarts: int = 0
+    resync_restarts: int = 0
+    """Restarts found while the source was resyncing (also counted in ``restarts``)."""
     duplicates: int = 0
     """Live batches skipped because a replay had already applied them."""
     _out: list[Action] = field(default_factory=list, init=False, repr=False)
@@ -166,7 +193,6 @@ class SourceState:
         out = self._begin(now)
         if self._handle(seq, batch) and batch is not None:
             self.last_live_seq = seq
-            self.after_reconnect = False
         return out
 
     def dropped(self, seq: int) -> None:
@@ -188,25 +214,26 @@ class SourceState:
         return out
 
     def reconnected(self) -> None:
-        """The SUB socket completed a handshake again after its first one."""
-        self.after_reconnect = True
+        """The SUB socket completed a handshake again after its first one; call it in order
+        with the live messages (those before it came over the old connection)."""
+        self.unverified = RECONNECT
 
     def seed(self, seq: int, event_ts: float | None) -> bool:
-        """Take the engine as applied up to ``seq`` (a warm start from a snapshot); False if the
-        source already has a seq. With ``event_ts`` the first gap is verified like one after a
-        reconnect."""
-        if self.last_seq is not None:
+        """Take the engine as applied up to ``seq``, whose batch carried ``event_ts`` (a warm
+        start from a snapshot). False if the source already has a seq, or if the snapshot could
+        never be told from a restarted publisher's state (no replay endpoint, no ts)."""
+        if self.last_seq is not None or event_ts is None or not self.can_replay:
             return False
-        self.last_seq = seq
-        self.last_live_seq = seq
-        if event_ts is not None:
-            self.last_event_ts = event_ts
-            self.after_reconnect = True
+        self.last_seq = self.last_live_seq = self.last_ts_seq = seq
+        self.last_event_ts = event_ts
+        self.unverified = WARM_START
         return True
 
     def reset(self, reason: str, now: float) -> list[Action]:
-        """Drop the engine's state from outside (the worker went away); sequence state is kept."""
+        """Drop the engine's state from outside (the worker went away); sequence state is kept
+        and the replay in flight, if any, is stale."""
         out = self._begin(now)
+        self.replay = None
         self._reset(reason)
         return out
 
@@ -214,6 +241,7 @@ class SourceState:
         """Handling a queued message raised (the caller dropped the queue): reset, and take the
         next batch as a new base."""
         out = self._begin(now)
+        self.replay = None
         self._reset("internal error")
         self.resync = True
         return out
@@ -228,28 +256,41 @@ class SourceState:
 
     # ------------------------------------------------------------------ replay events
 
+    def awaits(self, request: RequestReplay) -> bool:
+        """``request`` is the replay the source waits for (its answer is not stale)."""
+        return self.replay is request
+
     def replay_answered(
-        self, request: RequestReplay, reaches: bool, first_ts: float | None, now: float
+        self,
+        request: RequestReplay,
+        reaches: bool,
+        first_ts: float | None,
+        now: float,
+        *,
+        empty: bool = False,
     ) -> list[Action]:
         """The replay of ``request`` answered; ``reaches``: its first batch is ``request.start``;
-        ``first_ts``: that batch's ts (None if undecodable), read only with ``verify_ts``.
+        ``first_ts``: that batch's ts (None if undecodable), read only with ``verify_ts``;
+        ``empty``: it holds no batch at all.
 
-        A :class:`RequestReplay` among the actions means the ts did not match (a restarted
-        publisher): fetch that one instead and feed none of this answer's batches. Otherwise
-        feed them in order with :meth:`replayed`, skipping those :meth:`already_applied`."""
+        A :class:`RequestReplay` among the actions means the publisher restarted (the ts did
+        not match, or it has not even reached the batch we applied: the one we heard keeps its
+        latest batches): fetch that one instead and feed none of this answer's batches.
+        Otherwise feed them in order with :meth:`replayed`, skipping those
+        :meth:`already_applied`, then call :meth:`replay_done`. A stale request changes
+        nothing."""
         out = self._begin(now)
+        if request is not self.replay:
+            return out
         start, reason = request.start, request.reason
-        if request.verify_ts is not None and reaches:
-            if first_ts != request.verify_ts:
+        if request.verify_ts is not None and (reaches or empty):
+            if empty or first_ts != request.verify_ts:
                 self.replays_ok += 1
-                self.restarts += 1
-                self.last_seq = None
-                self.resync = False
-                self.overflow_max = None
-                out.append(ResetEngine(RESTART))
-                out.append(RequestReplay(0, MID_STREAM))  # a new publisher: from 0
+                self._restarted()
+                self._request(RequestReplay(0, MID_STREAM))  # a new publisher: from 0
                 return out
-            start += 1  # the first batch is our last one (already_applied skips it)
+            self.unverified = None  # the publisher is the one whose state we hold
+            start += 1  # the first batch is one we applied (already_applied skips it)
         if reaches:
             self.replays_ok += 1
             if start == 0 and self.last_seq is None:
@@ -265,8 +306,11 @@ class SourceState:
         return not self.resync and self.last_seq is not None and seq <= self.last_seq
 
     def replayed(self, seq: int, batch: DecodedBatch | None, now: float) -> list[Action]:
-        """One batch of the answer (``batch`` None: undecodable), after :meth:`already_applied`."""
+        """One batch of the answer (``batch`` None: undecodable), after :meth:`already_applied`;
+        ignored once the source stopped waiting for the replay."""
         out = self._begin(now)
+        if self.replay is None:
+            return out
         if not self.resync:
             last = self.last_seq
             expected = self._fill_start if last is None else last + 1
@@ -281,9 +325,17 @@ class SourceState:
             self._apply(seq, batch)
         return out
 
+    def replay_done(self, request: RequestReplay) -> None:
+        """Every batch of the answer to ``request`` was fed."""
+        if self.replay is request:
+            self.replay = None
+
     def replay_failed(self, request: RequestReplay, now: float) -> list[Action]:
         """The replay of ``request`` got no complete answer (timeout, unreachable, malformed)."""
         out = self._begin(now)
+        if request is not self.replay:
+            return out
+        self.replay = None
         self.replays_failed += 1
         self._replay_failed(request.reason, "replay failed")
         return out
@@ -291,6 +343,7 @@ class SourceState:
     def replay_crashed(self, reason: str, now: float) -> list[Action]:
         """Handling a replay asked for ``reason`` raised."""
         out = self._begin(now)
+        self.replay = None
         self._replay_failed(reason, "internal error")
         return out
 
@@ -304,22 +357,20 @@ class SourceState:
 
     def _handle(self, seq: int, batch: DecodedBatch | None) -> bool:
         """Process one live message; False when it must wait for a replay."""
-        last = self.last_seq
-        if last is not None and not self.resync and seq <= last:
-            if batch is None:
-                return True  # garbage with an old seq: nothing to repair, nothing to reset
-            if self.last_live_seq is None or seq > self.last_live_seq:
-                # The live stream is still moving forward: a replay already applied this one.
-                self.duplicates += 1
-                return True
+        if batch is not None and self.last_live_seq is not None and seq <= self.last_live_seq:
             # The live stream itself went backwards (ZMQ delivers in order): a new publisher.
-            self.restarts += 1
-            self.last_seq = last = None
-            self.overflow_max = None
-            self.replay_streak = 0
-            self._out.append(ResetEngine(RESTART))
+            self._restarted()
             if seq == 0:
                 self._undegrade()
+        elif self.unverified is not None:
+            if self.last_seq is not None and not self.resync:
+                return self._verify(seq, batch)
+            self.unverified = None  # no state to verify: the next batch is a base anyway
+        last = self.last_seq
+        if last is not None and not self.resync and seq <= last:
+            if batch is not None:  # (garbage with an old seq: nothing to repair or reset)
+                self.duplicates += 1  # the live stream moves forward: a replay applied it
+            return True
         if last is None or self.resync:
             return self._base(seq, batch)
         if seq == last + 1:
@@ -329,25 +380,29 @@ class SourceState:
             self._apply(seq, batch)
             return True
         self.gaps += 1
-        if (
-            self.after_reconnect
-            and self.can_replay
-            and self.last_event_ts is not None
-            and self.replay_streak < MAX_REPLAY_STREAK
-        ):
-            # A gap across a reconnect: lost messages, or a restarted publisher whose new seqs
-            # already passed ours? Replay from our last seq and compare that batch's ts.
-            self.replay_streak += 1
-            self._out.append(RequestReplay(last, "gap", self.last_event_ts))
-            return False
         return self._lose(last + 1, "gap", seq, batch)
+
+    def _verify(self, seq: int, batch: DecodedBatch | None) -> bool:
+        """First live message since a reconnect or warm start: its seq cannot say whether the
+        publisher restarted, only a replay of our last batch with its ts can."""
+        reason = self.unverified
+        assert reason is not None and self.last_seq is not None
+        if seq > self.last_seq + 1:
+            self.gaps += 1  # seen as a gap whatever the replay then says
+        if self.can_replay and self.last_ts_seq is not None:
+            self._request(RequestReplay(self.last_ts_seq, reason, self.last_event_ts))
+            return False
+        detail = "no replay endpoint" if not self.can_replay else "no batch to compare"
+        self._reset(f"{reason}: {detail}")
+        self.resync = True
+        return self._base(seq, batch)
 
     def _base(self, seq: int, batch: DecodedBatch | None) -> bool:
         """A first message, or the first after a reset: it becomes the base."""
         if self.last_seq is None and not self.resync and seq > 0:
             if self.can_replay and self.replay_streak == 0:
                 self.replay_streak += 1
-                self._out.append(RequestReplay(0, MID_STREAM))
+                self._request(RequestReplay(0, MID_STREAM))
                 return False
             self._degrade(MID_STREAM)
         if batch is None:
@@ -364,7 +419,11 @@ class SourceState:
         """Batches from ``start`` on are missing: replay them, or reset and go on from ``seq``."""
         if self.can_replay and self.replay_streak < MAX_REPLAY_STREAK:
             self.replay_streak += 1
-            self._out.append(RequestReplay(start, reason))
+            last, ts_seq = self.last_seq, self.last_ts_seq
+            if last is not None and start == last + 1 and ts_seq is not None:
+                self._request(RequestReplay(ts_seq, reason, self.last_event_ts))  # verified
+            else:
+                self._request(RequestReplay(start, reason))
             return False
         if not self.can_replay:
             self._reset(f"{reason}: no replay endpoint")
@@ -381,9 +440,25 @@ class SourceState:
         self._apply(seq, batch)
         return True
 
+    def _request(self, request: RequestReplay) -> None:
+        self.replay = request
+        self._out.append(request)
+
+    def _restarted(self) -> None:
+        """The publisher is a new incarnation: drop the engine, its history starts at seq 0."""
+        self.restarts += 1
+        if self.resync or self.replay_streak > 0:
+            self.resync_restarts += 1
+        self.last_seq = self.last_live_seq = self.last_ts_seq = None
+        self.resync = False
+        self.unverified = None
+        self.overflow_max = None
+        self.replay_streak = 0
+        self._out.append(ResetEngine(RESTART))
+
     def _apply(self, seq: int, batch: DecodedBatch) -> None:
         events = batch.events
-        self.last_seq = seq
+        self.last_seq = self.last_ts_seq = seq
         self.resync = False
         self.batches += 1
         self.events += len(events)
@@ -408,6 +483,7 @@ class SourceState:
 
     def _reset(self, reason: str) -> None:
         self.resets += 1
+        self.unverified = None  # nothing left to verify: the engine is empty
         self._degrade(reason)
         self._out.append(ResetEngine(reason))
 

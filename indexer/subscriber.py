@@ -24,10 +24,12 @@ A full deque drops the newest message (``queue_overflows``) and that seq becomes
 memory stays bounded by ``queue_depth`` messages and ``queue_bytes`` payload bytes per source, plus
 ZMQ's RCVHWM (``queue_depth`` messages).
 While a replay is in flight the source's live messages stay queued; the replay runs in its own
-task (at most ``replay_concurrency`` at once) and feeds its batches to the state in order.
+task (:mod:`indexer.resync`, at most ``replay_concurrency`` at once) and feeds its batches to the
+state in order.
 
 A silent socket changes nothing (vLLM 0.33 sends no heartbeat; an idle engine is not an empty
-one); :mod:`indexer.feed` reconnects, detects dead peers and tells the state about reconnects.
+one); :mod:`indexer.feed` reconnects and detects dead peers. A reconnect is queued in its place
+among the source's messages, and the state then verifies the publisher before taking the next.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import zmq.asyncio
 from indexer.endpoints import concrete_endpoint, offset_endpoint, resolve_endpoint
 from indexer.feed import Feed, FeedOptions
 from indexer.index import EngineId, PrefixIndex
-from indexer.replay import ReplayError, fetch_replay
+from indexer.resync import Resync
 from indexer.source import Source, SourceStatus
 from indexer.source_state import (
     Action,
@@ -65,8 +67,9 @@ log = logging.getLogger(__name__)
 RECV_BATCH = 256
 """Messages a reader takes off its socket before yielding to the loop."""
 RECV_BUDGET_S = 0.0005
-"""...or this much time, whichever comes first (checked every 16 messages): a flood of junk on
-a socket costs every HTTP request at most this per loop turn (tests/faults/test_garbage.py)."""
+"""...or this much time, whichever comes first (checked after every message): a flood of junk
+on a socket costs every HTTP request at most this plus one message per loop turn
+(tests/faults/test_garbage.py)."""
 APPLY_BATCH = 64
 """Messages the applier takes from one source before moving to the next."""
 APPLY_BUDGET_S = 0.004
@@ -74,6 +77,9 @@ APPLY_BUDGET_S = 0.004
 
 _UNDECODABLE = DecodedBatch(0.0, [])
 """Queue marker: this message's payload failed to decode (counted once)."""
+_RECONNECTED = DecodedBatch(0.0, [])
+"""Queue entry: the SUB reconnected here; the messages queued before it came over the old
+connection, the ones after it over the new one."""
 
 
 @dataclass(eq=False, slots=True)
@@ -136,7 +142,7 @@ class Subscriber:
         self._ready: dict[Source, None] = {}  # ordered set of sources with work
         self._wake: asyncio.Event | None = None
         self._applier: asyncio.Task[None] | None = None
-        self._replay_sem: asyncio.Semaphore | None = None
+        self._resync: Resync | None = None
         self._running = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -147,7 +153,9 @@ class Subscriber:
         self._running = True
         self._ctx = zmq.asyncio.Context()
         self._wake = asyncio.Event()
-        self._replay_sem = asyncio.Semaphore(self.replay_concurrency)
+        self._resync = Resync(
+            self._ctx, self.replay_timeout_s, self.replay_concurrency, self._run, self._resume
+        )
         self._applier = asyncio.get_running_loop().create_task(
             self._apply_loop(), name="kv-subscriber-applier"
         )
@@ -174,8 +182,6 @@ class Subscriber:
         feeds = list(self._feeds.values())
         if self._bound_feed is not None:
             feeds.append(self._bound_feed)
-        for feed in feeds:
-            tasks.extend(feed.tasks)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -273,8 +279,6 @@ class Subscriber:
                 src.replay_task = None
             feed = self._feeds.pop(src.engine, None)
             if feed is not None:
-                for t in feed.tasks:
-                    t.cancel()
                 feed.close()
             src.feed = None
             self._sources.pop(src.engine, None)
@@ -286,14 +290,17 @@ class Subscriber:
         Every rank is cleared and marked degraded (``resets += 1``); the sockets stay connected
         and the sequence state is kept, so a restarted worker (its seqs start again at 0) is
         recognised as a restart and rebuilt exactly, while a worker that was only unreachable
-        is rebuilt by the usual rules. Returns the number of ranks cleared (0 if unknown or
-        already dropped).
+        is rebuilt by the usual rules. A replay in flight is cancelled: its answer describes
+        the state just dropped. Returns the number of ranks cleared (0 if unknown or already
+        dropped).
         """
         n = 0
         for src in self._workers.get(worker_id, []):
             state = src.state
             if state.degraded and state.degraded_reason == reason:
                 continue  # already dropped for this outage
+            if self._resync is not None:
+                self._resync.cancel(src)
             self._run(src, state.reset(reason, time.monotonic()))
             n += 1
         return n
@@ -334,12 +341,13 @@ class Subscriber:
         a snapshot taken at that seq). Call right after :meth:`add_worker`, before any message
         of that engine is consumed; returns False (import nothing) if it is too late.
 
-        The first live batch then decides, by the ordinary rules: ``seq + 1`` applies; a later
-        seq is a gap, replayed from ``seq + 1`` (a replay that cannot reach back resets the
-        engine: exact or empty, never wrong); a seq ``<= seq`` means the engine restarted since
-        the snapshot, so it is cleared. With ``event_ts`` (the snapshot batch's ``ts``) the
-        first gap is verified like one after a reconnect: an engine that restarted *and*
-        already passed ``seq`` is caught by comparing that batch's ts.
+        ``event_ts`` is the ``ts`` of the snapshot's batch ``seq``. The first live batch then
+        waits for a replay from ``seq``, whose first batch must carry ``event_ts``: an engine
+        that restarted since the snapshot (whatever seq it reached) is cleared and rebuilt from
+        its replay; the same publisher goes on from ``seq + 1``; a replay that cannot reach
+        back resets the engine (exact or empty, never wrong). A seq ``<= seq`` is a restart at
+        once. Without a replay endpoint or ``event_ts`` nothing could verify the snapshot, so
+        this returns False.
         """
         src = self._sources.get(engine)
         if src is None or src.queue:
@@ -407,7 +415,7 @@ class Subscriber:
                 bind=False,
                 on_message=functools.partial(self._route_connect, src),
                 on_read=self._kick,
-                on_reconnect=src.state.reconnected,
+                on_reconnect=functools.partial(self._reconnected, src),
             )
             src.feed = feed
         return feed
@@ -442,6 +450,16 @@ class Subscriber:
             return
         self._enqueue(src, seq, frames[2], batch)
 
+    def _reconnected(self, src: Source) -> None:
+        """The feed saw a new handshake before routing any message of that connection: mark the
+        place in the queue (never dropped: it is what makes the state verify the publisher)."""
+        if src.removed or (src.queue and src.queue[-1][2] is _RECONNECTED):
+            return
+        src.queue.append((-1, b"", _RECONNECTED))
+        if src.replay_task is None:
+            self._ready[src] = None
+            self._kick()
+
     def _enqueue(self, src: Source, seq: int, payload: bytes, batch: DecodedBatch | None) -> None:
         src.seen = True
         q = src.queue
@@ -457,6 +475,12 @@ class Subscriber:
     def _kick(self) -> None:
         if self._ready and self._wake is not None:
             self._wake.set()
+
+    def _resume(self, src: Source) -> None:
+        """The source's replay ended: its queued messages may move again."""
+        if src.queue and not src.removed and self._running:
+            self._ready[src] = None
+            self._kick()
 
     # ------------------------------------------------------------------ applying
 
@@ -491,6 +515,10 @@ class Subscriber:
         n = 0
         while q and n < budget and src.replay_task is None:
             seq, payload, batch = q[0]
+            if batch is _RECONNECTED:
+                q.popleft()
+                state.reconnected()
+                continue
             if batch is None:
                 try:
                     batch = decode_payload(payload)
@@ -555,80 +583,7 @@ class Subscriber:
         except Exception:
             log.exception("on_reset callback")
 
-    # ------------------------------------------------------------------ replay
-
     def _start_replay(self, src: Source, request: RequestReplay) -> None:
+        assert self._resync is not None
         self._ready.pop(src, None)
-        src.replay_task = asyncio.get_running_loop().create_task(
-            self._replay(src, request), name=f"kv-replay {src.engine}"
-        )
-
-    async def _replay(self, src: Source, request: RequestReplay) -> None:
-        try:
-            follow_up = await self._replay_once(src, request)
-            if follow_up is not None and not src.removed:
-                await self._replay_once(src, follow_up)  # a new publisher: from 0
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("replay for %s", src.engine)
-            if not src.removed:
-                self._run(src, src.state.replay_crashed(request.reason, time.monotonic()))
-        finally:
-            if src.replay_task is asyncio.current_task():
-                src.replay_task = None
-            if src.queue and not src.removed and self._running:
-                self._ready[src] = None
-                self._kick()
-
-    async def _replay_once(self, src: Source, request: RequestReplay) -> RequestReplay | None:
-        """Fetch one replay and feed it to the source's state; return the replay the state
-        asks for instead (its publisher restarted), if any."""
-        assert self._replay_sem is not None and self._ctx is not None
-        assert src.replay_endpoint is not None
-        state = src.state
-        async with self._replay_sem:
-            try:
-                result = await fetch_replay(
-                    self._ctx, src.replay_endpoint, request.start, self.replay_timeout_s
-                )
-            except ReplayError as exc:
-                log.warning("replay for %s: %s", src.engine, exc)
-                if not src.removed:
-                    self._run(src, state.replay_failed(request, time.monotonic()))
-                return None
-        if src.removed:
-            return None
-        batches = result.batches
-        first_ts = _batch_ts(batches[0][1]) if request.verify_ts is not None and batches else None
-        answer = state.replay_answered(request, result.reaches, first_ts, time.monotonic())
-        follow_up = self._run(src, answer)
-        if follow_up is None:
-            await self._apply_replay(src, batches)
-        return follow_up
-
-    async def _apply_replay(self, src: Source, batches: list[tuple[int, bytes]]) -> None:
-        state = src.state
-        n = 0
-        for seq, payload in batches:
-            if src.removed:
-                return
-            if state.already_applied(seq):
-                continue  # already applied from the live stream
-            try:
-                batch: DecodedBatch | None = decode_payload(payload)
-            except DecodeError:
-                src.decode_errors += 1
-                batch = None
-            self._run(src, state.replayed(seq, batch, time.monotonic()))
-            if batch is not None:
-                n += 1
-                if n % APPLY_BATCH == 0:
-                    await asyncio.sleep(0)
-
-
-def _batch_ts(payload: bytes) -> float | None:
-    try:
-        return decode_payload(payload).ts
-    except DecodeError:
-        return None
+        self._resync.start(src, request)

@@ -79,6 +79,14 @@ class _StateCollector(Collector):
         decode = CounterMetricFamily(
             "kvrouter_decode_errors", "Undecodable event payloads per worker", labels=["worker"]
         )
+        restarts = CounterMetricFamily(
+            "kvrouter_publisher_restarts", "Event publisher restarts per worker", labels=["worker"]
+        )
+        resync_restarts = CounterMetricFamily(
+            "kvrouter_publisher_restarts_during_resync",
+            "Event publisher restarts found while its events were being resynced",
+            labels=["worker"],
+        )
         for w in s.get("workers", []):
             url = w["url"]
             inflight.add_metric([url], w.get("inflight", 0))
@@ -91,7 +99,10 @@ class _StateCollector(Collector):
             replays.add_metric([url, "ok"], w.get("replays_ok", 0))
             replays.add_metric([url, "failed"], w.get("replays_failed", 0))
             decode.add_metric([url], w.get("decode_errors", 0))
+            restarts.add_metric([url], w.get("restarts", 0))
+            resync_restarts.add_metric([url], w.get("resync_restarts", 0))
         yield from (inflight, healthy, degraded, resident, events, gaps, replays, decode)
+        yield from (restarts, resync_restarts)
 
 
 def _redis_fallbacks(r: CollectorRegistry) -> Counter:
@@ -307,6 +318,8 @@ def fleet_state(
                 "replays_ok": sum(r.replays_ok for r in rows),
                 "replays_failed": sum(r.replays_failed for r in rows),
                 "decode_errors": sum(r.decode_errors for r in rows),
+                "restarts": sum(r.restarts for r in rows),
+                "resync_restarts": sum(r.resync_restarts for r in rows),
             }
         )
     return {"workers": out}
