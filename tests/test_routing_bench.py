@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import peer_index, peers, routing_bench
+from bench import peer_index, peer_report, peers, routing_bench
 from bench.workloads import Req, TokenSource, TraceError, chat, mooncake
 from indexer.wire import BlockRemoved, BlockStored
 from simulator.hashing import RequestHasher
@@ -282,6 +282,38 @@ def test_peers_sweep_goodput_and_rejected_prompts(tmp_path, capsys):
     # conversations come back: an event-fed peer finds their prefixes as kvrouter does
     assert out["sweep"]["dynamo"]["0.5"]["hit_rate"] > 0.2
     assert Path(out["chart_p90"]).stat().st_size > 10_000
+
+
+def test_targets_carry_bounds_from_the_pooled_engine():
+    """Each target names the best any placement can do, computed from the run: the pooled
+    engine's hit rate (an upper bound), and the no-queueing TTFT at its hits with one worker
+    prefilling each request (a lower bound); a limit beyond the bound is marked excluded."""
+
+    def s(hit: float, mean: float, p90: float, **extra: float) -> dict[str, float]:
+        return {"hit_rate": hit, "ttft_mean_s": mean, "ttft_p90_s": p90} | extra
+
+    pol = {
+        "kvrouter": s(0.15, 1.0, 2.0),
+        "sglang": s(0.17, 2.0, 4.0),
+        "dynamo": s(0.10, 1.1, 2.5),
+        "pooled_ideal": s(
+            0.16, 0.6, 1.2, ttft_floor_one_worker_s=0.7, ttft_floor_one_worker_p90_s=1.5
+        ),
+    }
+    t = peer_report.targets({"0.8": pol}, {}, peers.NAMES, conversation_trace=True)
+    hit = t["hit_rate >= best peer - 0.005"]
+    assert hit["limit"] == pytest.approx(0.165) and not hit["met"]
+    assert hit["bound"]["value"] == 0.16 and hit["bound"]["excluded"]  # above the pooled cache
+    mean = t["ttft_mean <= 0.85 * best peer"]
+    assert mean["limit"] == pytest.approx(0.935) and mean["bound"]["value"] == 0.7
+    assert not mean["bound"]["excluded"]
+    p90 = t["ttft_p90 <= 0.9 * best peer"]
+    assert p90["bound"]["value"] == 1.5 and not p90["bound"]["excluded"]
+    pooled = t["ttft_mean <= 1.3 * pooled_ideal (conversation trace)"]
+    assert pooled["limit"] == pytest.approx(0.78) and not pooled["bound"]["excluded"]
+    pol["pooled_ideal"]["ttft_floor_one_worker_s"] = 0.8  # the floor alone passes the limit
+    t = peer_report.targets({"0.8": pol}, {}, peers.NAMES, conversation_trace=True)
+    assert t["ttft_mean <= 1.3 * pooled_ideal (conversation trace)"]["bound"]["excluded"]
 
 
 def test_malformed_trace_line_names_the_line(tmp_path):
