@@ -4,7 +4,17 @@
 * ``goodput``: per policy, the highest offered load up to which every tested load keeps p90
   TTFT within the SLO (a policy that meets it at every tested load is censored at the top).
 * ``targets``: kvrouter against the best peer product (bench/peers.py) on each metric, all
-  limits computed from this run's numbers.
+  limits computed from this run's numbers. With ``pooled_ideal`` in the run each target also
+  carries a ``bound``: the best any placement on this fleet can do on that metric, and
+  ``excluded`` when the bound alone puts the limit out of reach.
+
+Bounds. Hit rate: ``pooled_ideal``'s, one cache with the whole fleet's KV (an upper bound).
+TTFT: ``pooled_ideal``'s hits, each request prefilled with no queueing at all by one worker of
+the fleet (``ttft_floor_one_worker_s`` and its p90): a request is prefilled by one worker
+whatever the placement, so neither the mean nor the p90 of a fleet's TTFT goes below it. The
+pooled engine's own TTFT is lower (it prefills one request 8 workers fast), which is why a
+limit on the fleet relative to ``pooled_ideal`` can lie below this bound. Goodput has no
+bound here: it is flagged ``censored`` when the tested loads do not bracket it.
 """
 
 from __future__ import annotations
@@ -66,7 +76,16 @@ def targets(
     if not k:
         return out
 
-    def check(name: str, value: float, limit: float, ok: bool, best: str | None) -> None:
+    pooled = pol.get("pooled_ideal")
+
+    def check(
+        name: str,
+        value: float,
+        limit: float,
+        ok: bool,
+        best: str | None,
+        bound: tuple[str, float | None, bool] | None = None,
+    ) -> None:
         out[name] = {
             "value": round(value, 4),
             "limit": round(limit, 4),
@@ -74,6 +93,20 @@ def targets(
             "load": float(load),
             "met": bool(ok),
         }
+        if bound is not None and bound[1] is not None:
+            what, b, upper = bound
+            excluded = limit > b if upper else limit < b
+            out[name]["bound"] = {"what": what, "value": round(b, 4), "excluded": bool(excluded)}
+
+    def floor(key: str) -> tuple[str, float | None, bool] | None:
+        if pooled is None or key not in pooled:
+            return None
+        what = "no-queueing TTFT at pooled_ideal's hits, one worker prefilling (lower bound)"
+        return (what, pooled[key], False)
+
+    hit_bound = None
+    if pooled is not None:
+        hit_bound = ("pooled_ideal hit rate (upper bound)", pooled["hit_rate"], True)
 
     if present:
         best = min(present, key=lambda p: pol[p]["ttft_mean_s"])
@@ -84,6 +117,7 @@ def targets(
             lim,
             k["ttft_mean_s"] <= lim,
             best,
+            floor("ttft_floor_one_worker_s"),
         )
         best = min(present, key=lambda p: pol[p]["ttft_p90_s"])
         lim = P90_RATIO * pol[best]["ttft_p90_s"]
@@ -93,11 +127,17 @@ def targets(
             lim,
             k["ttft_p90_s"] <= lim,
             best,
+            floor("ttft_floor_one_worker_p90_s"),
         )
         best = max(present, key=lambda p: pol[p]["hit_rate"])
         lim = pol[best]["hit_rate"] - HIT_MARGIN
         check(
-            f"hit_rate >= best peer - {HIT_MARGIN}", k["hit_rate"], lim, k["hit_rate"] >= lim, best
+            f"hit_rate >= best peer - {HIT_MARGIN}",
+            k["hit_rate"],
+            lim,
+            k["hit_rate"] >= lim,
+            best,
+            hit_bound,
         )
         if len(by_load) > 1 and "kvrouter" in good:
             best = max(present, key=lambda p: good.get(p, 0.0))
@@ -121,6 +161,7 @@ def targets(
             lim,
             k["ttft_mean_s"] <= lim,
             None,
+            floor("ttft_floor_one_worker_s"),
         )
     return out
 

@@ -34,9 +34,6 @@ uncached prefill tokens per worker, released at first token), corrected by the w
 ``router.workers`` does. Policies:
 
 * ``random``, ``round_robin``, ``least_loaded``: ``router.policy`` baselines;
-* ``approx_prefix``: routing history only (``bench/approx.py``: SGLang cache_aware / llm-d
-  approximate style: remembered prefixes per worker with TTL and LRU capacity, longest match
-  above a threshold else least loaded, imbalance guard);
 * ``kvrouter``: KV events + index + ``KvRouterPolicy`` + ``SpeculativeCache``;
 * ``dynamo``, ``llm_d``, ``sglang``, ``vllm_router_kv_aware``, ``aibrix``: the peer products,
   each with its own view of the caches and its own load signal (``bench/peers.py``);
@@ -60,7 +57,7 @@ engine that served it; ``prefill_steps_with_decode`` is the measured share of pr
 did carry one); ``throughput_rps`` = requests / (last finish - first arrival); ``imbalance`` =
 busiest worker's busy time (sum of its step durations) / mean busy time; ``decision_ms_p50`` =
 wall time of one routing decision (content keys + index match + speculative lookup + policy for
-kvrouter; keys + policy for approx_prefix; policy only for the baselines).
+kvrouter; keys + policy for the peers; policy only for the baselines).
 """
 
 from __future__ import annotations
@@ -81,7 +78,6 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import peer_report, peers
-from bench.approx import ApproxPrefixPolicy
 from bench.workloads import Req, TokenSource, TraceError, load_workload
 from indexer.index import PrefixIndex
 from indexer.wire import DecodeError, decode_payload
@@ -96,8 +92,9 @@ from simulator.fleet import FastFleet
 from simulator.request import Request
 
 MODEL = "sim-model"
-POLICIES = ("random", "round_robin", "least_loaded", "approx_prefix", "kvrouter", "pooled_ideal")
-# The trace is not part of the repository; by default it is read from beside the checkout.
+POLICIES = ("random", "round_robin", "least_loaded", "kvrouter", "pooled_ideal")
+# The trace is not part of the repository; by default it is read from beside the checkout. A
+# checkout without it runs the synthetic chat workload by default (``default_workload``).
 DEFAULT_TRACE = str(
     Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 )
@@ -152,11 +149,6 @@ class RouterSpec:
     poll_s: float = 1.0
     speculative_ttl_s: float = 2.0
     params: PolicyParams = field(default_factory=PolicyParams)
-    approx_ttl_s: float = 300.0
-    approx_threshold: float = 0.5
-    approx_balance_abs: int = 64
-    approx_balance_rel: float = 1.5
-    approx_capacity_frac: float = 1.0  # remembered tokens per worker / its GPU KV tokens
 
 
 @dataclass
@@ -170,6 +162,9 @@ class RunResult:
     completed: int
     preemptions: int = 0
     ttft_floor: list[float] = field(default_factory=list)
+    ttft_floor_one_worker: list[float] = field(default_factory=list)
+    """``pooled_ideal`` only: each request's floor at the pooled engine's hit, prefilled by one
+    worker of the fleet (its rate and budget): no routing on the fleet goes below it."""
     prefill_steps: int = 0
     prefill_steps_with_decode: int = 0
     rejected: int = 0
@@ -196,6 +191,15 @@ class RunResult:
                 self.prefill_steps_with_decode / max(self.prefill_steps, 1), 4
             ),
             "rejected": self.rejected,
+        } | self._one_worker_floor()
+
+    def _one_worker_floor(self) -> dict[str, float]:
+        f = sorted(self.ttft_floor_one_worker)
+        if not f:
+            return {}
+        return {
+            "ttft_floor_one_worker_s": round(statistics.fmean(f), 4),
+            "ttft_floor_one_worker_p90_s": round(pct(f, 90), 4),
         }
 
 
@@ -261,17 +265,6 @@ def run_policy(
     if name in peers.NAMES:
         env = peers.PeerEnv(fleet, fs.block_size, unit, fs.cpu_chunk_tokens, MODEL, seed)
         peer = peers.make(name, env)
-    elif name == "approx_prefix":
-        cap = int(fs.gpu_blocks * fs.block_size * rs.approx_capacity_frac) // unit
-        policy = ApproxPrefixPolicy(
-            unit,
-            cap,
-            rs.approx_ttl_s,
-            rs.approx_threshold,
-            rs.approx_balance_abs,
-            rs.approx_balance_rel,
-            seed,
-        )
     elif pooled:
         policy = make_policy("round_robin")
     else:
@@ -285,6 +278,8 @@ def run_policy(
     hit_tokens = prompt_tokens = 0
     ttfts: list[float] = []
     floors: list[float] = []
+    one_worker: list[float] = []
+    wcfg = fs.engine() if pooled else None
     ecfg = fleet.config
     last_finish = 0.0
 
@@ -305,6 +300,8 @@ def run_policy(
             prompt_tokens += c.prompt_tokens
             ttfts.append(c.first_token_s - c.arrival_s)
             floors.append(_prefill_floor(c.prompt_tokens, gpu_hit, cpu_hit, ecfg))
+            if wcfg is not None:
+                one_worker.append(_prefill_floor(c.prompt_tokens, gpu_hit, cpu_hit, wcfg))
             last_finish = max(last_finish, c.finish_s)
             if peer is not None:
                 peer.finished(c.request_id)
@@ -374,14 +371,10 @@ def run_policy(
             cost = next(c for c in d.costs if c.engine == d.engine)
             uncached = cost.uncached_tokens
         else:
-            kcost = 0.0
-            if name == "approx_prefix":
-                kk, kcost = keys.get(req, toks)
-                policy.keys = kk
             cands = build_candidates(loads, {}, block_size=fs.block_size)
             t0 = time.perf_counter()
             d = policy.choose(cands, n_tok, t)
-            decisions.append((time.perf_counter() - t0 + kcost) * 1000)
+            decisions.append((time.perf_counter() - t0) * 1000)
             uncached = n_tok  # no index consulted: the proxy charges the whole prompt
         w = by_engine[d.engine]
         ticket = Ticket(workers[w], 0, uncached)
@@ -410,6 +403,7 @@ def run_policy(
         completed=n_done,
         preemptions=preempted[0],
         ttft_floor=floors,
+        ttft_floor_one_worker=one_worker,
         prefill_steps=mixed[0],
         prefill_steps_with_decode=mixed[1],
         rejected=rejected,
@@ -574,30 +568,6 @@ def _log(name: str, s: dict[str, float], dt: float) -> None:
     )
 
 
-def targets(pol: dict[str, dict[str, float]]) -> dict[str, object]:
-    k = pol.get("kvrouter")
-    if not k:
-        return {}
-    out: dict[str, object] = {}
-
-    def check(name: str, value: float, limit: float, ok: bool) -> None:
-        out[name] = {"value": round(value, 4), "limit": round(limit, 4), "met": bool(ok)}
-
-    if "pooled_ideal" in pol:
-        lim = 0.9 * pol["pooled_ideal"]["hit_rate"]
-        check("hit_rate >= 0.9 * pooled_ideal", k["hit_rate"], lim, k["hit_rate"] >= lim)
-    if "round_robin" in pol:
-        lim = pol["round_robin"]["ttft_mean_s"] / 5
-        check("ttft_mean <= round_robin / 5", k["ttft_mean_s"], lim, k["ttft_mean_s"] <= lim)
-    if "approx_prefix" in pol:
-        lim = pol["approx_prefix"]["ttft_mean_s"] / 2
-        check("ttft_mean <= approx_prefix / 2", k["ttft_mean_s"], lim, k["ttft_mean_s"] <= lim)
-    if "least_loaded" in pol:
-        lim = pol["least_loaded"]["ttft_p99_s"]
-        check("ttft_p99 <= least_loaded", k["ttft_p99_s"], lim, k["ttft_p99_s"] <= lim)
-    return out
-
-
 KNOB_GRID: dict[str, list[float]] = {
     "speculative_ttl_s": [0.0, 0.5, 2.0, 10.0],
     "near_tie_tokens": [0, 64, 512, 4096],
@@ -695,9 +665,27 @@ def chart(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def default_workload() -> str:
+    """The conversation trace when it is where ``DEFAULT_TRACE`` says, else ``chat``: a clean
+    checkout runs without files from outside the repository."""
+    if Path(DEFAULT_TRACE).is_file():
+        return "mooncake"
+    print(
+        f"routing_bench: no trace at {DEFAULT_TRACE}: running --workload chat "
+        "(--trace PATH replays a Mooncake-format file)",
+        file=sys.stderr,
+    )
+    return "chat"
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", choices=("mooncake", "chat", "agentic"), default="mooncake")
+    ap.add_argument(
+        "--workload",
+        choices=("mooncake", "chat", "agentic"),
+        default=None,
+        help="default: mooncake if the conversation trace is beside the checkout, else chat",
+    )
     ap.add_argument("--trace", default=None, help="Mooncake-format JSONL (implies mooncake)")
     ap.add_argument("--quick", action="store_true", help="trace prefix; < 2 min")
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
@@ -745,6 +733,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.trace:
         args.workload = "mooncake"
     trace = args.trace or DEFAULT_TRACE
+    if args.workload is None:
+        args.workload = default_workload()
     limit = args.limit
     if args.quick and limit is None:
         limit = 500 if args.workload == "mooncake" else None
@@ -757,6 +747,10 @@ def main(argv: list[str] | None = None) -> dict:
         reqs = load_workload(args.workload, trace, limit, args.seed, scale)
     except TraceError as exc:
         raise SystemExit(str(exc)) from None
+    except OSError as exc:
+        raise SystemExit(
+            f"cannot read the trace: {exc} (--trace PATH, or --workload chat|agentic)"
+        ) from None
     if not reqs:
         raise SystemExit("empty workload")
     gpu_blocks = args.gpu_blocks or FleetSpec.gpu_blocks
@@ -827,13 +821,6 @@ def main(argv: list[str] | None = None) -> dict:
                 "poll_s": rs.poll_s,
                 "speculative_ttl_s": rs.speculative_ttl_s,
                 "params": msgspec.structs.asdict(rs.params),
-                "approx": {
-                    "ttl_s": rs.approx_ttl_s,
-                    "threshold": rs.approx_threshold,
-                    "balance_abs": rs.approx_balance_abs,
-                    "balance_rel": rs.approx_balance_rel,
-                    "capacity_frac": rs.approx_capacity_frac,
-                },
             },
             "quick": args.quick,
             "seed": args.seed,
@@ -847,9 +834,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["rejected"] = {n: s["rejected"] for n, s in result["policies"].items()}
     result["config"]["slo_p90_s"] = args.slo_p90_s
     conversation = Path(trace).name == Path(DEFAULT_TRACE).name and args.workload == "mooncake"
-    result["targets"] = targets(result["policies"]) | peer_report.targets(
-        by_load, result["goodput"], peers.NAMES, conversation
-    )
+    result["targets"] = peer_report.targets(by_load, result["goodput"], peers.NAMES, conversation)
     if args.sweep_knobs:
         only = None if args.sweep_knobs == "all" else args.sweep_knobs.split(",")
         result["knob_sweep"] = sweep_knobs(

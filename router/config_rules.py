@@ -120,8 +120,10 @@ def _check_policy(p: PolicyParams) -> None:
         raise ConfigError("policy.speculative_ttl_s: must be >= 0")
     if p.near_tie_tokens < 0:
         raise ConfigError("policy.near_tie_tokens: must be >= 0")
-    if p.recompute_weight < 1:
-        raise ConfigError("policy.recompute_weight: must be >= 1 (uncached tokens count once)")
+    if p.recompute_weight != 0 and p.recompute_weight < 1:
+        raise ConfigError(
+            "policy.recompute_weight: must be 0 (learned) or >= 1 (uncached tokens count once)"
+        )
     if p.prefill_tokens_per_s <= 0:
         raise ConfigError("policy.prefill_tokens_per_s: must be positive")
     for name in ("running_request_tokens", "kv_pressure_tokens", "queue_drain"):

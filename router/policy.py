@@ -15,6 +15,10 @@ The kvrouter policy picks the engine with the lowest *expected time to first tok
            an adapter slot
     expected TTFT = cost / prefill_tokens_per_s
 
+Ranking adds ``(weight - 1) * uncached``: recomputing a prefix elsewhere also delays every
+request that queues behind it there. The weight is ``1 / (1 - u)`` at the fleet's utilization
+``u``, learned from the share of engines busy when requests arrive (``recompute_weight``).
+
 Hits are the larger of what the index shows and what a short-lived speculative entry predicts
 (a prefix this router just sent there, before the worker's events arrive). Herd protection:
 every candidate whose cost is within ``near_tie_tokens`` of the best is a near-tie; among them
@@ -76,8 +80,8 @@ class Candidate:
 class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
     """The ``policy`` section of the configuration: which policy, and the kvrouter cost model.
 
-    The defaults of ``queue_drain`` and ``recompute_weight`` are the optima bench/routing_bench.py
-    finds on the Mooncake trace (docs/benchmarks.md has the figures).
+    ``queue_drain`` and ``recompute_weight`` default to values learned per fleet (a drain rate
+    per engine, a weight from the fleet's utilization); docs/benchmarks.md has the A/B figures.
     """
 
     name: str = "kvrouter"
@@ -104,12 +108,13 @@ class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
     the GPU and model without configuration, and never above what is still queued). A fixed
     rate above the real one is worse than none, which is why the rate is learned and not
     configured."""
-    recompute_weight: float = 4.0
-    """Weight of a prompt's uncached tokens against queued ones when ranking. Above 1 a cached
-    prefix is worth more than the queue it saves this one request: recomputing it elsewhere
-    spends that prefill a second time (fleet capacity every queued request waits for) and moves
-    the conversation's future hits. ``near_tie_tokens`` is scaled by it. ``cost_tokens`` and
-    ``expected_ttft_s`` stay unweighted (they are the TTFT estimate)."""
+    recompute_weight: float = 0.0
+    """Weight of a prompt's uncached tokens against queued ones when ranking; 0 (the default)
+    learns it as ``1 / (1 - utilization)`` (:meth:`KvRouterPolicy.recompute_weight`), any value
+    >= 1 fixes it. Above 1 a cached prefix is worth more than the queue it saves this one
+    request: recomputing it elsewhere spends that prefill a second time, and every request
+    that queues behind it on that engine waits for it too. ``near_tie_tokens`` is scaled by it.
+    ``cost_tokens`` and ``expected_ttft_s`` stay unweighted (they are the TTFT estimate)."""
 
 
 @dataclass(slots=True)
@@ -162,6 +167,11 @@ class Policy:
         raise NotImplementedError
 
 
+UTILIZATION_DECISIONS = 256
+"""Decisions the utilization averages over (exponentially; a plain mean before that many)."""
+MAX_RECOMPUTE_WEIGHT = 16.0
+"""Ceiling of the learned weight: near full utilization there is no steady state to model."""
+
 DRAIN_WINDOW_S = 60.0
 """Backlogged seconds the learned drain rate averages over (older evidence is halved away)."""
 DRAIN_MIN_BUSY_S = 2.0
@@ -194,7 +204,35 @@ class KvRouterPolicy(Policy):
         self.params = params or PolicyParams()
         self._rng = random.Random(seed)
         self._drain: dict[Engine, _Drain] = {}
-        """Per-engine queue-drain state: the only state besides the RNG; fed ``now``."""
+        """Per-engine queue-drain state; fed ``now``."""
+        self._busy = 0.0  # see utilization()
+        self._decisions = 0
+
+    def utilization(self) -> float:
+        """The share of engines with prefill queued (this router's, or waiting requests it did
+        not send) when a request arrives, averaged over decisions. Arrivals see time averages,
+        so this is the share of time an engine is busy: its utilization."""
+        return self._busy
+
+    def recompute_weight(self) -> float:
+        """``recompute_weight`` if set, else ``1 / (1 - u)`` at utilization ``u``: ``x`` more
+        tokens to prefill on an engine delay this request by ``x`` and, in an M/M/1 queue,
+        the requests behind it by ``x * u / (1 - u)`` in all. An idle fleet weighs recomputing
+        at its own cost (nobody waits), a busy one at the queueing it causes."""
+        w = self.params.recompute_weight
+        if w > 0:
+            return w
+        return min(1.0 / max(1.0 - self._busy, 1e-9), MAX_RECOMPUTE_WEIGHT)
+
+    def _observe_busy(self, candidates: Sequence[Candidate]) -> None:
+        busy = sum(
+            1
+            for c in candidates
+            if c.load.queued_prefill_tokens > 0 or c.load.waiting > c.load.prefilling_requests
+        )
+        self._decisions += 1
+        alpha = 1.0 / min(self._decisions, UTILIZATION_DECISIONS)
+        self._busy += alpha * (busy / len(candidates) - self._busy)
 
     def queued_estimate(self, c: Candidate, now: float, commit: bool = True) -> float:
         """Prefill tokens still queued on ``c.engine``, decayed in time.
@@ -249,8 +287,11 @@ class KvRouterPolicy(Policy):
         prompt_tokens: int,
         queued: float | None = None,
         rate: float | None = None,
+        weight: float | None = None,
     ) -> EngineCost:
         p = self.params
+        if weight is None:
+            weight = self.recompute_weight()
         max_hit = max(prompt_tokens - 1, 0)
         spec = c.speculative_tokens > c.gpu_hit_tokens
         hit = min(max(c.gpu_hit_tokens, c.speculative_tokens), max_hit)
@@ -277,7 +318,7 @@ class KvRouterPolicy(Policy):
             expected_ttft_s=total / (rate or p.prefill_tokens_per_s),
             prefill_tokens_per_s=rate or p.prefill_tokens_per_s,
             rate_learned=rate is not None,
-            rank_tokens=total + (p.recompute_weight - 1.0) * uncached,
+            rank_tokens=total + (weight - 1.0) * uncached,
             speculative=spec,
         )
 
@@ -294,17 +335,21 @@ class KvRouterPolicy(Policy):
         if not dry_run and len(self._drain) > 2 * len(candidates) + 16:  # engines left: forget
             live = {c.engine for c in candidates}
             self._drain = {e: st for e, st in self._drain.items() if e in live}
+        weight = self.recompute_weight()
+        if not dry_run:
+            self._observe_busy(candidates)
         costs = [
             self.cost(
                 c,
                 prompt_tokens,
                 self.queued_estimate(c, now, commit=not dry_run),
                 self.prefill_rate(c.engine),
+                weight,
             )
             for c in candidates
         ]
         best = min(x.rank_tokens for x in costs)
-        tie = self.params.near_tie_tokens * max(self.params.recompute_weight, 1.0)
+        tie = self.params.near_tie_tokens * max(weight, 1.0)
         # Rank: near-ties of the best by in-flight requests, then a random tie-break; everything
         # else by cost. The random key is drawn per decision so equal engines share the load.
         keyed = []

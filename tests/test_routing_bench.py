@@ -11,12 +11,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import peer_index, peers, routing_bench
-from bench.approx import ApproxPrefixPolicy
+from bench import peer_index, peer_report, peers, routing_bench
 from bench.workloads import Req, TokenSource, TraceError, chat, mooncake
 from indexer.wire import BlockRemoved, BlockStored
-from router.load import EngineLoad
-from router.policy import Candidate
 from simulator.hashing import RequestHasher
 
 
@@ -107,7 +104,7 @@ def test_trace_replay_and_capacity_measurement(tmp_path, capsys):
             "--gpu-blocks",
             "3000",
             "--policies",
-            "round_robin,approx_prefix,kvrouter",
+            "round_robin,sglang,kvrouter",
             "--out",
             str(tmp_path / "c.png"),
         ]
@@ -120,7 +117,26 @@ def test_trace_replay_and_capacity_measurement(tmp_path, capsys):
     )
     pol = out["policies"]
     assert pol["kvrouter"]["hit_rate"] > pol["round_robin"]["hit_rate"]
-    assert set(out["targets"]) >= {"ttft_mean <= round_robin / 5"}
+    assert pol["kvrouter"]["hit_rate"] >= pol["sglang"]["hit_rate"] - 0.05
+    assert set(out["targets"]) >= {
+        "ttft_mean <= 0.85 * best peer",
+        "ttft_p90 <= 0.9 * best peer",
+        "hit_rate >= best peer - 0.005",
+    }
+
+
+def test_a_checkout_without_the_trace_runs_chat_by_default(tmp_path, capsys, monkeypatch):
+    """The conversation trace lives outside the repository: without it the default workload is
+    the synthetic chat, and asking for the trace explicitly is an error naming the way out."""
+    missing = tmp_path / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+    monkeypatch.setattr(routing_bench, "DEFAULT_TRACE", str(missing))
+    args = ["--scale", "0.02", "--speed", "1", "--policies", "round_robin,kvrouter", "--json"]
+    routing_bench.main([*args, "--out", str(tmp_path / "c.png")])
+    out = _last_json(capsys)
+    assert out["workload"] == "chat"
+    assert out["policies"]["kvrouter"]["completed"] == out["config"]["requests"] > 0
+    with pytest.raises(SystemExit, match="--workload chat"):
+        routing_bench.main(["--workload", "mooncake", *args])
 
 
 def test_mooncake_blocks_share_exact_prefixes(tmp_path):
@@ -154,20 +170,30 @@ def test_chat_turns_extend_the_previous_prompt():
             assert src.tokens(nxt)[: prev.n_tokens] == src.tokens(prev)
 
 
-def test_approx_prefix_follows_history_and_forgets_after_ttl():
-    p = ApproxPrefixPolicy(unit=16, capacity_keys=1000, ttl_s=10.0, cache_threshold=0.5, seed=0)
-    cands = [Candidate(w, load=EngineLoad(inflight_requests=0)) for w in ("a", "b", "c")]
-    p.keys = list(range(1, 65))  # a 1024-token prompt
-    first = p.choose(cands, 1024, now=0.0).engine
-    p.keys = list(range(1, 61))
-    # the other workers are less loaded, history still wins
-    cands = [
-        Candidate(w, load=EngineLoad(inflight_requests=5 if w == first else 0))
-        for w in ("a", "b", "c")
-    ]
-    assert p.choose(cands, 960, now=1.0).engine == first
-    late = p.choose(cands, 960, now=30.0)
-    assert late.engine != first  # entries expired: least loaded
+def test_sglang_follows_its_routing_history_until_the_imbalance_gate():
+    """SGLang's cache_aware rule (the routing-history model): a prompt sharing more than 30 % of
+    its tokens with one routed earlier goes to that worker however loaded it is, until the
+    in-flight imbalance passes 64 requests and 1.5x; a prompt matching nothing goes to the
+    least loaded worker."""
+    fs = routing_bench.FleetSpec(workers=3, gpu_blocks=2000)
+    fleet = routing_bench.FastFleet(3, fs.engine(events=False))
+    p = peers.make("sglang", peers.PeerEnv(fleet, 16, 16, 256, routing_bench.MODEL, seed=0))
+    src = TokenSource()
+    keys = routing_bench.KeyCache(16)
+
+    def route(rid: str, segments: tuple[tuple[int, int], ...]) -> int:
+        req = Req(rid, 0.0, segments, sum(n for _, n in segments), 4)
+        toks = src.tokens(req)
+        return p.route(rid, toks, keys.get(req, toks)[0], 0.0)
+
+    first = route("c0", ((4_000_000, 1024),))
+    follow = [route(f"c{i}", ((4_000_000, 1024), (4_100_000 + i, 256))) for i in range(1, 60)]
+    assert follow == [first] * 59  # 59 in flight there, none elsewhere: history still wins
+    cold = route("x", ((4_200_000, 1024),))
+    assert cold != first  # no match: the least loaded worker
+    spilled = [route(f"d{i}", ((4_000_000, 1024), (4_300_000 + i, 256))) for i in range(10)]
+    # 65 in flight on the holder against 0: past the gate, the least loaded, history or not
+    assert spilled[:5] == [first] * 5 and spilled[5] not in (first, cold)
 
 
 def test_hit_rate_counts_the_first_admission_not_a_preempted_requests_own_blocks():
@@ -256,6 +282,38 @@ def test_peers_sweep_goodput_and_rejected_prompts(tmp_path, capsys):
     # conversations come back: an event-fed peer finds their prefixes as kvrouter does
     assert out["sweep"]["dynamo"]["0.5"]["hit_rate"] > 0.2
     assert Path(out["chart_p90"]).stat().st_size > 10_000
+
+
+def test_targets_carry_bounds_from_the_pooled_engine():
+    """Each target names the best any placement can do, computed from the run: the pooled
+    engine's hit rate (an upper bound), and the no-queueing TTFT at its hits with one worker
+    prefilling each request (a lower bound); a limit beyond the bound is marked excluded."""
+
+    def s(hit: float, mean: float, p90: float, **extra: float) -> dict[str, float]:
+        return {"hit_rate": hit, "ttft_mean_s": mean, "ttft_p90_s": p90} | extra
+
+    pol = {
+        "kvrouter": s(0.15, 1.0, 2.0),
+        "sglang": s(0.17, 2.0, 4.0),
+        "dynamo": s(0.10, 1.1, 2.5),
+        "pooled_ideal": s(
+            0.16, 0.6, 1.2, ttft_floor_one_worker_s=0.7, ttft_floor_one_worker_p90_s=1.5
+        ),
+    }
+    t = peer_report.targets({"0.8": pol}, {}, peers.NAMES, conversation_trace=True)
+    hit = t["hit_rate >= best peer - 0.005"]
+    assert hit["limit"] == pytest.approx(0.165) and not hit["met"]
+    assert hit["bound"]["value"] == 0.16 and hit["bound"]["excluded"]  # above the pooled cache
+    mean = t["ttft_mean <= 0.85 * best peer"]
+    assert mean["limit"] == pytest.approx(0.935) and mean["bound"]["value"] == 0.7
+    assert not mean["bound"]["excluded"]
+    p90 = t["ttft_p90 <= 0.9 * best peer"]
+    assert p90["bound"]["value"] == 1.5 and not p90["bound"]["excluded"]
+    pooled = t["ttft_mean <= 1.3 * pooled_ideal (conversation trace)"]
+    assert pooled["limit"] == pytest.approx(0.78) and not pooled["bound"]["excluded"]
+    pol["pooled_ideal"]["ttft_floor_one_worker_s"] = 0.8  # the floor alone passes the limit
+    t = peer_report.targets({"0.8": pol}, {}, peers.NAMES, conversation_trace=True)
+    assert t["ttft_mean <= 1.3 * pooled_ideal (conversation trace)"]["bound"]["excluded"]
 
 
 def test_malformed_trace_line_names_the_line(tmp_path):
