@@ -30,7 +30,7 @@ from router.core import Router, RouteResult
 from router.errors import BodyError
 from router.messages import error_response, request_headers
 from router.metrics import model_label
-from router.quotas import QuotaTable, RateLimited, retry_after
+from router.quotas import Limits, RateLimited, retry_after
 from router.sessions import session_key
 from router.verify import with_stream_usage
 
@@ -356,7 +356,7 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
         request: Request, req: _Request, chat: bool, from_client: bool
     ) -> Response:
         try:
-            key = _check_key(request, keys, router.quotas)
+            key = await _check_key(request, keys, router.quotas)
             data = await read_body(request, cfg.server.max_body_bytes)
             body = parse_json_object(data)
             req.model = body.get("model")
@@ -364,7 +364,7 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
             sc = cfg.session
             session = session_key(request.headers, body, sc.header, sc.user_field)
             res = await router.route(body, chat, time.monotonic(), session=session)
-            _spend_prompt(router, key, res)
+            await _spend_prompt(router, key, res)
         except BodyError as exc:
             m.requests.labels(policy_name, str(exc.status)).inc()
             _refused(req, exc.status, exc.message)
@@ -446,11 +446,11 @@ def _passthrough_handler(router: Router) -> Callable[[Request, str], Awaitable[R
         rid, from_client = access.request_id(request.scope["headers"])
         req = _Request(rid, path, None, t0)
         try:
-            req.key = _check_key(request, keys, router.quotas)
+            req.key = await _check_key(request, keys, router.quotas)
             data = await read_body(request, cfg.server.max_body_bytes)
             res, body, _how = await _routed(router, request, path, data)
             req.model = body.get("model") if body is not None else None
-            _spend_prompt(router, req.key, res)
+            await _spend_prompt(router, req.key, res)
         except BodyError as exc:
             m.requests.labels(policy_name, str(exc.status)).inc()
             _refused(req, exc.status, exc.message)
@@ -483,16 +483,18 @@ def _passthrough_handler(router: Router) -> Callable[[Request, str], Awaitable[R
     return handle
 
 
-def _check_key(request: Request, keys: set[str], quotas: QuotaTable | None = None) -> str | None:
-    """The request's API key, checked against ``server.api_keys`` and the keys file, and one
-    request spent of its per-minute limit (BodyError 401 / 429)."""
+async def _check_key(
+    request: Request, keys: set[str], quotas: Limits | None = None, *, charge: bool = True
+) -> str | None:
+    """The request's API key, checked against ``server.api_keys`` and the keys file, and (with
+    ``charge``) one request spent of its per-minute limit (BodyError 401 / 429)."""
     key = _bearer(request)
     extra = quotas.keys() if quotas is not None else {}
     if (keys or extra) and key not in keys and key not in extra:
         raise BodyError(401, "invalid or missing API key (Authorization: Bearer <key>)")
-    if quotas is not None:
+    if quotas is not None and charge:
         try:
-            quotas.admit(key)
+            await quotas.take_request(key)
         except RateLimited as exc:
             raise _limited(exc) from None
     return key
@@ -504,10 +506,10 @@ def _limited(exc: RateLimited) -> BodyError:
     return err
 
 
-def _spend_prompt(router: Router, key: str | None, res: RouteResult) -> None:
+async def _spend_prompt(router: Router, key: str | None, res: RouteResult) -> None:
     if res.tokens is not None:
         try:
-            router.quotas.spend_prompt(key, res.tokens.n_tokens)
+            await router.quotas.take_prompt(key, res.tokens.n_tokens)
         except RateLimited as exc:
             raise _limited(exc) from None
 
@@ -528,7 +530,7 @@ def _add_api_routes(app: FastAPI, router: Router) -> dict[str, ProxyHandler]:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         """Every model and adapter the fleet serves (each worker's /v1/models, merged)."""
-        _check_key(request, keys)
+        await _check_key(request, keys, router.quotas, charge=False)  # a listing costs nothing
         return JSONResponse({"object": "list", "data": router.registry.fleet_models()})
 
     @app.get("/health")

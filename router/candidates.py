@@ -26,6 +26,7 @@ def build_candidates(
     remote: Mapping[EngineId, EngineLoad] | None = None,
     load_only: Container[EngineId] = _NONE,
     unverified: Container[EngineId] = _NONE,
+    adapter: Mapping[EngineId, float] | None = None,
 ) -> list[Candidate]:
     """One :class:`Candidate` per engine of ``loads``, in that order.
 
@@ -37,9 +38,11 @@ def build_candidates(
     * ``load_only``: engines whose index is degraded: their index hit is not trusted, a
       speculative entry (this router's own recent decision) still is;
     * ``unverified``: engines whose predictions drifted: no prefix credit at all until
-      re-verified.
+      re-verified;
+    * ``adapter``: what the request's LoRA adapter costs per engine (router/lora.py).
     """
     spec = speculative or {}
+    extra = adapter or {}
     others = remote or {}
     out = []
     for e, own in loads:
@@ -54,6 +57,7 @@ def build_candidates(
                 cpu_hit_tokens=m.cpu_tokens if m else 0,
                 load=own.plus(others.get(e)),
                 speculative_tokens=hit,
+                adapter_tokens=extra.get(e, 0.0),
             )
         )
     return out

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
+from router.lora import LoraConfig
 from router.policy import PolicyParams
 from router.quotas import parse_keys
 
@@ -57,6 +58,8 @@ class ServerConfig(_Section):
     api_keys: list[str] = []
     api_keys_file: str | None = None
     """More keys with per-key rpm / tpm limits, from a file reloaded on change (quotas.py)."""
+    rate_limit_period_s: float = 60.0
+    """The period a key's rpm and tpm count over: its buckets hold one period of the limit."""
     forward_authorization: bool = False
     max_body_bytes: int = 10_485_760
     cors_origins: list[str] = []
@@ -208,6 +211,7 @@ class Config(_Section):
     redis: RedisConfig = msgspec.field(default_factory=RedisConfig)
     verify: VerifyConfig = msgspec.field(default_factory=VerifyConfig)
     session: SessionConfig = msgspec.field(default_factory=SessionConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
 
 
 # ---------------------------------------------------------------- reading the declarations
@@ -444,8 +448,8 @@ def _check_server(s: ServerConfig) -> None:
         raise ConfigError("server.connect_timeout_s / first_byte_timeout_s: must be positive")
     if s.request_timeout_s is not None and s.request_timeout_s <= 0:
         raise ConfigError("server.request_timeout_s: must be positive (or null: no total limit)")
-    if s.pool_timeout_s <= 0:
-        raise ConfigError("server.pool_timeout_s: must be positive")
+    if s.pool_timeout_s <= 0 or s.rate_limit_period_s <= 0:
+        raise ConfigError("server.pool_timeout_s / rate_limit_period_s: must be positive")
     if s.api_keys_file is not None:
         try:
             with open(s.api_keys_file) as f:
@@ -591,6 +595,8 @@ def _validate(cfg: Config) -> None:
     _check_discovery_and_redis(cfg.discovery.kubernetes, cfg.redis)
     _check_verify(cfg.verify)
     _check_session(cfg.session)
+    for problem in cfg.lora.problems():
+        raise ConfigError(problem)
 
 
 def _check_session(s: SessionConfig) -> None:

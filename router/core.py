@@ -11,6 +11,7 @@ trust gating (degraded and unverified engines get no index credit) -> candidates
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -28,13 +29,16 @@ from router.config import Config, WorkerSpec, upstream_api_key
 from router.discovery import Discovery
 from router.errors import BodyError
 from router.load import EngineLoad
+from router.lora import LoraPlacement
 from router.metrics import RouterMetrics, fleet_state
 from router.policy import Candidate, Decision, make_policy
-from router.quotas import QuotaTable
+from router.quotas import Limits, QuotaTable
 from router.recorder import Recorder
 from router.resilience import WorkerWatch, load_only
 from router.selfcheck import SelfCheck
-from router.sessions import SessionTable
+from router.sessions import Binding, Sessions, SessionTable
+from router.shared_quotas import shared_quotas
+from router.shared_sessions import shared_sessions
 from router.shared_state import ExportedEngine, SharedState, make_shared_state, seed_subscriber
 from router.tokenize import (
     LocalTokenizer,
@@ -129,8 +133,19 @@ class Router:
         self.recorder = Recorder()
         """The last decisions and the hit rate per minute (the status page, /debug)."""
         self.started = time.time()
-        self.sessions = SessionTable(cfg.session.ttl_s, cfg.session.max_sessions)
-        self.quotas = QuotaTable(cfg.server.api_keys_file)
+        # Session bindings and per-key buckets: in Redis with redis.url, else this replica's.
+        fallbacks = self.metrics.redis_fallbacks
+        self.sessions: Sessions = shared_sessions(
+            SessionTable(cfg.session.ttl_s, cfg.session.max_sessions),
+            self.shared,
+            fallbacks.labels("sessions").inc,
+        )
+        self.quotas: Limits = shared_quotas(
+            QuotaTable(cfg.server.api_keys_file, cfg.server.rate_limit_period_s),
+            self.shared,
+            fallbacks.labels("limits").inc,
+        )
+        self.lora = LoraPlacement(cfg.lora)
         self.draining = False
         """Set on SIGTERM (router/serving.py): /ready answers 503 while requests finish."""
 
@@ -183,6 +198,8 @@ class Router:
         if self.discovery is not None:
             await self.discovery.stop()
         await self.registry.stop()
+        await self.sessions.close()
+        await self.quotas.close()
         await self.shared.stop()
         await self.subscriber.stop()
 
@@ -264,10 +281,12 @@ class Router:
 
     # ---------------------------------------------------------------- tokenize + route
 
-    async def _remote_tokenize(self, payload: dict[str, Any] | bytes) -> TokenIds:
+    async def _remote_tokenize(
+        self, payload: dict[str, Any] | bytes, among: list[Worker] | None = None
+    ) -> TokenIds:
         body = payload if isinstance(payload, bytes) else _enc.encode(payload)
         last = "no healthy worker"
-        for w in self.registry.tokenizer_workers()[:2]:
+        for w in self.registry.tokenizer_workers(among)[:2]:
             try:
                 r = await w.client.post(
                     "/tokenize",
@@ -290,7 +309,10 @@ class Router:
         raise TokenizeError(last)
 
     def namespace_root(self, body: dict[str, Any]) -> tuple[str, int]:
-        ns = self.registry.models.namespace(body.get("model"), self.registry.workers.values())
+        model = body.get("model")
+        ns = self.lora.namespace(model, self.registry) or self.registry.models.namespace(
+            model, self.registry.workers.values()
+        )
         salt = body.get("cache_salt")
         return ns, self.index.root(ns, salt if isinstance(salt, str) else None)
 
@@ -308,17 +330,20 @@ class Router:
         leaving the policy's learned state (and the session's binding) untouched. ``session``:
         the request's session key (router/sessions.py). ``tokenize=False``: the body has no
         prompt to match (router/passthrough.py), so the choice is by load."""
+        model = body.get("model")
+        workers = self._serving(model)
         ns, root = self.namespace_root(body)
         tok: Tokenized | None = None
         err = None if tokenize else "no prompt to match: routed by load"
         try:
             if tokenize:
-                tok = await self.tokenizer.tokenize(body, chat, root, self._remote_tokenize)
+                as_base = self.lora.tokenize_body(body, workers, self.registry)
+                remote = functools.partial(self._remote_tokenize, among=workers)
+                tok = await self.tokenizer.tokenize(as_base, chat, root, remote)
         except TokenizeError as exc:
             err = str(exc)
-        workers = self._serving(body.get("model"))
         loads = [(e, w.load(e[1])) for w in workers for e in w.engines()]
-        bound = self._session_binding(session, now)
+        bound = None if session is None else await self._session_binding(session, now)
         if bound is not None and self.cfg.session.mode == "hard":
             pinned = [x for x in loads if x[0] == bound[0]]
             loads = pinned or loads  # its engine is gone or unhealthy: route freely
@@ -348,21 +373,23 @@ class Router:
             remote=self.shared.remote_loads(),  # other replicas' in-flight work (Redis)
             load_only={e for e in engines if load_only(self.subscriber, e)},
             unverified=self._unverified(engines),
+            adapter=self.lora.adapter_tokens(model, workers, self.registry),
         )
         if not cands:
             raise BodyError(503, "no workers configured")
         n = tok.n_tokens if tok is not None else 0
         decision = self.policy.choose(cands, n, now, dry_run=dry_run)
+        await self.lora.place(model, decision, self.registry, dry_run=dry_run)
         if session is not None and tok is not None and len(tok.keys) and not dry_run:
             covered = len(tok.keys) * self.index.unit
             self.sessions.bind(session, decision.engine, covered, tok.keys[-1], now)
         churn = {c.engine: self.index.churn(c.engine) for c in cands}
         return RouteResult(decision, tok, ns, matches, cands, err, churn, reads_cache)
 
-    def _session_binding(self, session: str | None, now: float) -> tuple[EngineId, int, int] | None:
-        if session is None or self.cfg.session.mode == "off":
+    async def _session_binding(self, session: str, now: float) -> Binding | None:
+        if self.cfg.session.mode == "off":
             return None
-        return self.sessions.get(session, now)
+        return await self.sessions.lookup(session, now)
 
     def _serving(self, model: Any) -> list[Worker]:
         """The workers a request for ``model`` may go to: healthy ones that serve it (all of
@@ -371,6 +398,9 @@ class Router:
         serving = [w for w in workers if w.serves(model)]
         if serving or not workers:
             return serving
+        placeable = self.lora.placeable(model, workers, self.registry)  # an adapter to load
+        if placeable:
+            return placeable
         names = sorted({name for w in self.registry.workers.values() for name in w.served})
         raise BodyError(
             404,

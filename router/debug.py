@@ -124,6 +124,7 @@ def explain(router: Router, res: RouteResult, chat: bool, elapsed: float) -> dic
                 "gpu_hit_tokens": c.gpu_hit_tokens,
                 "cpu_hit_tokens": c.cpu_hit_tokens,
                 "speculative_hit_tokens": c.speculative_tokens,
+                "adapter_tokens": c.adapter_tokens,
                 "groups": [msgspec.structs.asdict(g) for g in m.groups] if m else [],
                 "load": msgspec.structs.asdict(c.load),
                 "cost": None

@@ -2,10 +2,10 @@
 
 Each worker is checked on its own (``router/doctor_probe.py``: reachability, models, tokenizer,
 KV events and their block size, DP ranks and clock, replay, ``cached_tokens`` and prefix
-caching), all workers at once; then the fleet is compared (``_fleet``): the same tokenization,
-the same base model and LoRA adapters, the same block size. Every failing check names the flag
-that fixes it. The exit code is 0 only when the fleet is routable exactly
-(``router/doctor_report.py`` says what each status means).
+caching), all workers at once; then the fleet is compared (``_fleet``): among workers of the
+same model the same tokenization and LoRA adapters, and one block size throughout. Every
+failing check names the flag that fixes it. The exit code is 0 only when the fleet is
+routable exactly (``router/doctor_report.py`` says what each status means).
 
 Every wait is bounded: each HTTP call, ZMQ connect and replay by ``--timeout``, the probe's
 events by ``--events-wait``, the whole run by ``--deadline``.
@@ -33,6 +33,7 @@ from router.doctor_report import (
     FAIL,
     FIX,
     OK,
+    WARN,
     Finding,
     Report,
     WorkerReport,
@@ -86,71 +87,97 @@ def _fleet(probes: list[WorkerProbe]) -> list[Finding]:
     return [_fleet_tokenizer(probes), *_fleet_models(probes), _fleet_block_size(probes)]
 
 
-def _fleet_tokenizer(probes: list[WorkerProbe]) -> Finding:
-    prints = {p.report.url: p.fingerprint for p in probes if p.fingerprint is not None}
-    counts = Counter(prints.values())
-    if len(counts) <= 1:
-        return Finding("tokenizer", OK, f"{len(prints)} worker(s) tokenize the probes alike")
-    top = counts.most_common(1)[0][0]
+def _model_groups(probes: list[WorkerProbe]) -> dict[tuple[str, ...], list[WorkerProbe]]:
+    """Workers by the base models they serve: a request only ever goes to workers of its
+    model, so tokenizers and adapters are compared within a group, never across groups."""
+    groups: dict[tuple[str, ...], list[WorkerProbe]] = {}
     for p in probes:
-        fp = p.fingerprint
-        if fp is None or fp == top:
+        groups.setdefault(tuple(sorted(p.report.models)), []).append(p)
+    return groups
+
+
+def _fleet_tokenizer(probes: list[WorkerProbe]) -> Finding:
+    compared = 0
+    differing: list[str] = []
+    for group in _model_groups(probes).values():
+        prints = {p.report.url: p.fingerprint for p in group if p.fingerprint is not None}
+        compared += len(prints)
+        counts = Counter(prints.values())
+        if len(counts) <= 1:
             continue
-        parts = [k for k, a, b in (("prompt", fp[0], top[0]), ("chat", fp[1], top[1])) if a != b]
-        p.report.add(
-            "tokenizer",
-            FAIL,
-            f"tokenizes the {' and '.join(parts)} probe differently from {counts[top]} "
-            "other worker(s)",
-            FIX["tokenizer"],
-        )
-    return Finding(
-        "tokenizer",
-        FAIL,
-        f"{len(counts)} different tokenizations among {len(prints)} workers",
-        FIX["tokenizer"],
-    )
+        top = counts.most_common(1)[0][0]
+        for p in group:
+            fp = p.fingerprint
+            if fp is None or fp == top:
+                continue
+            parts = [
+                k for k, a, b in (("prompt", fp[0], top[0]), ("chat", fp[1], top[1])) if a != b
+            ]
+            p.report.add(
+                "tokenizer",
+                FAIL,
+                f"tokenizes the {' and '.join(parts)} probe differently from {counts[top]} "
+                "other worker(s) of its model",
+                FIX["tokenizer"],
+            )
+        model = ", ".join(group[0].report.models) or "no model"
+        differing.append(f"{len(counts)} among {len(prints)} workers of {model}")
+    if differing:
+        detail = f"different tokenizations: {'; '.join(differing)}"
+        return Finding("tokenizer", FAIL, detail, FIX["tokenizer"])
+    return Finding("tokenizer", OK, f"{compared} worker(s) tokenize the probes alike per model")
 
 
 def _fleet_models(probes: list[WorkerProbe]) -> list[Finding]:
-    """The router serves one base model (aliases allowed) and sends a LoRA request to any
-    worker, so every worker must serve the same names."""
-    up = [p.report for p in probes if p.report.models]
-    bases = Counter(tuple(sorted(w.models)) for w in up)
-    loras = sorted({name for w in up for name in w.loras})
-    top = bases.most_common(1)[0][0] if bases else ()
-    for w in up:
-        lacking = [n for n in loras if n not in w.loras]
-        if tuple(sorted(w.models)) != top:
-            w.add(
-                "models",
-                FAIL,
-                f"serves {', '.join(w.models)}; others {', '.join(top)}",
-                FIX["models"],
-            )
-        elif lacking:
-            w.add(
-                "models",
-                FAIL,
-                f"lacks LoRA adapter(s) {', '.join(lacking)} served elsewhere",
-                FIX["lora"],
-            )
-        else:
+    """Several models are fine (each request goes to the workers of its model); a model on one
+    worker has no failover, and an adapter missing from some workers of its base model sends
+    every request for it to the others (or to ``lora.dynamic_loading``)."""
+    groups = {m: g for m, g in _model_groups(probes).items() if m}
+    for g in groups.values():
+        loras = sorted({name for p in g for name in p.report.loras})
+        for p in g:
+            w = p.report
+            lacking = [n for n in loras if n not in w.loras]
             lora = f"; LoRA: {', '.join(w.loras)}" if w.loras else ""
             w.add("models", OK, f"{', '.join(w.models)}{lora}")
-    out = [
-        Finding("models", FAIL, f"{len(bases)} different base model lists", FIX["models"])
-        if len(bases) > 1
-        else Finding("models", OK, f"{', '.join(top) or 'none'} on {len(up)} worker(s)")
-    ]
-    partial = [n for n in loras if any(n not in w.loras for w in up)]
+            if lacking:
+                w.add(
+                    "loras",
+                    WARN,
+                    f"lacks LoRA adapter(s) {', '.join(lacking)} that other workers of "
+                    f"{', '.join(w.models)} serve",
+                    FIX["lora"],
+                )
+    each = "; ".join(f"{', '.join(m)} on {len(g)} worker(s)" for m, g in groups.items())
+    if len(groups) > 1:
+        alone = [", ".join(m) for m, g in groups.items() if len(g) == 1]
+        note = f" ({', '.join(alone)}: a single worker, no failover)" if alone else ""
+        out = [Finding("models", WARN, f"{len(groups)} models: {each}{note}", FIX["models"])]
+    else:
+        out = [Finding("models", OK, each or "none")]
+    partial = sorted(
+        {n for g in groups.values() for p in g for n in p.report.loras}
+        - {n for g in groups.values() for n in _on_all(g)}
+    )
+    adapters = sorted({n for g in groups.values() for p in g for n in p.report.loras})
     if partial:
         out.append(
-            Finding("loras", FAIL, f"not on every worker: {', '.join(partial)}", FIX["lora"])
+            Finding(
+                "loras",
+                WARN,
+                f"not on every worker of their model: {', '.join(partial)} (requests for "
+                "them go only to the workers that have them)",
+                FIX["lora"],
+            )
         )
-    elif loras:
-        out.append(Finding("loras", OK, f"{', '.join(loras)} on every worker"))
+    elif adapters:
+        out.append(Finding("loras", OK, f"{', '.join(adapters)} on every worker of their model"))
     return out
+
+
+def _on_all(group: list[WorkerProbe]) -> set[str]:
+    sets = [set(p.report.loras) for p in group]
+    return set.intersection(*sets) if sets else set()
 
 
 def _fleet_block_size(probes: list[WorkerProbe]) -> Finding:

@@ -52,9 +52,10 @@ FIX = {
     "whose events match its --block-size",
     "dp": "let the router host reach every DP rank's ports (rank r publishes on port + r)",
     "clock": "synchronise the worker's clock (chrony / NTP)",
-    "models": "vllm serve ... --served-model-name NAME with the same NAME on every worker",
-    "lora": "vllm serve ... --enable-lora --lora-modules NAME=PATH for every adapter, on every "
-    "worker",
+    "models": "if these workers should serve one model: vllm serve ... --served-model-name NAME "
+    "with the same NAME on each",
+    "lora": "vllm serve ... --enable-lora --lora-modules NAME=PATH on every worker of the base "
+    "model, or let the router load adapters (lora.dynamic_loading)",
     "reach": "start the worker, or check the URL",
     "deadline": "raise --deadline, or check why the worker answers slowly",
 }

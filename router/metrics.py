@@ -94,6 +94,17 @@ class _StateCollector(Collector):
         yield from (inflight, healthy, degraded, resident, events, gaps, replays, decode)
 
 
+def _redis_fallbacks(r: CollectorRegistry) -> Counter:
+    return Counter(
+        "kvrouter_redis_fallbacks_total",
+        "Operations on state shared through Redis served from this replica's own instead, "
+        "Redis being unreachable: state=sessions (a lookup or binding kept local), "
+        "state=limits (a per-key bucket taken locally: the limit holds per replica)",
+        ["state"],
+        registry=r,
+    )
+
+
 class RouterMetrics:
     def __init__(self, snapshot: Callable[[], dict[str, Any]] | None = None) -> None:
         r = self.registry = CollectorRegistry()
@@ -139,6 +150,7 @@ class RouterMetrics:
         self.redis_up = Gauge(
             "kvrouter_redis_up", "1 if Redis shared state is reachable", registry=r
         )
+        self.redis_fallbacks = _redis_fallbacks(r)
         self.tokenize_failures = Counter(
             "kvrouter_tokenize_failures_total",
             "Requests routed by load alone because tokenization failed",

@@ -11,6 +11,8 @@ The kvrouter policy picks the engine with the lowest *expected time to first tok
              waiting requests the router did not send itself  * mean prompt tokens
              running requests                                  * running_request_tokens
              KV usage above kv_pressure_threshold              * kv_pressure_tokens (scaled)
+         + what the request's LoRA adapter costs there (router/lora.py): loading it, waiting for
+           an adapter slot
     expected TTFT = cost / prefill_tokens_per_s
 
 Hits are the larger of what the index shows and what a short-lived speculative entry predicts
@@ -67,6 +69,8 @@ class Candidate:
     load: EngineLoad = field(default_factory=EngineLoad)
     speculative_tokens: int = 0
     """Hit predicted by a speculative entry; used when larger than the indexed GPU hit."""
+    adapter_tokens: float = 0.0
+    """Prefill-token equivalent of readying the request's LoRA adapter there (router/lora.py)."""
 
 
 class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -255,6 +259,7 @@ class KvRouterPolicy(Policy):
         ld = c.load
         foreign_waiting = max(ld.waiting - ld.prefilling_requests, 0)
         metrics = foreign_waiting * p.mean_prompt_tokens + ld.running * p.running_request_tokens
+        metrics += c.adapter_tokens
         if ld.kv_usage > p.kv_pressure_threshold < 1.0:
             frac = (ld.kv_usage - p.kv_pressure_threshold) / (1.0 - p.kv_pressure_threshold)
             metrics += min(frac, 1.0) * p.kv_pressure_tokens

@@ -14,9 +14,13 @@ that fails to parse keeps the last good table and logs why. Its keys are accepte
 A request spends one request token before routing and its prompt tokens once they are known
 (after tokenization, before it is forwarded); its completion tokens are charged from the usage
 the worker reports, so a key that overran its budget waits for the refill. A bucket holds one
-minute of its limit and refills continuously. Over a limit: 429 with ``Retry-After`` (seconds
-until the bucket holds what the request needs). Buckets are local to a router replica: with N
-replicas behind a balancer, each enforces the full limit.
+minute of its limit (``server.rate_limit_period_s``) and refills continuously. Over a limit:
+429 with ``Retry-After`` (seconds until the bucket holds what the request needs).
+
+:class:`QuotaTable` keeps the buckets in this replica: with N replicas behind a balancer, each
+enforces the full limit. :class:`Limits` is what the request path uses; with ``redis.url``
+:class:`router.shared_quotas.RedisQuotas` implements it with buckets in Redis, so the replicas
+together enforce one limit.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import yaml
 
-__all__ = ["KeyLimits", "QuotaTable", "RateLimited"]
+__all__ = ["KeyLimits", "Limits", "QuotaTable", "RateLimited"]
 
 log = logging.getLogger("kvrouter.quotas")
 
@@ -50,14 +55,30 @@ class KeyLimits:
     tpm: float | None = None
 
 
+class Limits(Protocol):
+    """Per-key limits as the request path sees them; ``take_*`` raise :class:`RateLimited`."""
+
+    def keys(self) -> dict[str, KeyLimits]: ...
+
+    async def take_request(self, key: str | None) -> None: ...
+
+    async def take_prompt(self, key: str | None, tokens: int) -> None: ...
+
+    def charge_completion(self, key: str | None, tokens: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
 @dataclass(slots=True)
 class _Bucket:
     per_minute: float
     level: float
     at: float
+    period_s: float = 60.0
 
     def refill(self, now: float) -> None:
-        self.level = min(self.per_minute, self.level + (now - self.at) * self.per_minute / 60.0)
+        gained = (now - self.at) * self.per_minute / self.period_s
+        self.level = min(self.per_minute, self.level + gained)
         self.at = now
 
     def take(self, amount: float, now: float, what: str) -> None:
@@ -67,7 +88,7 @@ class _Bucket:
         self.refill(now)
         need = min(amount, self.per_minute)
         if self.level < need:
-            raise RateLimited(what, (need - self.level) * 60.0 / self.per_minute)
+            raise RateLimited(what, (need - self.level) * self.period_s / self.per_minute)
         self.level -= amount
 
     def charge(self, amount: float, now: float) -> None:
@@ -77,8 +98,9 @@ class _Bucket:
 
 
 class QuotaTable:
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, period_s: float = 60.0) -> None:
         self.path = path
+        self.period_s = period_s
         self.limits: dict[str, KeyLimits] = {}
         self._mtime: float | None = None
         self._checked = 0.0
@@ -95,9 +117,18 @@ class QuotaTable:
         self._maybe_reload()
         return self.limits
 
+    async def take_request(self, key: str | None) -> None:
+        self.admit(key)
+
+    async def take_prompt(self, key: str | None, tokens: int) -> None:
+        self.spend_prompt(key, tokens)
+
+    async def close(self) -> None:
+        return None
+
     def admit(self, key: str | None, now: float | None = None) -> None:
         """Spend one request of ``key``'s RPM. RateLimited when there is none left."""
-        lim = self._limits(key)
+        lim = self.limits_of(key)
         if lim is None or lim.rpm is None:
             return
         t = time.monotonic() if now is None else now
@@ -105,32 +136,34 @@ class QuotaTable:
 
     def spend_prompt(self, key: str | None, tokens: int, now: float | None = None) -> None:
         """Spend ``tokens`` prompt tokens of ``key``'s TPM. RateLimited when they do not fit."""
-        lim = self._limits(key)
+        lim = self.limits_of(key)
         if lim is None or lim.tpm is None or tokens <= 0:
             return
         t = time.monotonic() if now is None else now
         self._bucket(self._tokens, key, lim.tpm, t).take(float(tokens), t, "tokens per minute")  # type: ignore[arg-type]
 
     def charge_completion(self, key: str | None, tokens: int, now: float | None = None) -> None:
-        lim = self._limits(key)
+        lim = self.limits_of(key)
         if lim is None or lim.tpm is None or tokens <= 0:
             return
         t = time.monotonic() if now is None else now
         self._bucket(self._tokens, key, lim.tpm, t).charge(float(tokens), t)  # type: ignore[arg-type]
 
-    # ---------------------------------------------------------------- internals
-
-    def _limits(self, key: str | None) -> KeyLimits | None:
+    def limits_of(self, key: str | None) -> KeyLimits | None:
+        """``key``'s limits (None: no such key, or no keys file)."""
         if key is None or self.path is None:
             return None
         self._maybe_reload()
         return self.limits.get(key)
 
-    @staticmethod
-    def _bucket(table: dict[str, _Bucket], key: str, per_minute: float, now: float) -> _Bucket:
+    # ---------------------------------------------------------------- internals
+
+    def _bucket(
+        self, table: dict[str, _Bucket], key: str, per_minute: float, now: float
+    ) -> _Bucket:
         b = table.get(key)
         if b is None or b.per_minute != per_minute:  # new key, or its limit changed
-            b = table[key] = _Bucket(per_minute, per_minute, now)
+            b = table[key] = _Bucket(per_minute, per_minute, now, self.period_s)
         return b
 
     def _maybe_reload(self) -> None:

@@ -9,16 +9,31 @@ can still send the turn elsewhere. A session key reused for an unrelated prompt 
 ``user`` field) gets no credit. ``hard`` mode pins the session to its engine while
 that engine is healthy. Bindings expire after ``session.ttl_s`` without a turn and are bounded
 by ``session.max_sessions`` (least recently used first out).
+
+:class:`SessionTable` keeps the bindings in this replica; :class:`Sessions` is what routing
+uses, and with ``redis.url`` :class:`router.shared_sessions.RedisSessions` implements it over
+a SessionTable, so a binding made on one replica is honoured by the others.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Protocol
 
 from indexer.index import EngineId
 
-__all__ = ["SessionTable", "session_key"]
+__all__ = ["Binding", "SessionTable", "Sessions", "session_key"]
+
+Binding = tuple[EngineId, int, int]
+"""(engine, whole-unit tokens of the session's last turn, its content key there)."""
+
+
+class Sessions(Protocol):
+    async def lookup(self, key: str, now: float) -> Binding | None: ...
+
+    def bind(self, key: str, engine: EngineId, tokens: int, last_key: int, now: float) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 class SessionTable:
@@ -30,7 +45,16 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._bound)
 
-    def get(self, key: str, now: float) -> tuple[EngineId, int, int] | None:
+    def __contains__(self, key: str) -> bool:
+        return key in self._bound
+
+    async def lookup(self, key: str, now: float) -> Binding | None:
+        return self.get(key, now)
+
+    async def close(self) -> None:
+        return None
+
+    def get(self, key: str, now: float) -> Binding | None:
         """(engine, whole-unit tokens of the last turn, its content key there) the session is
         bound to, if still live."""
         got = self._bound.get(key)
@@ -43,8 +67,19 @@ class SessionTable:
         self._bound.move_to_end(key)
         return engine, tokens, last_key
 
-    def bind(self, key: str, engine: EngineId, tokens: int, last_key: int, now: float) -> None:
-        self._bound[key] = (engine, tokens, last_key, now + self.ttl_s)
+    def bind(
+        self,
+        key: str,
+        engine: EngineId,
+        tokens: int,
+        last_key: int,
+        now: float,
+        ttl_s: float | None = None,
+    ) -> None:
+        """Bind ``key`` for ``ttl_s`` (default ``self.ttl_s``; a binding another replica made
+        lasts what is left of its own)."""
+        until = now + (self.ttl_s if ttl_s is None else ttl_s)
+        self._bound[key] = (engine, tokens, last_key, until)
         self._bound.move_to_end(key)
         while len(self._bound) > self.max_sessions:
             self._bound.popitem(last=False)

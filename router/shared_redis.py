@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -24,7 +24,7 @@ from router.policy import SAMPLE_STRIDE, Engine
 from router.shared_local import SharedState, Snapshot, engine_key, parse_engine_key
 from router.snapshot_upload import close_snapshot, commit_snapshot, upload_snapshot
 
-__all__ = ["RedisSharedState"]
+__all__ = ["RedisSharedState", "cancel_tasks"]
 
 log = logging.getLogger("kvrouter.shared")
 
@@ -61,6 +61,20 @@ def sampled_keys(keys: Sequence[int], max_keys: int) -> list[int]:
     if len(keys) % SAMPLE_STRIDE and len(out) < max_keys:
         out.append(keys[-1])
     return out
+
+
+async def cancel_tasks(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Cancel ``tasks`` and wait until they are done. Python 3.11's ``wait_for`` loses a
+    cancellation that arrives as the awaited operation completes, and a loop that lost one runs
+    on: each is cancelled again until it ends."""
+    pending = set(tasks)
+    while pending:
+        for t in pending:
+            t.cancel()
+        done, pending = await asyncio.wait(pending, timeout=0.5)
+        for t in done:
+            if not t.cancelled():
+                t.exception()  # retrieved: a loop that died of an error is not logged twice
 
 
 class _SpecMsg(msgspec.Struct, array_like=True):
@@ -130,6 +144,7 @@ class RedisSharedState(SharedState):
         self._written: dict[EngineId, tuple[int, float | None]] = {}
         """(seq, batch timestamp) of each engine's snapshot as last written by this replica."""
         self._tasks: list[asyncio.Task[None]] = []
+        self._channels: dict[bytes, Callable[[bytes], None]] = {self.k_spec.encode(): self._on_spec}
         self._client: Any = None
         self._bulk: Any = None
         self._pubsub_client: Any = None
@@ -190,7 +205,7 @@ class RedisSharedState(SharedState):
             ("refresh", self._refresh_loop()),
             ("probe", self._probe_loop()),
             ("spec-publish", self._spec_publish_loop()),
-            ("spec-listen", self._spec_listen_loop()),
+            ("listen", self._listen_loop()),
             ("snapshot", self._snapshot_loop()),
         ):
             self._tasks.append(loop.create_task(coro, name=f"kvrouter-shared-{name}"))
@@ -212,9 +227,7 @@ class RedisSharedState(SharedState):
                 return
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_tasks(self._tasks)
         self._tasks.clear()
         if self._up and self._client is not None:
             # Leave cleanly: our load disappears now instead of after the TTL.
@@ -286,6 +299,11 @@ class RedisSharedState(SharedState):
         if was_up and self.on_redis_up is not None:
             self.on_redis_up(False)  # (start() already reported the initial False)
 
+    @property
+    def client(self) -> Any:
+        """The client other modules use through :meth:`call` (None before :meth:`start`)."""
+        return self._client
+
     async def _call(self, aw: Any, timeout: float | None = None) -> Any:
         """Await one Redis operation with a hard bound; failures mark Redis down and raise."""
         try:
@@ -297,6 +315,8 @@ class RedisSharedState(SharedState):
             raise
         self._failures = 0
         return out
+
+    call = _call  # other modules' operations: the same bounds and up/down accounting
 
     async def _probe_loop(self) -> None:
         lo, hi = self.backoff_s
@@ -472,22 +492,27 @@ class RedisSharedState(SharedState):
         ttl = msg.ttl_ms / 1000.0
         self.speculative.record_remote((msg.url, msg.rank), msg.keys, time.monotonic(), ttl)
 
-    async def _spec_listen_loop(self) -> None:
+    def listen(self, channel: str, handler: Callable[[bytes], None]) -> None:
+        """Hand every message on ``<prefix>:<channel>`` to ``handler`` (register before
+        :meth:`start`). Pub/sub is fire-and-forget: messages sent while disconnected are lost."""
+        self._channels[f"{self.prefix}:{channel}".encode()] = handler
+
+    async def _listen_loop(self) -> None:
         lo, hi = self.backoff_s
         delay = lo
         while True:
             pubsub = self._pubsub_client.pubsub(ignore_subscribe_messages=True)
             try:
-                await asyncio.wait_for(pubsub.subscribe(self.k_spec), self.op_timeout_s * 5)
+                await asyncio.wait_for(pubsub.subscribe(*self._channels), self.op_timeout_s * 5)
                 delay = lo
                 while True:
                     m = await pubsub.get_message(timeout=1.0)
                     if m is not None and m.get("type") == "message":
-                        self._on_spec(m["data"])
+                        self._channels[m["channel"]](m["data"])
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.debug("speculative channel: %s", exc)
+                log.debug("pub/sub channels: %s", exc)
             finally:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(pubsub.aclose(), 1.0)

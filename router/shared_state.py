@@ -5,8 +5,9 @@ Two implementations, one interface:
 * :class:`SharedState` (``router.shared_local``): embedded, in memory (the default without
   ``redis.url``): a single replica's own view. Nothing leaves the process.
 * :class:`RedisSharedState` (``router.shared_redis``): the same plus Redis, so every replica
-  routes as if one router decided. Nothing Redis-related is ever on the request path: requests
-  read and write local structures only, background tasks move data to and from Redis.
+  routes as if one router decided. Nothing here is on the request path: requests read and write
+  local structures only, background tasks move data to and from Redis. (Session bindings and
+  per-key limits, router/shared_sessions.py and shared_quotas.py, say when they ask Redis.)
 
 **In-flight load.** Each replica owns one hash ``<prefix>:load:<replica>`` (field: engine
 ``url#rank``; value ``requests,prefilling,prefill_tokens``, absolute, not deltas, so a lost

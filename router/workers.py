@@ -26,6 +26,7 @@ from indexer.index import EngineId
 from router.config import WorkerSpec
 from router.event_sources import parse_event_sources
 from router.load import EngineLoad
+from router.lora import LoraSlots, parse_lora_info
 from router.upstream import UpstreamClient
 
 __all__ = ["ModelNames", "Worker", "WorkerRegistry", "parse_vllm_metrics"]
@@ -90,6 +91,8 @@ class Worker:
     models: list[dict[str, Any]] = field(default_factory=list)
     loads: dict[int, EngineLoad] = field(default_factory=dict)
     metrics_ts: float = 0.0
+    lora_slots: LoraSlots | None = None
+    """The worker's ``vllm:lora_requests_info`` at the last poll (router/lora.py)."""
 
     @property
     def url(self) -> str:
@@ -300,9 +303,10 @@ class WorkerRegistry:
     def healthy(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.healthy]
 
-    def tokenizer_workers(self) -> list[Worker]:
-        """Healthy workers, rotated so /tokenize calls spread over the fleet."""
-        ws = self.healthy()
+    def tokenizer_workers(self, among: list[Worker] | None = None) -> list[Worker]:
+        """Healthy workers (of ``among`` when given: the ones serving the request's model,
+        whose tokenizer is the one that counts), rotated so /tokenize calls spread out."""
+        ws = self.healthy() if among is None else [w for w in among if w.healthy]
         if not ws:
             return []
         self._rr = (self._rr + 1) % len(ws)
@@ -351,6 +355,7 @@ class WorkerRegistry:
                     ld.waiting = int(vals.get("waiting", 0))
                     ld.running = int(vals.get("running", 0))
                     ld.kv_usage = float(vals.get("kv_usage", 0.0))
+                w.lora_slots = parse_lora_info(r.text)
                 w.metrics_ts = time.monotonic()
                 if self.on_metrics is not None:
                     self.on_metrics(w.url, parsed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -21,6 +22,7 @@ import uvicorn
 from simulator.engine import EngineConfig
 from simulator.events import ENCODINGS
 from simulator.kv_cache import parse_groups
+from simulator.lora import LoraSettings
 from simulator.server import Worker, WorkerSettings
 
 
@@ -44,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_timing_and_offload_args(p.add_argument)
     _add_event_args(p.add_argument)
     _add_request_args(p.add_argument)
+    _add_lora_args(p.add_argument)
     return p
 
 
@@ -56,6 +59,55 @@ def _add_fleet_args(a: Callable[..., Any]) -> None:
     a("--dp-size", type=int, default=1)
     a("--model", default="sim-model")
     a("--lora", action="append", default=[], help="declare a LoRA adapter name (repeatable)")
+
+
+def _lora_module(v: str) -> tuple[str, str]:
+    name, sep, path = v.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {v!r}")
+    return name, path
+
+
+def _add_lora_args(a: Callable[..., Any]) -> None:
+    a("--enable-lora", action="store_true", help="serve LoRA adapters (implied by the others)")
+    a(
+        "--lora-modules",
+        type=_lora_module,
+        action="append",
+        default=[],
+        help="a static adapter NAME=PATH (repeatable)",
+    )
+    a("--max-loras", type=int, default=1, help="distinct adapters in one batch")
+    a(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, also read from the environment)",
+    )
+    a("--lora-load-ms", type=float, default=0.0, help="time one adapter load takes")
+    a(
+        "--lora-resolvable",
+        action="append",
+        default=[],
+        help="an adapter name a LoRA resolver plugin finds on first request (repeatable)",
+    )
+
+
+def _runtime_lora_env() -> bool:
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
+
+
+def _lora_settings(ns: argparse.Namespace) -> LoraSettings:
+    if ns.max_loras < 1:
+        raise ValueError("--max-loras must be >= 1")
+    return LoraSettings(
+        modules=dict(ns.lora_modules),
+        enabled=ns.enable_lora,
+        max_loras=ns.max_loras,
+        runtime_updating=ns.allow_runtime_lora_updating or _runtime_lora_env(),
+        load_s=ns.lora_load_ms / 1000.0,
+        resolvable=frozenset(ns.lora_resolvable),
+    )
 
 
 def _add_kv_cache_args(a: Callable[..., Any]) -> None:
@@ -205,6 +257,7 @@ def settings_from_args(ns: argparse.Namespace, worker_idx: int) -> WorkerSetting
         tokenizer_path=ns.tokenizer,
         max_body_bytes=ns.max_body_bytes,
         loras=tuple(ns.lora),
+        lora=_lora_settings(ns),
         default_max_tokens=ns.default_max_tokens,
         prompt_tokens_details=not ns.no_prompt_tokens_details,
     )

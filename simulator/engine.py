@@ -65,6 +65,9 @@ class EngineConfig:
     event_clock_skew_s: float = 0.0  # misconfiguration: event batch timestamps run this far ahead
     enable_prefix_caching: bool = True  # off: no block is cached, so no hit and no BlockStored
     loras: tuple[str, ...] = ()
+    lora_ids: dict[str, int] = field(default_factory=dict)
+    """Adapter name -> int id (the worker's adapter registry; else the position in ``loras``)."""
+    max_loras: int = 1  # distinct adapters in one batch (vLLM's --max-loras, default 1)
     vocab_size: int = 32000
     group_specs: list[GroupSpec] = field(default_factory=list, repr=False)
 
@@ -171,7 +174,7 @@ class SimEngine:
         )
         lora_id = None
         if lora_name is not None:
-            lora_id = c.loras.index(lora_name) + 1
+            lora_id = c.lora_ids.get(lora_name) or c.loras.index(lora_name) + 1
         req = Request(
             request_id,
             prompt,
@@ -338,22 +341,19 @@ class SimEngine:
             break
         if not preempted:
             skipped: list[Request] = []
+            # vLLM's Scheduler.schedule: a waiting request whose adapter would be one more than
+            # max_loras distinct adapters in the batch is skipped until a slot frees up.
+            loras = {r.lora_id for r in self.running if r.lora_id}
             while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
                 req = self.waiting[0]
+                if req.lora_id and req.lora_id not in loras and len(loras) >= c.max_loras:
+                    skipped.append(self.waiting.popleft())
+                    continue
                 if req.status == WAITING_FOR_REMOTE_KVS:
                     if req.load_ready_s > now:
                         skipped.append(self.waiting.popleft())
                         continue
-                    req.num_computed += req.cpu_loaded_tokens
-                    if req.num_computed >= len(req.all_token_ids):
-                        # vLLM (_update_waiting_for_remote_kv): a load that covers the whole
-                        # prompt still recomputes its last token.
-                        req.num_computed = len(req.all_token_ids) - 1
-                        req.cpu_loaded_tokens = req.num_computed - req.cached_tokens
-                    kv.cache_blocks(req, req.num_computed)
-                    if req.first_hit is None:
-                        req.first_hit = (req.cached_tokens, req.cpu_loaded_tokens)
-                    req.status = WAITING
+                    self._finish_cpu_load(req)
                     new_groups, new_tokens = None, 0
                 elif not req.hit_done:
                     if not self._first_schedule(req, now):
@@ -374,6 +374,8 @@ class SimEngine:
                     break
                 req.num_computed = base
                 self.waiting.popleft()
+                if req.lora_id:
+                    loras.add(req.lora_id)
                 req.status = RUNNING
                 self.running.append(req)
                 scheduled.append((req, n))
@@ -387,6 +389,19 @@ class SimEngine:
         end = now + self._step_duration(prefill_tokens, decode_tokens, 0)
         self._inflight = (now, end, scheduled)
         return end
+
+    def _finish_cpu_load(self, req: Request) -> None:
+        """A waiting request's CPU-tier load is done: the loaded tokens count as computed."""
+        req.num_computed += req.cpu_loaded_tokens
+        if req.num_computed >= len(req.all_token_ids):
+            # vLLM (_update_waiting_for_remote_kv): a load that covers the whole prompt still
+            # recomputes its last token.
+            req.num_computed = len(req.all_token_ids) - 1
+            req.cpu_loaded_tokens = req.num_computed - req.cached_tokens
+        self.kv.cache_blocks(req, req.num_computed)
+        if req.first_hit is None:
+            req.first_hit = (req.cached_tokens, req.cpu_loaded_tokens)
+        req.status = WAITING
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

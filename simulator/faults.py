@@ -6,15 +6,24 @@ import asyncio
 from typing import Any
 
 from simulator.api_errors import ApiError
+from simulator.lora import LoraAdapters
 from simulator.runner import EngineRunner
 
 KNOWN = frozenset(
-    {"drop_event_fraction", "stall_http", "slowdown", "events_enabled", "unannounced_reset"}
+    {
+        "drop_event_fraction",
+        "stall_http",
+        "slowdown",
+        "events_enabled",
+        "unannounced_reset",
+        "fail_lora_load",
+    }
 )
 
 
 class Faults:
-    def __init__(self) -> None:
+    def __init__(self, loras: LoraAdapters | None = None) -> None:
+        self.loras = loras
         self.drop_event_fraction = 0.0
         self.stall_http = False
         self.slowdown = 1.0
@@ -27,6 +36,7 @@ class Faults:
             "stall_http": self.stall_http,
             "slowdown": self.slowdown,
             "events_enabled": self.events_enabled,
+            "fail_lora_load": self.loras.fail_loads if self.loras is not None else False,
         }
 
     def apply(self, data: dict[str, Any], runners: list[EngineRunner]) -> None:
@@ -59,6 +69,8 @@ class Faults:
                 self.unstall = asyncio.Event()
             else:
                 self.unstall.set()
+        if "fail_lora_load" in data and self.loras is not None:
+            self.loras.fail_loads = bool(data["fail_lora_load"])
         if data.get("unannounced_reset"):
             for r in runners:
                 r.engine.silent_reset()

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from simulator.runner import EngineRunner
 
 
-def metrics_text(model: str, runners: list[EngineRunner]) -> str:
+def metrics_text(model: str, runners: list[EngineRunner], extra: Iterable[str] = ()) -> str:
+    """The exposition; ``extra``: whole families rendered elsewhere (the LoRA gauge)."""
     lines: list[str] = []
 
     def fam(name: str, typ: str, help_: str, values: list[tuple[int, float]]) -> None:
@@ -60,4 +63,5 @@ def metrics_text(model: str, runners: list[EngineRunner]) -> str:
         "External prefix cache hits from KV connector, in terms of number of tokens.",
         [(r.dp_rank, float(r.engine.external_hits)) for r in rs],
     )
+    lines.extend(extra)
     return "\n".join(lines) + "\n"

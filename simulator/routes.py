@@ -5,8 +5,9 @@ completions (non-streaming and SSE, ``usage.prompt_tokens_details.cached_tokens`
 ``stream_options.include_usage``), ``/tokenize`` (prompt and chat forms), ``/detokenize``,
 ``/v1/models``, ``/health``, ``/metrics`` (vLLM metric names, labels ``model_name`` and
 ``engine``), ``/kv_event_sources`` (``serve/instrumentator/basic.py`` L59),
-``/reset_prefix_cache``. Simulator admin: ``/sim/faults``, ``/sim/restart_publisher``,
-``/sim/restart_engine``, ``/sim/state``.
+``/reset_prefix_cache``; with runtime LoRA updating allowed, ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` (``simulator.lora``). Simulator admin: ``/sim/faults``,
+``/sim/restart_publisher``, ``/sim/restart_engine``, ``/sim/state``.
 
 Bad input gets a 4xx OpenAI-style error body ``{"error": {"message", "type", "param",
 "code"}}``; bodies above ``max_body_bytes`` get 413.
@@ -78,6 +79,8 @@ def make_app(w: Worker) -> FastAPI:
     _add_generation_routes(app, w)
     _add_tokenizer_routes(app, w)
     _add_info_routes(app, w)
+    if w.s.lora.runtime_updating:
+        _add_lora_routes(app, w)
     _add_admin_routes(app, w)
     return app
 
@@ -96,6 +99,7 @@ def _add_tokenizer_routes(app: FastAPI, w: Worker) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         data = await w.read_json(request)
+        await w.loras.resolve(data.get("model"))
         w.check_model(data)
         w.tokenize_calls += 1
         if "messages" in data:
@@ -125,6 +129,7 @@ def _add_tokenizer_routes(app: FastAPI, w: Worker) -> None:
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         data = await w.read_json(request)
+        await w.loras.resolve(data.get("model"))
         w.check_model(data)
         toks = data.get("tokens")
         if not isinstance(toks, list) or not all(
@@ -137,20 +142,22 @@ def _add_tokenizer_routes(app: FastAPI, w: Worker) -> None:
 def _add_info_routes(app: FastAPI, w: Worker) -> None:
     @app.get("/v1/models")
     async def models() -> Response:
-        def card(mid: str, parent: str | None) -> dict[str, Any]:
+        def card(mid: str, root: str, parent: str | None) -> dict[str, Any]:
             return {
                 "id": mid,
                 "object": "model",
                 "created": w.created,
                 "owned_by": "vllm",
-                "root": mid if parent is None else f"/sim/lora/{mid}",
+                "root": root,
                 "parent": parent,
-                "max_model_len": w.s.engine.max_model_len,
+                # vLLM sets max_model_len on base model cards only
+                "max_model_len": w.s.engine.max_model_len if parent is None else None,
                 "permission": [],
             }
 
-        data = [card(w.s.engine.model, None)]
-        data += [card(name, w.s.engine.model) for name in w.s.loras]
+        base = w.s.engine.model
+        data = [card(base, base, None)]
+        data += [card(name, path, base) for name, path in w.loras.paths.items()]
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/health")
@@ -169,7 +176,7 @@ def _add_info_routes(app: FastAPI, w: Worker) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return PlainTextResponse(
-            metrics_text(w.s.engine.model, w.runners),
+            metrics_text(w.s.engine.model, w.runners, w.loras.info_lines(w.runners)),
             media_type="text/plain; version=0.0.4; charset=utf-8",
         )
 
@@ -184,6 +191,19 @@ def _add_info_routes(app: FastAPI, w: Worker) -> None:
         if not ok:
             return error_response(400, "Failed to reset prefix cache: blocks still in use")
         return JSONResponse({"success": True})
+
+
+def _add_lora_routes(app: FastAPI, w: Worker) -> None:
+    """vLLM's ``serve/lora/api_router.py``: registered only with runtime updating allowed; a
+    success is a 200 whose body is the message as plain text."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        return Response(await w.loras.load(await w.read_json(request)), status_code=200)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        return Response(await w.loras.unload(await w.read_json(request)), status_code=200)
 
 
 def _add_admin_routes(app: FastAPI, w: Worker) -> None:

@@ -24,6 +24,7 @@ from simulator.api_errors import ApiError
 from simulator.engine import EngineConfig, QueueFull, SimEngine
 from simulator.faults import Faults
 from simulator.hf_tokenizer import HFTokenizer
+from simulator.lora import LoraAdapters, LoraSettings
 from simulator.publisher import ZmqPublisher, offset_endpoint_port
 from simulator.responses import SSE_DONE, ChunkWriter, completion_body, usage
 from simulator.routes import make_app
@@ -55,6 +56,8 @@ class WorkerSettings:
     request_timeout_s: float = 600.0
     default_max_tokens: int = 16  # output length when a request sets no max_tokens
     loras: tuple[str, ...] = ()
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    """Adapters by path, max_loras, runtime loading; ``loras`` are added with /sim/lora paths."""
     tokenizer_path: str | None = None  # a model dir with tokenizer.json: tokenize as vLLM would
     prompt_tokens_details: bool = True  # vLLM's --enable-prompt-tokens-details
     extra: dict[str, Any] = field(default_factory=dict)
@@ -90,7 +93,12 @@ class Worker:
         else:
             self.tokenizer = Tokenizer(settings.engine.vocab_size, settings.chat_template)
         self.runners: list[EngineRunner] = []
-        self.faults = Faults()
+        modules = {name: f"/sim/lora/{name}" for name in settings.loras}
+        modules.update(settings.lora.modules)
+        settings.lora.modules = modules
+        settings.engine.max_loras = settings.lora.max_loras
+        self.loras = LoraAdapters(settings.lora, settings.engine.lora_ids)
+        self.faults = Faults(self.loras)
         # Requests by prompt form, for /sim/state: a router that forwards token ids is seen here.
         self.prompt_forms: dict[str, int] = {"text": 0, "ids": 0, "chat": 0}
         self.tokenize_calls = 0  # POST /tokenize answered (a router in local mode makes none)
@@ -186,7 +194,7 @@ class Worker:
         model = data.get("model")
         if model is None or model == self.s.engine.model:
             return None
-        if isinstance(model, str) and model in self.s.loras:
+        if isinstance(model, str) and self.loras.serves(model):
             return model
         raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
@@ -304,6 +312,7 @@ class Worker:
         )
 
     async def generate(self, data: dict[str, Any], chat: bool) -> Response:
+        await self.loras.resolve(data.get("model"))
         g = self._generation(data, chat)
         runner = self.pick_runner()
         try:
@@ -387,4 +396,5 @@ class Worker:
             "faults": self.faults.as_dict(),
             "prompt_forms": dict(self.prompt_forms),
             "tokenize_calls": self.tokenize_calls,
+            "lora": self.loras.state(),
         }

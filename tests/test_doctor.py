@@ -162,32 +162,46 @@ def test_configured_endpoints_unreachable(
 
 
 def test_fleet_differences(capsys: pytest.CaptureFixture[str]) -> None:
-    """Tokenizer (chat template), base model, LoRA adapters and block size compared across
-    workers; each difference fails with its fix."""
+    """Tokenizer (chat template) and block size compared across the workers of a model; each
+    difference fails with its fix. Another model, or an adapter on some workers only, is
+    routable (requests go to the workers that serve them): a warning, not a failure."""
     with contextlib.ExitStack() as stack:
         (a,) = stack.enter_context(running_fleet(1, lora=["ad1"], **SIM))
         (b,) = stack.enter_context(
             running_fleet(1, lora=["ad1"], chat_template="alt", num_gpu_blocks=512, block_size=32)
         )
         (c,) = stack.enter_context(running_fleet(1, model="other-model", **SIM))
-        code, doc = run(capsys, a.url, b.url, c.url)
+        (d,) = stack.enter_context(running_fleet(1, model="other-model", chat_template="alt"))
+        code, doc = run(capsys, a.url, b.url, c.url, d.url)
     assert code == 1
     assert {f["check"] for f in doc["fleet"] if f["status"] == "fail"} == {
         "tokenizer",
-        "models",
-        "loras",
         "block-size",
     }
     assert check(doc, a.url, "tokenizer")["status"] == "ok"
     tok = check(doc, b.url, "tokenizer")
     assert tok["status"] == "fail" and "chat" in tok["detail"] and "--chat-template" in tok["fix"]
     assert "prompt" not in tok["detail"]
-    models = check(doc, c.url, "models")
-    assert models["status"] == "fail" and "--served-model-name" in models["fix"]
-    assert check(doc, a.url, "models")["status"] == "ok"
-    assert "--lora-modules" in fleet_check(doc, "loras")["fix"]
+    # other-model's two workers disagree with each other, not with sim-model's.
+    assert sum(check(doc, u, "tokenizer")["status"] == "fail" for u in (c.url, d.url)) == 1
+    models = fleet_check(doc, "models")
+    assert models["status"] == "warn" and "other-model on 2" in models["detail"]
+    assert all(check(doc, u, "models")["status"] == "ok" for u in (a.url, b.url, c.url))
     bs = fleet_check(doc, "block-size")
     assert "--block-size" in bs["fix"] and f"{b.url} 32" in bs["detail"]
+
+
+def test_adapters_on_some_workers_are_a_warning(capsys: pytest.CaptureFixture[str]) -> None:
+    with contextlib.ExitStack() as stack:
+        (a,) = stack.enter_context(running_fleet(1, lora=["ad1"], **SIM))
+        (b,) = stack.enter_context(running_fleet(1, **SIM))
+        code, doc = run(capsys, a.url, b.url)
+    assert code == 0
+    loras = fleet_check(doc, "loras")
+    assert loras["status"] == "warn" and "ad1" in loras["detail"]
+    assert "lora.dynamic_loading" in loras["fix"]
+    assert check(doc, b.url, "loras")["status"] == "warn"
+    assert not any(f["status"] == "fail" for f in doc["fleet"])
 
 
 def test_unreachable_worker_and_total_deadline(capsys: pytest.CaptureFixture[str]) -> None:

@@ -56,3 +56,20 @@ async def test_requests_go_to_workers_of_their_model_and_cache_per_model() -> No
             err = r.json()["error"]
             assert err["type"] == "NotFoundError" and "model-a" in err["message"]
             assert "model-b" in err["message"] and "a-lora" in err["message"]
+
+
+async def test_prompts_are_tokenized_by_a_worker_of_their_model() -> None:
+    """/tokenize goes to workers serving the request's model: another model's worker answers
+    404 (or tokenizes differently), which would leave the request routed by load alone."""
+    with (
+        running_fleet(1, model="model-a", **FAST) as a,
+        running_fleet(2, model="model-b", **FAST) as b,
+    ):
+        cfg = config_for([*a, *b])
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
+            await until(lambda: len(router.registry.healthy()) == 3, 30, "workers healthy")
+            for i in range(6):  # more than one turn of the tokenizer rotation over 3 workers
+                body = {"model": "model-a", "prompt": words(60, f"t{i}"), "max_tokens": 1}
+                e = (await c.post(base + "/debug/route", json=body)).json()
+                assert e["tokenize_error"] is None, e["tokenize_error"]
+                assert e["tokenization"] != "failed" and e["prompt_tokens"] > 0

