@@ -553,3 +553,24 @@ async def test_tls_and_failure_mode_with_the_epp_stopped(tmp, fleet):
             after = _texts(fleet)
             assert sum(a - b for a, b in zip(after, before, strict=True)) == 6
             assert sum(1 for a, b in zip(after, before, strict=True) if a > b) >= 2
+
+
+async def test_api_keys_through_envoy(tmp, fleet):
+    """The EPP refuses a request without a valid key before anything reaches a worker: Envoy
+    answers the proxy's 401; with the key the request goes through."""
+    body = {"model": "sim-model", "prompt": words(100, "keys"), "max_tokens": 2}
+    ports = [w.port for w in fleet]
+    with (
+        running_kvrouter(tmp, fleet, api_keys=["sesame"]) as (base, port, _p),
+        running_envoy(tmp, epp=port, workers=ports) as gw,
+    ):
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as c:
+            before = _texts(fleet)
+            r = await c.post(gw + "/v1/completions", json=body)
+            assert r.status_code == 401, r.text
+            assert r.json() == (await c.post(base + "/v1/completions", json=body)).json()
+            assert _texts(fleet) == before
+            auth = {"authorization": "Bearer sesame"}
+            r = await c.post(gw + "/v1/completions", json=body, headers=auth)
+            assert r.status_code == 200, r.text
+            assert "x-kvrouter-worker" in r.headers
