@@ -1,18 +1,21 @@
 """The least an ext_proc server in Python can do per message: the floor under the EPP's cost.
 
 A ``grpc.aio`` ``ExternalProcessor`` (the same library and server setup as ``router/epp.py``)
-that picks a fixed endpoint and, in FULL_DUPLEX_STREAMED mode, hands every body chunk straight
-back. No parsing, no routing, no accounting: what it spends per streamed response chunk is what
-any Python EPP on grpcio spends before doing any work of its own. ``bench/epp_bench.py`` runs it
-behind the same Envoy as kvrouter's EPP and reports both.
+that picks fixed endpoints in turn and, in FULL_DUPLEX_STREAMED mode, hands every body chunk
+straight back (the request body in kvrouter's chunk size, so both send as many messages). No
+parsing, no routing, no accounting: what it spends per streamed response chunk, and per request,
+is what any Python EPP on grpcio spends before doing any work of its own. ``bench/epp_bench.py``
+runs it behind the same Envoy as kvrouter's EPP and reports both.
 
-Run: ``python -m bench.ext_proc_floor PORT ENDPOINT [--threads]`` (``ENDPOINT`` is ``ip:port``;
-``--threads``: grpcio's thread-pool server instead of asyncio).
+Run: ``python -m bench.ext_proc_floor PORT ENDPOINTS [--threads]`` (``ENDPOINTS``: ``ip:port``
+list, comma separated, picked in turn; ``--threads``: grpcio's thread-pool server instead of
+asyncio).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +25,8 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from router.epp import CHUNK
 
 DEST = "x-gateway-destination-endpoint"
 
@@ -46,16 +51,19 @@ def _echo(field: str, body: bytes, eos: bool) -> pb.ProcessingResponse:
     )
 
 
-def _answer(endpoint: str, req: pb.ProcessingRequest, body: bytearray) -> Iterator[Any]:
+def _answer(endpoints: Iterator[str], req: pb.ProcessingRequest, body: bytearray) -> Iterator[Any]:
     kind = req.WhichOneof("request")
     if kind == "request_headers":
         if req.request_headers.end_of_stream:
-            yield _headers_response(endpoint)
+            yield _headers_response(next(endpoints))
     elif kind == "request_body":
         body += req.request_body.body
         if req.request_body.end_of_stream:
-            yield _headers_response(endpoint)
-            yield _echo("request_body", bytes(body), True)
+            yield _headers_response(next(endpoints))
+            data = bytes(body)
+            last = max(len(data) - 1, 0) // CHUNK
+            for i in range(last + 1):
+                yield _echo("request_body", data[i * CHUNK : (i + 1) * CHUNK], i == last)
     elif kind == "request_trailers":
         yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
     elif kind == "response_headers":
@@ -70,30 +78,30 @@ def _answer(endpoint: str, req: pb.ProcessingRequest, body: bytearray) -> Iterat
 class Floor(pb_grpc.ExternalProcessorServicer):
     """The asyncio server, as router/epp.py runs it."""
 
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
+    def __init__(self, endpoints: str) -> None:
+        self.endpoints = itertools.cycle(endpoints.split(","))
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
     ) -> AsyncIterator[pb.ProcessingResponse]:
         body = bytearray()
         async for req in request_iterator:
-            for resp in _answer(self.endpoint, req, body):
+            for resp in _answer(self.endpoints, req, body):
                 yield resp
 
 
 class ThreadedFloor(pb_grpc.ExternalProcessorServicer):
     """grpcio's thread-pool server: the other way grpcio serves a stream."""
 
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
+    def __init__(self, endpoints: str) -> None:
+        self.endpoints = itertools.cycle(endpoints.split(","))
 
     def Process(
         self, request_iterator: Iterator[pb.ProcessingRequest], context: Any
     ) -> Iterator[pb.ProcessingResponse]:
         body = bytearray()
         for req in request_iterator:
-            yield from _answer(self.endpoint, req, body)
+            yield from _answer(self.endpoints, req, body)
 
 
 _OPTIONS = [
@@ -102,18 +110,18 @@ _OPTIONS = [
 ]
 
 
-async def serve(port: int, endpoint: str) -> None:
+async def serve(port: int, endpoints: str) -> None:
     server = grpc.aio.server(options=_OPTIONS)
-    pb_grpc.add_ExternalProcessorServicer_to_server(Floor(endpoint), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(Floor(endpoints), server)
     if not server.add_insecure_port(f"127.0.0.1:{port}"):
         raise OSError(f"cannot listen on 127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
 
 
-def serve_threaded(port: int, endpoint: str) -> None:
+def serve_threaded(port: int, endpoints: str) -> None:
     server = grpc.server(ThreadPoolExecutor(max_workers=64), options=_OPTIONS)
-    pb_grpc.add_ExternalProcessorServicer_to_server(ThreadedFloor(endpoint), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(ThreadedFloor(endpoints), server)
     if not server.add_insecure_port(f"127.0.0.1:{port}"):
         raise OSError(f"cannot listen on 127.0.0.1:{port}")
     server.start()

@@ -255,3 +255,21 @@ async def test_api_keys_and_per_key_limits_are_the_proxys(fleet, tmp_path):
         status, hdrs, body = refusal(refused)
         assert status == 429 and int(hdrs["retry-after"]) > 60
         assert "tokens per minute" in json.loads(body)["error"]["message"]
+
+
+async def test_no_healthy_worker_leaves_every_worker_eligible_as_the_proxy_does():
+    """A worker the router cannot reach is unhealthy; with no healthy one the EPP still picks
+    (the proxy forwards then too, and a gateway in panic mode does the same), where it would
+    otherwise turn a missed health probe into a 503 for every request."""
+    dead = f"http://127.0.0.1:{find_port_block(1)}"
+    cfg = await epp_router([dead])
+    async with (
+        serve_router(cfg) as (_base, router),
+        grpc.aio.insecure_channel(f"127.0.0.1:{cfg.server.epp_port}") as ch,
+    ):
+        await until(lambda: router.registry.workers[dead].last_health_error, 10, "a failed probe")
+        assert not router.registry.healthy()
+        s = Stream(pb_grpc.ExternalProcessorStub(ch))
+        await s.send(headers_msg(), 0)
+        head, _ = await s.send(body_msg(words(64, "dead")), 2)
+        assert destination(head) == endpoint_of(dead)

@@ -262,9 +262,10 @@ def running_envoy(tmp: str, **kw: Any) -> Iterator[str]:
 
 @contextlib.contextmanager
 def running_kvrouter(
-    tmp: str, workers: list[Any], **server: Any
+    tmp: str, workers: list[Any], root: str = ROOT, **server: Any
 ) -> Iterator[tuple[str, int, Proc]]:
-    """``kvrouter serve`` with the EPP on; yields (HTTP base URL, EPP port, process)."""
+    """``kvrouter serve`` from the tree ``root`` with the EPP on; yields (HTTP base URL, EPP
+    port, process)."""
     base = find_port_block(2)
     cfg = {
         "server": {
@@ -284,10 +285,11 @@ def running_kvrouter(
     with open(path, "w") as f:
         json.dump(cfg, f)
     log = path + ".log"
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": root}
     cmd = [sys.executable, "-m", "router.cli", "serve", "--config", path]
     with open(log, "wb") as out:
-        p = Proc(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env), log)
+        popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=root)
+        p = Proc(popen, log)
     try:
         _wait_http(f"http://127.0.0.1:{base}/ready", p, 40)
         yield f"http://127.0.0.1:{base}", base + 1, p
