@@ -9,7 +9,8 @@ engines (router/epp_core.py, the same routing core as the HTTP proxy) and answer
   ``envoy.lb`` / ``x-gateway-destination-endpoint``, with ``clear_route_cache`` so the route
   (and its cluster) is chosen again with the header set;
 * an ImmediateResponse 503 when no endpoint is eligible, 429 when every eligible one is at its
-  request limit, 400 / 413 for bodies the proxy rejects too (same OpenAI-style JSON).
+  request limit, 400 / 413 for bodies the proxy rejects too, and the proxy's 401 / 429 for API
+  keys and their per-key limits (router/client_auth.py; same OpenAI-style JSON).
 
 The gateway may restrict the pick with ``envoy.lb.subset_hint`` /
 ``x-gateway-destination-endpoint-subset`` (a list of ``ip:port``) in the request's metadata.

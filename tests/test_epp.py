@@ -239,6 +239,13 @@ async def test_api_keys_and_per_key_limits_are_the_proxys(fleet, tmp_path):
         assert 1 <= int(hdrs["retry-after"]) <= 60
         assert json.loads(body) == answer.json()
         assert "requests per minute" in answer.json()["error"]["message"]
+        listing = headers_msg(key="once")  # a GET is checked, not charged: still answered
+        listing.request_headers.end_of_stream = True
+        for h in listing.request_headers.headers.headers:
+            if h.key == ":method":
+                h.raw_value = b"GET"
+        (models,) = await Stream(stub).send(listing, 1)
+        assert destination(models)
 
         tokens = Stream(stub)
         await tokens.send(headers_msg(key="tokens"), 0)
