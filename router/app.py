@@ -25,12 +25,13 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from indexer.index import EngineId
 from router import access, debug, passthrough, proxy, status_page
+from router.client_auth import bearer, check_key, spend_prompt
 from router.config import Config
 from router.core import Router, RouteResult
 from router.errors import BodyError
 from router.messages import error_response, request_headers
 from router.metrics import model_label
-from router.quotas import Limits, RateLimited, retry_after
+from router.quotas import Limits
 from router.sessions import session_key
 from router.tracing import RequestTrace
 from router.verify import with_stream_usage
@@ -113,10 +114,7 @@ def validate_request(body: dict[str, Any], chat: bool) -> None:
 
 
 def _bearer(request: Request) -> str | None:
-    auth = request.headers.get("authorization")
-    if auth and auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    return None
+    return bearer(request.headers.get("authorization"))
 
 
 # -------------------------------------------------------------------- the apps
@@ -540,32 +538,12 @@ def _passthrough_handler(router: Router) -> Callable[[Request, str], Awaitable[R
 async def _check_key(
     request: Request, keys: set[str], quotas: Limits | None = None, *, charge: bool = True
 ) -> str | None:
-    """The request's API key, checked against ``server.api_keys`` and the keys file, and (with
-    ``charge``) one request spent of its per-minute limit (BodyError 401 / 429)."""
-    key = _bearer(request)
-    extra = quotas.keys() if quotas is not None else {}
-    if (keys or extra) and key not in keys and key not in extra:
-        raise BodyError(401, "invalid or missing API key (Authorization: Bearer <key>)")
-    if quotas is not None and charge:
-        try:
-            await quotas.take_request(key)
-        except RateLimited as exc:
-            raise _limited(exc) from None
-    return key
-
-
-def _limited(exc: RateLimited) -> BodyError:
-    err = BodyError(429, f"rate limit of this API key exceeded ({exc.what})", "rate_limit_exceeded")
-    err.headers = {"retry-after": retry_after(exc.retry_after_s)}
-    return err
+    """The request's API key, checked (router/client_auth.py: BodyError 401 / 429)."""
+    return await check_key(_bearer(request), keys, quotas, charge=charge)
 
 
 async def _spend_prompt(router: Router, key: str | None, res: RouteResult) -> None:
-    if res.tokens is not None:
-        try:
-            await router.quotas.take_prompt(key, res.tokens.n_tokens)
-        except RateLimited as exc:
-            raise _limited(exc) from None
+    await spend_prompt(router.quotas, key, res.tokens.n_tokens if res.tokens else None)
 
 
 def _add_api_routes(app: FastAPI, router: Router) -> dict[str, ProxyHandler]:

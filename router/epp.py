@@ -9,7 +9,8 @@ engines (router/epp_core.py, the same routing core as the HTTP proxy) and answer
   ``envoy.lb`` / ``x-gateway-destination-endpoint``, with ``clear_route_cache`` so the route
   (and its cluster) is chosen again with the header set;
 * an ImmediateResponse 503 when no endpoint is eligible, 429 when every eligible one is at its
-  request limit, 400 / 413 for bodies the proxy rejects too (same OpenAI-style JSON).
+  request limit, 400 / 413 for bodies the proxy rejects too, and the proxy's 401 / 429 for API
+  keys and their per-key limits (router/client_auth.py; same OpenAI-style JSON).
 
 The gateway may restrict the pick with ``envoy.lb.subset_hint`` /
 ``x-gateway-destination-endpoint-subset`` (a list of ``ip:port``) in the request's metadata.
@@ -55,7 +56,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router.core import Router
 from router.epp_core import Pick, Picker, RequestState
 from router.errors import BodyError
-from router.messages import cached_from_sse, cached_tokens_of, prompt_tokens_of
+from router.messages import (
+    cached_from_sse,
+    cached_tokens_of,
+    completion_tokens_in,
+    prompt_tokens_of,
+)
 from router.verify import StreamUsageFilter
 
 __all__ = ["DESTINATION", "SERVED", "SUBSET", "EppServer", "serve_epp"]
@@ -77,6 +83,7 @@ BUFFERED = (_Mode.BUFFERED, _Mode.BUFFERED_PARTIAL)
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}
 _json = msgspec.json.Decoder()
+_COMPLETION = b'"completion_tokens"'
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -92,10 +99,12 @@ def _headers_of(hm: Any) -> dict[str, str]:
 def _immediate(exc: BodyError) -> pb.ProcessingResponse:
     """The proxy's answer to the same error, as an ImmediateResponse."""
     body = bytes(exc.response().body)
+    headers = [_header("content-type", "application/json")]
+    headers += [_header(k, v) for k, v in exc.headers.items()]
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=exc.status),
-            headers=pb.HeaderMutation(set_headers=[_header("content-type", "application/json")]),
+            headers=pb.HeaderMutation(set_headers=headers),
             body=body,
             details=f"kvrouter_epp_{exc.status}",
         )
@@ -129,22 +138,31 @@ def _subset_of(req: pb.ProcessingRequest) -> list[str] | None:
     return []
 
 
+def _streamed(field: str, data: bytes, eos: bool) -> pb.ProcessingResponse:
+    """A FULL_DUPLEX_STREAMED body chunk handed back. Built from the outside in: nested
+    constructors would copy ``data`` once per level."""
+    r = pb.ProcessingResponse()
+    sr = getattr(r, field).response.body_mutation.streamed_response
+    sr.body = data
+    sr.end_of_stream = eos
+    return r
+
+
 def _body_chunks(data: bytes, eos: bool) -> list[pb.ProcessingResponse]:
-    parts = [data[i : i + CHUNK] for i in range(0, len(data), CHUNK)] or [b""]
+    if len(data) <= CHUNK:
+        return [_streamed("request_body", data, eos)]
+    last = (len(data) - 1) // CHUNK
     return [
-        pb.ProcessingResponse(
-            request_body=pb.BodyResponse(
-                response=pb.CommonResponse(
-                    body_mutation=pb.BodyMutation(
-                        streamed_response=pb.StreamedBodyResponse(
-                            body=part, end_of_stream=eos and i == len(parts) - 1
-                        )
-                    )
-                )
-            )
-        )
-        for i, part in enumerate(parts)
+        _streamed("request_body", data[i * CHUNK : (i + 1) * CHUNK], eos and i == last)
+        for i in range(last + 1)
     ]
+
+
+def _destination(endpoints: str) -> struct_pb2.Struct:
+    """The pick as dynamic metadata: ``envoy.lb`` / ``x-gateway-destination-endpoint``."""
+    s = struct_pb2.Struct()
+    s.fields[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION].string_value = endpoints
+    return s
 
 
 class Exchange:
@@ -156,7 +174,10 @@ class Exchange:
         self.body_mode: int = DUPLEX
         self.resp_mode: int = _Mode.NONE
         self.chat: bool | None = None
-        self.body = bytearray()
+        self.parts: list[bytes] = []
+        """The request body's chunks as they came (joined once, when complete)."""
+        self.size = 0
+        self.key: str | None = None
         self.subset: list[str] | None = None
         self.t0 = 0.0
         self.decided = False
@@ -172,7 +193,7 @@ class Exchange:
         if kind == "response_body":
             return self.on_response_body(req.response_body)
         if kind == "request_headers":
-            return self.on_request_headers(req)
+            return await self.on_request_headers(req)
         if kind == "request_body":
             return await self.on_request_body(req.request_body)
         if kind == "request_trailers":
@@ -187,7 +208,7 @@ class Exchange:
 
     # ---------------------------------------------------------------- request path
 
-    def on_request_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    async def on_request_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         self.t0 = time.perf_counter()
         if req.HasField("protocol_config"):
             self.body_mode = req.protocol_config.request_body_mode
@@ -196,6 +217,11 @@ class Exchange:
         headers = _headers_of(rh.headers)
         self.chat = _ROUTES.get(headers.get(":path", "").split("?", 1)[0])
         self.subset = _subset_of(req)
+        try:  # a listing (GET, as the proxy's /v1/models) is checked but costs no request
+            charge = headers.get(":method") != "GET"
+            self.key = await self.p.admit(headers.get("authorization"), charge)
+        except BodyError as exc:
+            return self.reject(exc)
         cl = headers.get("content-length")
         if cl is not None and cl.isdigit() and int(cl) > self.max_body:
             n = int(cl)
@@ -227,8 +253,9 @@ class Exchange:
             if self.body_mode == DUPLEX:
                 return _body_chunks(hb.body, hb.end_of_stream)
             return [pb.ProcessingResponse(request_body=pb.BodyResponse())]
-        self.body += hb.body
-        if len(self.body) > self.max_body:
+        self.parts.append(hb.body)
+        self.size += len(self.parts[-1])
+        if self.size > self.max_body:
             return self.reject(
                 BodyError(413, f"request body exceeds the limit of {self.max_body} bytes")
             )
@@ -239,14 +266,15 @@ class Exchange:
     async def decide(self, trailers: bool) -> list[pb.ProcessingResponse]:
         """The body is complete: pick, then answer headers + body (duplex) or body (buffered)."""
         self.decided = True
-        data = bytes(self.body)
-        self.body = bytearray()
+        parts, self.parts = self.parts, []
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
         try:
             if self.chat is None:
                 parsed, pick = None, self.p.pick_by_load(self.subset)
             else:
                 parsed = self.p.parse(data, self.chat)
                 pick = await self.p.pick(parsed, self.chat, self.subset)
+                await self.p.spend_prompt(self.key, pick)
         except BodyError as exc:
             return self.reject(exc)
         new = data
@@ -265,7 +293,7 @@ class Exchange:
         return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), **meta)]
 
     def start(self, pick: Pick, size: int | None, changed: bool) -> pb.CommonResponse:
-        self.state = self.p.start(pick, self.t0)
+        self.state = self.p.start(pick, self.t0, self.key)
         hdrs = [_header(DESTINATION, ",".join(pick.endpoints))]
         rank = self.p.dp_rank(pick.engines[0])
         if rank is not None:
@@ -277,9 +305,7 @@ class Exchange:
         )
 
     def meta(self, pick: Pick) -> dict[str, Any]:
-        s = struct_pb2.Struct()
-        s.update({DESTINATION_NAMESPACE: {DESTINATION: ",".join(pick.endpoints)}})
-        return {"dynamic_metadata": s}
+        return {"dynamic_metadata": _destination(",".join(pick.endpoints))}
 
     def reject(self, exc: BodyError) -> list[pb.ProcessingResponse]:
         self.ended = True
@@ -318,6 +344,8 @@ class Exchange:
         if st is not None:
             if st.ttft_s is None:
                 self.p.first_chunk(st)
+            if st.status == 200 and _COMPLETION in chunk:
+                st.completion = completion_tokens_in(chunk)
             if self.strip is not None:
                 out = self.strip.feed(chunk)
                 if hb.end_of_stream:
@@ -335,11 +363,8 @@ class Exchange:
             if hb.end_of_stream:
                 self.end_response()
         if self.resp_mode == DUPLEX:
-            mutation = pb.BodyMutation(
-                streamed_response=pb.StreamedBodyResponse(body=out, end_of_stream=hb.end_of_stream)
-            )
-            common = pb.CommonResponse(body_mutation=mutation)
-        elif out is not chunk:
+            return [_streamed("response_body", out, hb.end_of_stream)]
+        if out is not chunk:
             common = pb.CommonResponse(body_mutation=pb.BodyMutation(body=out))
         else:
             common = None

@@ -12,6 +12,7 @@ with ``dp_size > 1`` shares its endpoint, and the rank travels in ``x-data-paral
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from urllib.parse import urlsplit
 
 from indexer.index import EngineId
 from router.app import parse_json_object, validate_request
+from router.client_auth import bearer, check_key, spend_prompt
 from router.core import Router, RouteResult
 from router.errors import BodyError
 from router.proxy import Outcome, Ticket
@@ -29,8 +31,10 @@ __all__ = ["Pick", "Picker", "RequestState", "endpoint_of"]
 Engine = EngineId
 
 
+@functools.lru_cache(maxsize=4096)
 def endpoint_of(url: str) -> str:
-    """``http://10.0.0.7:8000`` -> ``10.0.0.7:8000`` (IPv6 hosts keep their brackets)."""
+    """``http://10.0.0.7:8000`` -> ``10.0.0.7:8000`` (IPv6 hosts keep their brackets). Cached:
+    each request asks it of every ranked engine, and ``urlsplit`` is not free."""
     parts = urlsplit(url)
     return parts.netloc.rsplit("@", 1)[-1]
 
@@ -59,6 +63,10 @@ class RequestState:
     status: int | None = None
     cached: int | None = None
     prompt: int | None = None
+    completion: int | None = None
+    """``usage.completion_tokens`` from a response body that came through the EPP."""
+    key: str | None = None
+    """The client's API key: its per-key token limit is charged the completion."""
     finished: bool = False
     charged: list[Engine] = field(default_factory=list)
 
@@ -71,6 +79,7 @@ class Picker:
         self.cfg = router.cfg
         self.metrics = router.metrics
         self.policy_name = router.policy.name
+        self.keys = set(router.cfg.server.api_keys)
 
     # ---------------------------------------------------------------- endpoints
 
@@ -100,15 +109,30 @@ class Picker:
             return data, False
         return with_stream_usage(body, data)
 
+    async def admit(self, authorization: str | None, charge: bool) -> str | None:
+        """The client's API key from its ``authorization`` header, checked and (with
+        ``charge``) one request spent of its limit, as the proxy does (BodyError 401 / 429)."""
+        return await check_key(bearer(authorization), self.keys, self.router.quotas, charge=charge)
+
+    async def spend_prompt(self, key: str | None, pick: Pick) -> None:
+        """The picked request's prompt tokens spent of ``key``'s token limit (BodyError 429)."""
+        res = pick.result
+        if res is not None and res.tokens is not None:
+            await spend_prompt(self.router.quotas, key, res.tokens.n_tokens)
+
     def ready(self) -> tuple[bool, str]:
         return self.router.ready()
 
     # ---------------------------------------------------------------- choosing
 
     def _eligible(self, subset: list[str] | None) -> dict[str, Any]:
-        """Healthy workers by URL, within the gateway's subset hint when it sent one. An entry
-        ``ip:port`` names that endpoint; a bare ``ip`` names every port of that host."""
-        healthy = {w.url: w for w in self.router.registry.healthy()}
+        """Healthy workers by URL (every worker while none is healthy, as the proxy routes:
+        one missed probe under load marks a worker unhealthy, and refusing everything then
+        would turn a slow health check into an outage), within the gateway's subset hint when
+        it sent one. An entry ``ip:port`` names that endpoint; a bare ``ip`` names every port
+        of that host."""
+        reg = self.router.registry
+        healthy = {w.url: w for w in reg.healthy() or reg.workers.values()}
         if subset is None:
             return healthy
         allowed = set(subset)
@@ -177,10 +201,10 @@ class Picker:
 
     # ---------------------------------------------------------------- accounting
 
-    def start(self, pick: Pick, t0: float) -> RequestState:
+    def start(self, pick: Pick, t0: float, key: str | None) -> RequestState:
         """The gateway was told the pick: charge its primary engine now, so the next request
         sees this one's load and speculative entry before any response comes back."""
-        st = RequestState(pick, t0, time.perf_counter() - t0)
+        st = RequestState(pick, t0, time.perf_counter() - t0, key=key)
         self._charge(st, pick.engines[0])
         res = pick.result
         m = self.metrics
@@ -241,10 +265,12 @@ class Picker:
         m.request_duration.observe(time.perf_counter() - st.t0)
         if st.ttft_s is not None:
             m.ttft.observe(st.ttft_s)
+        if st.completion:
+            self.router.quotas.charge_completion(st.key, st.completion)
         res = st.pick.result
         if res is None or st.engine is None:
             return
-        o = Outcome(status, st.engine[0], st.ttft_s, st.cached, st.prompt, st.engine)
+        o = Outcome(status, st.engine[0], st.ttft_s, st.cached, st.prompt, st.engine, st.completion)
         if self.router.verifier is not None:
             self.router.verify_outcome(res, o)
         elif o.cached_tokens is not None and res.tokens is not None:

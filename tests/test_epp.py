@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -36,7 +37,9 @@ def fleet() -> Iterator[list[Any]]:
 
 
 def headers_msg(
-    mode: int = Mode.FULL_DUPLEX_STREAMED, meta: dict[str, Any] | None = None
+    mode: int = Mode.FULL_DUPLEX_STREAMED,
+    meta: dict[str, Any] | None = None,
+    key: str | None = None,
 ) -> pb.ProcessingRequest:
     hm = base_pb2.HeaderMap(
         headers=[
@@ -44,6 +47,10 @@ def headers_msg(
             base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
         ]
     )
+    if key is not None:
+        hm.headers.append(
+            base_pb2.HeaderValue(key="authorization", raw_value=b"Bearer " + key.encode())
+        )
     req = pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(headers=hm),
         protocol_config=pb.ProtocolConfiguration(
@@ -56,8 +63,11 @@ def headers_msg(
 
 
 def body_msg(prompt: str) -> pb.ProcessingRequest:
-    data = json.dumps({"model": "sim-model", "prompt": prompt, "max_tokens": 2}).encode()
-    return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=True))
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=body_of(prompt), end_of_stream=True))
+
+
+def body_of(prompt: str) -> bytes:
+    return json.dumps({"model": "sim-model", "prompt": prompt, "max_tokens": 2}).encode()
 
 
 def response_headers_msg(served: str | None) -> pb.ProcessingRequest:
@@ -178,3 +188,95 @@ async def test_buffered_mode_answers_headers_at_once_and_picks_on_the_body(fleet
         await s2.send(headers_msg(Mode.BUFFERED, subset), 1)
         (refused,) = await s2.send(body_msg(words(64, "none")), 1)
         assert refused.immediate_response.status.code == 503
+
+
+def refusal(resp: pb.ProcessingResponse) -> tuple[int, dict[str, str], bytes]:
+    """An ImmediateResponse as (status, headers, body)."""
+    ir = resp.immediate_response
+    hdrs = {h.header.key: h.header.raw_value.decode() for h in ir.headers.set_headers}
+    return ir.status.code, hdrs, ir.body
+
+
+async def test_api_keys_and_per_key_limits_are_the_proxys(fleet, tmp_path):
+    """401 for a missing or unknown key, 429 with Retry-After over a key's rpm or tpm, with the
+    proxy's JSON; the EPP and the proxy spend one bucket per key, and a response body that
+    comes through the EPP charges its completion tokens."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("once: {rpm: 1}\ntokens: {tpm: 1000}\n")
+    cfg = await epp_router(fleet, api_keys=["static"], api_keys_file=str(keys))
+    async with (
+        serve_router(cfg) as (base, _router),
+        grpc.aio.insecure_channel(f"127.0.0.1:{cfg.server.epp_port}") as ch,
+        httpx.AsyncClient(timeout=30, trust_env=False) as http,
+    ):
+        stub = pb_grpc.ExternalProcessorStub(ch)
+
+        async def proxy(key: str | None) -> httpx.Response:
+            auth = {"authorization": f"Bearer {key}"} if key else {}
+            body = body_of(words(32, "proxy"))
+            return await http.post(base + "/v1/completions", content=body, headers=auth)
+
+        for key in (None, "unknown"):
+            (refused,) = await Stream(stub).send(headers_msg(key=key), 1)
+            status, hdrs, body = refusal(refused)
+            answer = await proxy(key)
+            assert status == answer.status_code == 401
+            assert hdrs["content-type"] == "application/json"
+            assert json.loads(body) == answer.json()
+
+        ok = Stream(stub)
+        assert await ok.send(headers_msg(key="static"), 0) == []
+        head, _ = await ok.send(body_msg(words(64, "static")), 2)
+        assert destination(head)
+
+        once = Stream(stub)
+        assert await once.send(headers_msg(key="once"), 0) == []
+        await once.send(body_msg(words(64, "once")), 2)
+        (refused,) = await Stream(stub).send(headers_msg(key="once"), 1)
+        status, hdrs, body = refusal(refused)
+        answer = await proxy("once")  # the same bucket: the EPP spent its one request
+        assert status == answer.status_code == 429
+        assert 1 <= int(hdrs["retry-after"]) <= 60
+        assert json.loads(body) == answer.json()
+        assert "requests per minute" in answer.json()["error"]["message"]
+        listing = headers_msg(key="once")  # a GET is checked, not charged: still answered
+        listing.request_headers.end_of_stream = True
+        for h in listing.request_headers.headers.headers:
+            if h.key == ":method":
+                h.raw_value = b"GET"
+        (models,) = await Stream(stub).send(listing, 1)
+        assert destination(models)
+
+        tokens = Stream(stub)
+        await tokens.send(headers_msg(key="tokens"), 0)
+        await tokens.send(body_msg(words(64, "tokens-1")), 2)
+        await tokens.send(response_headers_msg(None), 1)
+        usage = {"usage": {"prompt_tokens": 64, "completion_tokens": 5000}}
+        done = pb.ProcessingRequest(
+            response_body=pb.HttpBody(body=json.dumps(usage).encode(), end_of_stream=True)
+        )
+        await tokens.send(done, 1)
+        over = Stream(stub)
+        assert await over.send(headers_msg(key="tokens"), 0) == []  # rpm is not limited
+        (refused,) = await over.send(body_msg(words(64, "tokens-2")), 1)
+        status, hdrs, body = refusal(refused)
+        assert status == 429 and int(hdrs["retry-after"]) > 60
+        assert "tokens per minute" in json.loads(body)["error"]["message"]
+
+
+async def test_no_healthy_worker_leaves_every_worker_eligible_as_the_proxy_does():
+    """A worker the router cannot reach is unhealthy; with no healthy one the EPP still picks
+    (the proxy forwards then too, and a gateway in panic mode does the same), where it would
+    otherwise turn a missed health probe into a 503 for every request."""
+    dead = f"http://127.0.0.1:{find_port_block(1)}"
+    cfg = await epp_router([dead])
+    async with (
+        serve_router(cfg) as (_base, router),
+        grpc.aio.insecure_channel(f"127.0.0.1:{cfg.server.epp_port}") as ch,
+    ):
+        await until(lambda: router.registry.workers[dead].last_health_error, 10, "a failed probe")
+        assert not router.registry.healthy()
+        s = Stream(pb_grpc.ExternalProcessorStub(ch))
+        await s.send(headers_msg(), 0)
+        head, _ = await s.send(body_msg(words(64, "dead")), 2)
+        assert destination(head) == endpoint_of(dead)

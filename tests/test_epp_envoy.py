@@ -262,9 +262,10 @@ def running_envoy(tmp: str, **kw: Any) -> Iterator[str]:
 
 @contextlib.contextmanager
 def running_kvrouter(
-    tmp: str, workers: list[Any], **server: Any
+    tmp: str, workers: list[Any], root: str = ROOT, **server: Any
 ) -> Iterator[tuple[str, int, Proc]]:
-    """``kvrouter serve`` with the EPP on; yields (HTTP base URL, EPP port, process)."""
+    """``kvrouter serve`` from the tree ``root`` with the EPP on; yields (HTTP base URL, EPP
+    port, process)."""
     base = find_port_block(2)
     cfg = {
         "server": {
@@ -284,10 +285,11 @@ def running_kvrouter(
     with open(path, "w") as f:
         json.dump(cfg, f)
     log = path + ".log"
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": root}
     cmd = [sys.executable, "-m", "router.cli", "serve", "--config", path]
     with open(log, "wb") as out:
-        p = Proc(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env), log)
+        popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=root)
+        p = Proc(popen, log)
     try:
         _wait_http(f"http://127.0.0.1:{base}/ready", p, 40)
         yield f"http://127.0.0.1:{base}", base + 1, p
@@ -553,3 +555,24 @@ async def test_tls_and_failure_mode_with_the_epp_stopped(tmp, fleet):
             after = _texts(fleet)
             assert sum(a - b for a, b in zip(after, before, strict=True)) == 6
             assert sum(1 for a, b in zip(after, before, strict=True) if a > b) >= 2
+
+
+async def test_api_keys_through_envoy(tmp, fleet):
+    """The EPP refuses a request without a valid key before anything reaches a worker: Envoy
+    answers the proxy's 401; with the key the request goes through."""
+    body = {"model": "sim-model", "prompt": words(100, "keys"), "max_tokens": 2}
+    ports = [w.port for w in fleet]
+    with (
+        running_kvrouter(tmp, fleet, api_keys=["sesame"]) as (base, port, _p),
+        running_envoy(tmp, epp=port, workers=ports) as gw,
+    ):
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as c:
+            before = _texts(fleet)
+            r = await c.post(gw + "/v1/completions", json=body)
+            assert r.status_code == 401, r.text
+            assert r.json() == (await c.post(base + "/v1/completions", json=body)).json()
+            assert _texts(fleet) == before
+            auth = {"authorization": "Bearer sesame"}
+            r = await c.post(gw + "/v1/completions", json=body, headers=auth)
+            assert r.status_code == 200, r.text
+            assert "x-kvrouter-worker" in r.headers
