@@ -368,20 +368,7 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
         request: Request, req: _Request, chat: bool, from_client: bool
     ) -> Response:
         try:
-            key = await _check_key(request, keys, router.quotas)
-            data = await read_body(request, cfg.server.max_body_bytes)
-            body = parse_json_object(data)
-            req.model = body.get("model")
-            validate_request(body, chat)
-            sc = cfg.session
-            session = session_key(request.headers, body, sc.header, sc.user_field)
-            if router.admission is None:
-                res = await router.route(
-                    body, chat, time.monotonic(), session=session, trace=req.trace
-                )
-            else:
-                res = await _route_admitted(router, request, body, chat, session, key, req.trace)
-            await _spend_prompt(router, key, res)
+            key, data, body, res = await _parse_and_route(router, request, req, chat, keys)
         except BodyError as exc:
             m.requests.labels(policy_name, str(exc.status)).inc()
             _refused(req, exc.status, exc.message)
@@ -426,6 +413,27 @@ def _proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[R
         )
 
     return handle
+
+
+async def _parse_and_route(
+    router: Router, request: Request, req: _Request, chat: bool, keys: set[str]
+) -> tuple[str | None, bytes, dict[str, Any], RouteResult]:
+    """Key, body and route of a proxied request: (key, raw body, parsed body, route).
+    BodyError for the answers the router gives itself (401, 400, 413, 404, 429, 503)."""
+    cfg = router.cfg
+    key = await _check_key(request, keys, router.quotas)
+    data = await read_body(request, cfg.server.max_body_bytes)
+    body = parse_json_object(data)
+    req.model = body.get("model")
+    validate_request(body, chat)
+    sc = cfg.session
+    session = session_key(request.headers, body, sc.header, sc.user_field)
+    if router.admission is None:
+        res = await router.route(body, chat, time.monotonic(), session=session, trace=req.trace)
+    else:
+        res = await _route_admitted(router, request, body, chat, session, key, req.trace)
+    await _spend_prompt(router, key, res)
+    return key, data, body, res
 
 
 async def _route_admitted(

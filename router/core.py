@@ -350,16 +350,9 @@ class Router:
             raise
         ns, root = self.namespace_root(body)
         tok: Tokenized | None = None
-        err = None if tokenize else "no prompt to match: routed by load"
-        try:
-            if tokenize:
-                if trace is not None:
-                    trace.tokenizing()
-                as_base = self.lora.tokenize_body(body, workers, self.registry)
-                remote = functools.partial(self._remote_tokenize, among=workers)
-                tok = await self.tokenizer.tokenize(as_base, chat, root, remote)
-        except TokenizeError as exc:
-            err = str(exc)
+        err = "no prompt to match: routed by load"
+        if tokenize:
+            tok, err = await self._tokenize(body, chat, root, workers, trace)
         if trace is not None:
             trace.routing(tok, err)
         loads = [(e, w.load(e[1])) for w in workers for e in w.engines()]
@@ -407,6 +400,24 @@ class Router:
             self.sessions.bind(session, decision.engine, covered, tok.keys[-1], now)
         churn = {c.engine: self.index.churn(c.engine) for c in cands}
         return RouteResult(decision, tok, ns, matches, cands, err, churn, reads_cache)
+
+    async def _tokenize(
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        root: int,
+        workers: list[Worker],
+        trace: RequestTrace | None,
+    ) -> tuple[Tokenized | None, str | None]:
+        """The prompt's tokens by a worker serving its model, or (None, why not)."""
+        if trace is not None:
+            trace.tokenizing()
+        as_base = self.lora.tokenize_body(body, workers, self.registry)
+        remote = functools.partial(self._remote_tokenize, among=workers)
+        try:
+            return await self.tokenizer.tokenize(as_base, chat, root, remote), None
+        except TokenizeError as exc:
+            return None, str(exc)
 
     async def _session_binding(self, session: str, now: float) -> Binding | None:
         if self.cfg.session.mode == "off":

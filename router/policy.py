@@ -16,8 +16,8 @@ The kvrouter policy picks the engine with the lowest *expected time to first tok
     expected TTFT = cost / prefill_tokens_per_s
 
 Ranking adds ``(weight - 1) * uncached``: recomputing a prefix elsewhere also delays every
-request that queues behind it there. The weight is ``1 / (1 - u)`` at the fleet's utilization
-``u``, learned from the share of engines busy when requests arrive (``recompute_weight``).
+request that queues behind it there (``recompute_weight``, 4 by default; 0 learns ``1 / (1 - u)``
+from the fleet's utilization ``u``, the share of engines busy when requests arrive).
 
 Hits are the larger of what the index shows and what a short-lived speculative entry predicts
 (a prefix this router just sent there, before the worker's events arrive). Herd protection:
@@ -80,8 +80,8 @@ class Candidate:
 class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
     """The ``policy`` section of the configuration: which policy, and the kvrouter cost model.
 
-    ``queue_drain`` and ``recompute_weight`` default to values learned per fleet (a drain rate
-    per engine, a weight from the fleet's utilization); docs/benchmarks.md has the A/B figures.
+    ``queue_drain`` is learned per engine; ``recompute_weight`` is fixed unless set to 0 (learned
+    from the fleet's utilization); docs/benchmarks.md has the A/B figures of both.
     """
 
     name: str = "kvrouter"
@@ -108,12 +108,15 @@ class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
     the GPU and model without configuration, and never above what is still queued). A fixed
     rate above the real one is worse than none, which is why the rate is learned and not
     configured."""
-    recompute_weight: float = 0.0
-    """Weight of a prompt's uncached tokens against queued ones when ranking; 0 (the default)
-    learns it as ``1 / (1 - utilization)`` (:meth:`KvRouterPolicy.recompute_weight`), any value
-    >= 1 fixes it. Above 1 a cached prefix is worth more than the queue it saves this one
-    request: recomputing it elsewhere spends that prefill a second time, and every request
-    that queues behind it on that engine waits for it too. ``near_tie_tokens`` is scaled by it.
+    recompute_weight: float = 4.0
+    """Weight of a prompt's uncached tokens against queued ones when ranking; 0 learns it as
+    ``1 / (1 - utilization)`` (:meth:`KvRouterPolicy.recompute_weight`), any value >= 1 fixes
+    it. Fixed by default: the learned weight is 1 on an idle fleet, so siblings sent together
+    stop following a busy holder's speculative entry and the prefix is computed twice (the
+    A/B in docs/benchmarks.md: faster chat and agentic TTFT, a lower CPU-tier hit rate).
+    Above 1 a cached prefix is worth more than the queue it saves this one request:
+    recomputing it elsewhere spends that prefill a second time, and every request that queues
+    behind it on that engine waits for it too. ``near_tie_tokens`` is scaled by it.
     ``cost_tokens`` and ``expected_ttft_s`` stay unweighted (they are the TTFT estimate)."""
 
 

@@ -107,7 +107,7 @@ def test_policy_knobs_reach_the_policy_and_default_to_its_own_defaults():
     with pytest.raises(ConfigError, match=r"policy\.recompute_weight"):
         parse_config({"workers": [{"url": "http://a:1"}], "policy": {"recompute_weight": 0.5}})
     learned = parse_config({"workers": [{"url": "http://a:1"}], "policy": {"recompute_weight": 0}})
-    assert learned.policy.recompute_weight == PolicyParams().recompute_weight == 0.0
+    assert learned.policy.recompute_weight == 0.0 and PolicyParams().recompute_weight == 4.0
 
 
 def test_worker_quick_form():
@@ -244,7 +244,7 @@ def test_herd_spills_over_once_queue_outweighs_recompute(weight: float) -> None:
 
 
 def test_recompute_weight_is_learned_from_utilization() -> None:
-    """With ``recompute_weight`` unset the policy weighs recomputing a cached prefix at
+    """With ``recompute_weight: 0`` the policy weighs recomputing a cached prefix at
     ``1 / (1 - u)``, ``u`` the share of engines found with prefill queued when requests arrive:
     on an idle fleet a request leaves a queued holder whose queue costs more than recomputing
     its prefix (nobody else waits for that recompute); on a busy one it stays (every request
@@ -254,13 +254,13 @@ def test_recompute_weight_is_learned_from_utilization() -> None:
         # a: 1,000 of 2,000 tokens cached behind 1,500 queued; b: idle, nothing cached
         return p.choose([cand("a", gpu=1000, queued_prefill_tokens=1500), cand("b")], 2000, 9.0)
 
-    idle = KvRouterPolicy(PolicyParams(near_tie_tokens=0), seed=0)
+    idle = KvRouterPolicy(PolicyParams(near_tie_tokens=0, recompute_weight=0.0), seed=0)
     for i in range(50):
         idle.choose([cand("a"), cand("b"), cand("c"), cand("d")], 100, i * 0.1)
     assert idle.utilization() == 0.0 and idle.recompute_weight() == 1.0
     assert holder_or_other(idle).engine == "b"  # 2,500 tokens of wait there against 2,000 here
 
-    busy = KvRouterPolicy(PolicyParams(near_tie_tokens=0), seed=0)
+    busy = KvRouterPolicy(PolicyParams(near_tie_tokens=0, recompute_weight=0.0), seed=0)
     for i in range(50):  # three engines of four with prefill queued at every arrival
         loads = [cand(w, queued_prefill_tokens=500) for w in "abc"] + [cand("d")]
         busy.choose(loads, 100, i * 0.1)
