@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from indexer.index import EngineId
-from router.app import parse_json_object, validate_request
+from router.bodies import parse_json_object, validate_request
 from router.client_auth import bearer, check_key, spend_prompt
 from router.core import Router, RouteResult
 from router.errors import BodyError
