@@ -28,7 +28,7 @@ from router.messages import error_response, request_headers
 from router.metrics import model_label
 from router.quotas import Limits
 from router.sessions import session_key
-from router.tracing import RequestTrace
+from router.tracing import RequestTrace, Tracer
 from router.verify import with_stream_usage
 
 __all__ = [
@@ -82,6 +82,17 @@ class _Request(msgspec.Struct):
     """The request's API key (its per-key token limit is charged the completion)."""
     trace: RequestTrace | None = None
     """Its spans (router/tracing.py); None: tracing off."""
+
+
+def _arrived(request: Request, path: str, tracer: Tracer | None) -> tuple[_Request, bool]:
+    """A request's record from its arrival: its id (the client's ``x-request-id`` kept, else a
+    new one; True when the client sent it) and, with tracing on, its server span."""
+    t0 = time.perf_counter()
+    rid, from_client = access.request_id(request.scope["headers"])
+    req = _Request(rid, path, None, t0)
+    if tracer is not None:
+        req.trace = tracer.start(request.scope["headers"], path, rid)
+    return req, from_client
 
 
 def _on_done(router: Router, res: RouteResult, req: _Request) -> Callable[[proxy.Outcome], None]:
@@ -217,17 +228,13 @@ def proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[Re
     tracer = router.tracer
 
     async def handle(request: Request, path: str, chat: bool) -> Response:
-        t0 = time.perf_counter()
-        rid, from_client = access.request_id(request.scope["headers"])
-        req = _Request(rid, path, None, t0)
-        if tracer is not None:
-            req.trace = tracer.start(request.scope["headers"], path, rid)
+        req, from_client = _arrived(request, path, tracer)
         try:
             response = await route_and_forward(request, req, chat, from_client)
         except Exception as exc:
             _refused(req, 500, type(exc).__name__)
             response = internal_error(exc)
-        response.raw_headers.append((access.HEADER, rid.encode()))
+        response.raw_headers.append((access.HEADER, req.id.encode()))
         return response
 
     async def route_and_forward(
@@ -366,11 +373,7 @@ def passthrough_handler(router: Router) -> Callable[[Request, str], Awaitable[Re
     tracer = router.tracer
 
     async def handle(request: Request, path: str) -> Response:
-        t0 = time.perf_counter()
-        rid, from_client = access.request_id(request.scope["headers"])
-        req = _Request(rid, path, None, t0)
-        if tracer is not None:
-            req.trace = tracer.start(request.scope["headers"], path, rid)
+        req, from_client = _arrived(request, path, tracer)
         try:
             req.key = await check_request_key(request, keys, router.quotas)
             data = await read_body(request, cfg.server.max_body_bytes)
@@ -385,10 +388,10 @@ def passthrough_handler(router: Router) -> Callable[[Request, str], Awaitable[Re
             m.requests.labels(policy_name, "499").inc()
             _refused(req, 499, "client disconnected")
             return Response(status_code=499)
-        decided = time.perf_counter() - t0
+        decided = time.perf_counter() - req.t0
         headers = request_headers(request.scope["headers"], cfg.server.forward_authorization)
         if not from_client:
-            headers.append((access.HEADER, rid.encode()))
+            headers.append((access.HEADER, req.id.encode()))
         response = await proxy.forward(
             registry=router.registry,
             path=path,
@@ -397,13 +400,13 @@ def passthrough_handler(router: Router) -> Callable[[Request, str], Awaitable[Re
             attempts=_attempts(res),
             stream=bool(body is not None and body.get("stream") is True),
             receive=request.receive,
-            t0=t0,
+            t0=req.t0,
             done=_on_done(router, res, req),
             limits=router.proxy_limits,
             on_failed=_on_failed(router, res, req.trace),
-            on_sent=_on_sent(router, res, decided, rid),
+            on_sent=_on_sent(router, res, decided, req.id),
         )
-        response.raw_headers.append((access.HEADER, rid.encode()))
+        response.raw_headers.append((access.HEADER, req.id.encode()))
         return response
 
     return handle

@@ -29,7 +29,7 @@ from router.config import WorkerSpec
 from router.metrics import RouterMetrics, fleet_state
 from router.workers import Worker
 from tests import test_subscriber
-from tests.test_source_state import Driver
+from tests.test_source_state import Driver, run_case
 from tests.test_subscriber import (
     DEADLINE,
     MODEL,
@@ -168,15 +168,7 @@ CASES: dict[str, tuple[dict[str, Any], list[Step], dict[str, Any]]] = {
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_restart_rules(case: str) -> None:
-    kwargs, steps, final = CASES[case]
-    params: dict[str, Any] = {"can_replay": True, "rebuild_batches": 256, "rebuild_s": 30.0}
-    state = SourceState(**{**params, **kwargs})
-    driver = Driver(state)
-    for i, (step, want) in enumerate(steps):
-        got = driver.step(*step)
-        assert got == want, f"step {i} {step}: {got} != {want}"
-    for name, value in final.items():
-        assert getattr(state, name) == value, name
+    run_case(*CASES[case])
 
 
 def test_an_empty_verification_answer_is_a_restart() -> None:
