@@ -34,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,36 @@ def p99(xs: list[float]) -> float:
     return round(sorted(xs)[max(int(len(xs) * 0.99) - 1, 0)], 4)
 
 
+def match_stats(
+    fx: Fixture, match: Callable[[list[int]], Any], hit_tokens: Callable[[Any], int]
+) -> dict[str, Any]:
+    """Both query sets through ``match`` (a side's lookup, key computation included; only it is
+    timed): wall and CPU time per query and ``hit_tokens`` of its result, as the JSON keys
+    both sides report."""
+
+    def timed(prompts: list[list[int]]) -> tuple[list[float], list[float], list[int]]:
+        times, cpu, hits = [], [], []
+        for p in prompts:
+            c, t = time.process_time(), time.perf_counter()
+            result = match(p)
+            times.append((time.perf_counter() - t) * 1000)
+            cpu.append((time.process_time() - c) * 1000)
+            hits.append(hit_tokens(result))
+        return times, cpu, hits
+
+    t8, c8, h8 = timed(fx.q8k)
+    t128, c128, h128 = timed(fx.q128k)
+    return {
+        "match_p50_ms_8k": p50(t8),
+        "match_p99_ms_8k": p99(t8),
+        "match_p50_ms_128k": p50(t128),
+        "match_cpu_p50_ms_8k": p50(c8),
+        "match_cpu_p50_ms_128k": p50(c128),
+        "match_8k_mean_hit_tokens": round(statistics.mean(h8)),
+        "match_128k_min_hit_tokens": min(h128),
+    }
+
+
 def run_kvrouter(fx: Fixture) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from indexer.index import PrefixIndex
@@ -101,18 +132,11 @@ def run_kvrouter(fx: Fixture) -> dict[str, Any]:
     churn_s, churn_cpu = time.perf_counter() - t0, time.process_time() - cpu0
     root = index.root(MODEL)
 
-    def timed(prompts: list[list[int]]) -> tuple[list[float], list[float], list[int]]:
-        times, cpu, hits = [], [], []
-        for p in prompts:
-            c, t = time.process_time(), time.perf_counter()
-            result = index.match(p, root)
-            times.append((time.perf_counter() - t) * 1000)
-            cpu.append((time.process_time() - c) * 1000)
-            hits.append(max((m.gpu_tokens for m in result.values()), default=0))
-        return times, cpu, hits
-
-    t8, c8, h8 = timed(fx.q8k)
-    t128, c128, h128 = timed(fx.q128k)
+    matched = match_stats(
+        fx,
+        lambda p: index.match(p, root),
+        lambda r: max((m.gpu_tokens for m in r.values()), default=0),
+    )
     return {
         "side": "kvrouter",
         "resident_entries": resident,
@@ -122,13 +146,7 @@ def run_kvrouter(fx: Fixture) -> dict[str, Any]:
         "ingest_cpu_us_per_block": round(ingest_cpu / fx.stored_blocks * 1e6, 3),
         "churn_blocks_per_s": round(fx.churn_blocks / churn_s),
         "churn_cpu_us_per_block": round(churn_cpu / fx.churn_blocks * 1e6, 3),
-        "match_p50_ms_8k": p50(t8),
-        "match_p99_ms_8k": p99(t8),
-        "match_p50_ms_128k": p50(t128),
-        "match_cpu_p50_ms_8k": p50(c8),
-        "match_cpu_p50_ms_128k": p50(c128),
-        "match_8k_mean_hit_tokens": round(statistics.mean(h8)),
-        "match_128k_min_hit_tokens": min(h128),
+        **matched,
         "bytes_per_entry": round((rss1 - rss0) / max(resident, 1), 1),
         "gc": "enabled; gc.freeze() after fixtures, as the router after start-up",
     }
@@ -197,18 +215,11 @@ def run_dynamo(fx: Fixture) -> dict[str, Any]:
     tree.find_matches([0])
     churn_s, churn_cpu = time.perf_counter() - t0, time.process_time() - cpu0
 
-    def timed(prompts: list[list[int]]) -> tuple[list[float], list[float], list[int]]:
-        times, cpu, hits = [], [], []
-        for p in prompts:
-            c, t = time.process_time(), time.perf_counter()
-            scores = tree.find_matches(compute_block_hash_for_seq(p, BLOCK)).scores
-            times.append((time.perf_counter() - t) * 1000)
-            cpu.append((time.process_time() - c) * 1000)
-            hits.append(max(scores.values(), default=0) * BLOCK)
-        return times, cpu, hits
-
-    t8, c8, h8 = timed(fx.q8k)
-    t128, c128, h128 = timed(fx.q128k)
+    matched = match_stats(
+        fx,
+        lambda p: tree.find_matches(compute_block_hash_for_seq(p, BLOCK)).scores,
+        lambda scores: max(scores.values(), default=0) * BLOCK,
+    )
     # Resident entries: the same event stream as kvrouter's, so the same (engine, block) count;
     # the driver checks the match hits of both sides agree, which they can only if both hold it.
     return {
@@ -224,13 +235,7 @@ def run_dynamo(fx: Fixture) -> dict[str, Any]:
         "churn_cpu_us_per_block": round(churn_cpu / fx.churn_blocks * 1e6, 3),
         "token_hash_cpu_us_per_block": round(token_hash_cpu / fx.stored_blocks * 1e6, 3),
         "churn_token_hash_cpu_us_per_block": round(churn_hash_cpu / fx.churn_blocks * 1e6, 3),
-        "match_p50_ms_8k": p50(t8),
-        "match_p99_ms_8k": p99(t8),
-        "match_p50_ms_128k": p50(t128),
-        "match_cpu_p50_ms_8k": p50(c8),
-        "match_cpu_p50_ms_128k": p50(c128),
-        "match_8k_mean_hit_tokens": round(statistics.mean(h8)),
-        "match_128k_min_hit_tokens": min(h128),
+        **matched,
         "rss_growth_bytes": rss1 - rss0,
         "api_calls": {"ingest_events": len(ingest), "churn_events": len(churn)},
         # Events the tree refused (it raises): removals of blocks the engine no longer holds
