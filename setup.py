@@ -13,6 +13,13 @@ setup(
             include_dirs=["third_party/xxhash"],
             optional=True,
             extra_compile_args=["-O2"],
-        )
+        ),
+        Extension(
+            "indexer._match",
+            ["indexer/_match.c"],
+            include_dirs=["third_party/xxhash"],
+            optional=True,
+            extra_compile_args=["-O2"],
+        ),
     ]
 )

@@ -24,8 +24,8 @@ import msgspec
 from indexer.cap import enforce_cap
 from indexer.engine_state import EngineState
 from indexer.ingest import Ingest
-from indexer.keys import DEFAULT_UNIT, NamespaceRoots, chain_keys
-from indexer.matching import GroupHit, PrefixMatch, match_engines
+from indexer.keys import DEFAULT_UNIT, NamespaceRoots, chain_keys, packed_keys
+from indexer.matching import GroupHit, Layouts, PrefixMatch, match_engines
 from indexer.residency import Residency
 from indexer.snapshot import EngineExport, decode_snapshot, encode_snapshot, restore_snapshot
 from indexer.types import EngineId, GroupSpec, group_kind
@@ -93,6 +93,7 @@ class PrefixIndex:
         self._next_slot = 0
         self._residency = Residency()
         self._roots = NamespaceRoots()
+        self._layouts = Layouts()
         self._ingest = Ingest(
             self._residency,
             unit,
@@ -198,7 +199,8 @@ class PrefixIndex:
         self, tokens: Sequence[int], root: int, engines: Iterable[EngineId] | None = None
     ) -> dict[EngineId, PrefixMatch]:
         """Per engine, the GPU hit and CPU extension vLLM would find for this prompt."""
-        return self.match_keys(self.prompt_keys(tokens, root), len(tokens), engines)
+        # The keys as packed uint64 (when C is built): matching reads only the blocks it walks.
+        return self.match_keys(packed_keys(root, tokens, self.unit), len(tokens), engines)
 
     def match_keys(
         self, keys: Sequence[int], n_tokens: int, engines: Iterable[EngineId] | None = None
@@ -210,7 +212,13 @@ class PrefixIndex:
             else [self._engines[x] for x in engines if x in self._engines]
         )
         return match_engines(
-            self._residency.tables, selected, keys, n_tokens, self.unit, self.cpu_chunk_tokens
+            self._residency.tables,
+            selected,
+            keys,
+            n_tokens,
+            self.unit,
+            self.cpu_chunk_tokens,
+            self._layouts,
         )
 
     # ------------------------------------------------------------------ snapshots

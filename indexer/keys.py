@@ -21,6 +21,7 @@ import os
 from array import array
 from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import Any
 
 import xxhash
 
@@ -30,6 +31,7 @@ __all__ = [
     "chain_keys",
     "mix_extra",
     "namespace_root",
+    "packed_keys",
     "tokens_to_bytes",
 ]
 
@@ -56,6 +58,24 @@ def _load_native() -> ModuleType | None:
 _native = _load_native()
 _native_chain: Callable[[int, bytes, int, int | None], list[int]] | None = (
     None if _native is None else _native.chain_keys
+)
+
+
+def _load_match() -> ModuleType | None:
+    """The C extension ``indexer._match`` (the match path's loops) if it was built and C is
+    not switched off (``KVROUTER_NATIVE=0``), else None."""
+    if _native is None:
+        return None
+    try:
+        from indexer import _match
+    except ImportError:
+        return None
+    return _match
+
+
+_match = _load_match()
+_token_keys: Callable[[int, Sequence[int], int, int | None, bool], Any] | None = (
+    None if _match is None else _match.token_keys
 )
 
 
@@ -111,12 +131,31 @@ def chain_keys(
     ``unit`` must be positive and ``limit`` not negative (ValueError).
 
     Computed by ``indexer._native`` when it is built (same keys, about 7x faster; see
-    indexer/native.py), else by the Python loop below.
+    indexer/native.py), else by the Python loop below. A list or tuple of ids goes to C as it
+    is (indexer/_match.c): packing it into an array first costs more than hashing it.
     """
+    if _token_keys is not None and type(tokens) in (list, tuple):
+        keys = _token_keys(seed, tokens, unit, limit, False)
+        if keys is not None:
+            return keys  # type: ignore[no-any-return]
     data = tokens if isinstance(tokens, bytes) else tokens_to_bytes(tokens)
     if _native_chain is not None:
         return _native_chain(seed, data, unit, limit)
     return _chain_keys_py(seed, data, unit, limit)
+
+
+def packed_keys(
+    seed: int, tokens: Sequence[int] | bytes, unit: int = DEFAULT_UNIT
+) -> Sequence[int]:
+    """``chain_keys(seed, tokens, unit)`` as an ``array("Q")`` when C is built: no int object
+    per key (matching reads the few keys it needs from it), else as the list."""
+    if _token_keys is not None and type(tokens) in (list, tuple):
+        packed = _token_keys(seed, tokens, unit, None, True)
+        if packed is not None:
+            keys = array("Q")
+            keys.frombytes(packed)
+            return keys
+    return chain_keys(seed, tokens, unit)
 
 
 def _chain_keys_py(seed: int, data: bytes, unit: int, limit: int | None) -> list[int]:

@@ -1,7 +1,22 @@
-"""Match a prompt against a set of engines: the GPU hit and CPU extension each would find."""
+"""Match a prompt against a set of engines: the GPU hit and CPU extension each would find.
+
+:func:`match_engines` is the request path; :func:`match_engines_reference` states the same
+composition of the rules plainly, and the tests hold the two to the same answers. The request
+path differs in cost only:
+
+* engines are grouped by group layout through :class:`Layouts`, which remembers each engine's
+  layout and re-derives it only when the engine's groups change (comparing an engine's groups
+  with what was seen is an identity check per spec, where deriving a layout hashes every spec);
+* full attention is walked once per group for all engines in C (:func:`full_runs`,
+  indexer/_match.c), which returns every engine's run by slot instead of one Python step per
+  engine dropping out;
+* the CPU extension and the other groups' rules run only when the layout has them, and the
+  per-engine explanations are assembled in one pass with the order fixed per layout.
+"""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import msgspec
@@ -10,10 +25,18 @@ from indexer.eagle import eagle_drop, eagle_full_run, eagle_groups
 from indexer.engine_state import EngineState
 from indexer.fit_scan import fit_points
 from indexer.hit_rules import alignment, cpu_extension, full_attention_run, hit_limit
+from indexer.keys import _match
 from indexer.staggered import EMPTY_TABLE, Table
 from indexer.types import CPU, FULL, GPU, SLIDING, EngineId, GroupSpec
 
-__all__ = ["GroupHit", "PrefixMatch", "match_engines"]
+__all__ = [
+    "GroupHit",
+    "Layouts",
+    "PrefixMatch",
+    "full_runs",
+    "match_engines",
+    "match_engines_reference",
+]
 
 
 class GroupHit(msgspec.Struct, gc=False):
@@ -35,7 +58,7 @@ class PrefixMatch(msgspec.Struct, gc=False):
     groups: list[GroupHit]
 
 
-def match_engines(
+def match_engines_reference(
     tables: dict[tuple[int, str], Table],
     engines: Sequence[EngineState],
     keys: Sequence[int],
@@ -43,7 +66,8 @@ def match_engines(
     unit: int,
     cpu_chunk_tokens: int,
 ) -> dict[EngineId, PrefixMatch]:
-    """Per engine, the hit of a prompt of ``n_tokens`` whose content keys are ``keys``."""
+    """:func:`match_engines` spelt out plainly: the reference it must
+    equal (the tests hold the two to the same answers)."""
     # Engines with the same group layout are matched together, one pass over the prompt.
     layouts: dict[tuple[tuple[tuple[int, GroupSpec], ...], bool], list[EngineState]] = {}
     for e in engines:
@@ -118,3 +142,229 @@ def _match_layout(
             cpu_tables, e.bit, keys, point, n_tokens, cpu_chunk_tokens, unit, windows
         )
         out[e.engine] = PrefixMatch(point, cpu, explain)
+
+
+# ---------------------------------------------------------------------------- request path
+
+_c_full_runs = None if _match is None else _match.full_runs
+
+
+def full_runs(
+    res: Table, keys: Sequence[int], block_size: int, unit: int, limit: int, alive: int
+) -> list[int]:
+    """:func:`~indexer.hit_rules.full_attention_run` as a list indexed by slot (engines not in
+    ``alive`` read 0), in C when it is built and ``keys`` is a list or a uint64 array."""
+    step = block_size // unit
+    if step == 0:  # blocks smaller than the unit are never indexed: every run is 0
+        return [0] * alive.bit_length()
+    if _c_full_runs is not None and type(res) is tuple and _c_keys(keys):
+        nblocks = limit // block_size
+        scan = min(nblocks, len(keys) // step)
+        return _c_full_runs(res, keys, step, scan, block_size, nblocks, alive)  # type: ignore[no-any-return]
+    out = [0] * alive.bit_length()
+    for slot, hit in full_attention_run(res, keys, block_size, unit, limit, alive).items():
+        out[slot] = hit
+    return out
+
+
+def _c_keys(keys: Sequence[int]) -> bool:
+    t = type(keys)
+    return t is list or t is tuple or (t is array and keys.typecode == "Q")  # type: ignore[attr-defined]
+
+
+class Layout:
+    """What matching needs of one group layout, derived once: the specs (EAGLE-adjusted), the
+    alignment, the full-attention and other groups, and the explanation order."""
+
+    __slots__ = (
+        "align",
+        "cpu_groups",
+        "eagle",
+        "explain",
+        "full",
+        "groups",
+        "others",
+        "raw",
+        "sliding",
+    )
+
+    def __init__(self, raw: dict[int, GroupSpec], eagle: bool) -> None:
+        self.raw = raw
+        self.eagle = eagle
+        self.groups = eagle_groups(raw) if eagle else raw
+        self.align = alignment(self.groups.values()) if self.groups else 1
+        self.full = [(g, s) for g, s in self.groups.items() if s.kind == FULL]
+        self.others = [(g, s) for g, s in self.groups.items() if s.kind != FULL]
+        self.sliding = bool(self.full) and any(s.kind == SLIDING for _g, s in self.others)
+        # The CPU extension looks at the full-attention groups' chunks (else the others').
+        self.cpu_groups = [g for g, _s in (self.full or self.others)]
+        # Explanations list the groups by index: (is full attention, position in full/others).
+        full_at = {g: i for i, (g, _s) in enumerate(self.full)}
+        other_at = {g: i for i, (g, _s) in enumerate(self.others)}
+        self.explain = [
+            (True, full_at[g]) if g in full_at else (False, other_at[g]) for g in self.groups
+        ]
+
+
+class Layouts:
+    """Engines grouped by layout, remembered between matches (one per index).
+
+    Per slot: the engine last seen there, its groups as ``(group, spec)`` items, its EAGLE flag
+    and its layout's number. An engine whose groups are the same spec objects as last time is
+    grouped by that number without hashing a spec; a changed or new one is derived again."""
+
+    __slots__ = ("_by_key", "_layouts", "_seen")
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[EngineState, tuple[tuple[int, GroupSpec], ...], bool, int]] = {}
+        self._by_key: dict[tuple[tuple[tuple[int, GroupSpec], ...], bool], int] = {}
+        self._layouts: list[Layout] = []
+
+    def group(self, engines: Sequence[EngineState]) -> list[tuple[Layout, list[EngineState]]]:
+        seen = self._seen
+        members: dict[int, list[EngineState]] = {}
+        for e in engines:
+            items = tuple(e.groups.items())
+            known = seen.get(e.slot)
+            if known is None or known[0] is not e or known[1] != items or known[2] != e.eagle:
+                known = seen[e.slot] = (e, items, e.eagle, self._number(items, e.eagle))
+            same = members.get(known[3])
+            if same is None:
+                members[known[3]] = [e]
+            else:
+                same.append(e)
+        return [(self._layouts[n], m) for n, m in members.items()]
+
+    def _number(self, items: tuple[tuple[int, GroupSpec], ...], eagle: bool) -> int:
+        key = (tuple(sorted(items)), eagle)
+        n = self._by_key.get(key)
+        if n is None:
+            if len(self._layouts) > 4096:  # layouts are few; bound them all the same
+                self._by_key.clear()
+                self._layouts.clear()
+                self._seen.clear()
+            n = self._by_key[key] = len(self._layouts)
+            self._layouts.append(Layout(dict(key[0]), eagle))
+        return n
+
+
+def match_engines(
+    tables: dict[tuple[int, str], Table],
+    engines: Sequence[EngineState],
+    keys: Sequence[int],
+    n_tokens: int,
+    unit: int,
+    cpu_chunk_tokens: int,
+    layouts: Layouts | None = None,
+) -> dict[EngineId, PrefixMatch]:
+    """Per engine, the hit of a prompt of ``n_tokens`` whose content keys are ``keys``
+    (:func:`match_engines_reference`'s answers). ``layouts``: the index's memo of layouts."""
+    out: dict[EngineId, PrefixMatch] = {}
+    for layout, members in (layouts or Layouts()).group(engines):
+        _match_group(tables, layout, members, keys, n_tokens, unit, cpu_chunk_tokens, out)
+        if layout.eagle:
+            eagle_drop(layout.raw, members, out)
+    return out
+
+
+def _match_group(
+    tables: dict[tuple[int, str], Table],
+    layout: Layout,
+    members: list[EngineState],
+    keys: Sequence[int],
+    n_tokens: int,
+    unit: int,
+    cpu_chunk_tokens: int,
+    out: dict[EngineId, PrefixMatch],
+) -> None:
+    if not layout.groups:
+        for e in members:
+            out[e.engine] = PrefixMatch(0, 0, [])
+        return
+    align = layout.align
+    limit = hit_limit(n_tokens, len(keys), unit, align)
+    alive = 0
+    for e in members:
+        alive |= e.bit
+    slots = [e.slot for e in members]
+    # Per full-attention group, every member's run (by slot), and the shortest of them.
+    runs: list[list[int]] = []
+    fa = [limit] * len(members)
+    for g, spec in layout.full:
+        res = tables.get((g, GPU)) or EMPTY_TABLE
+        if spec.eagle:
+            bs = spec.block_size
+            run = full_runs(res, keys, bs, unit, hit_limit(n_tokens, len(keys), unit, bs), alive)
+            run = [max(h - bs, 0) for h in run]
+        else:
+            run = full_runs(res, keys, spec.block_size, unit, limit, alive)
+        runs.append(run)
+        fa = [min(h, run[s]) for h, s in zip(fa, slots, strict=True)]
+    points = [(h // align) * align for h in fa]
+    if layout.others:
+        other_groups = [(s, tables.get((g, GPU))) for g, s in layout.others]
+        starts = [(e.bit, p) for e, p in zip(members, points, strict=True)]
+        fits = fit_points(other_groups, starts, keys, align, unit)
+        points = [f for f, _per_group in fits]
+        explains = _explanations(layout, runs, slots, [per_group for _f, per_group in fits])
+    elif len(runs) == 1:
+        (g, spec), run = layout.full[0], runs[0]
+        bs = spec.block_size
+        explains = [[GroupHit(g, FULL, bs, run[s])] for s in slots]
+    else:
+        explains = _explanations(layout, runs, slots, [])
+    cpu = _cpu_tokens(tables, layout, members, keys, points, n_tokens, cpu_chunk_tokens, unit)
+    for e, point, c, explain in zip(members, points, cpu, explains, strict=True):
+        out[e.engine] = PrefixMatch(point, c, explain)
+
+
+def _explanations(
+    layout: Layout, runs: list[list[int]], slots: list[int], per_group: list[list[int]]
+) -> list[list[GroupHit]]:
+    """Per member, one :class:`GroupHit` per group in index order: full attention from its
+    run, the others from their own best point (``per_group``, in ``layout.others`` order)."""
+    out = []
+    for i, slot in enumerate(slots):
+        explain = []
+        for full, j in layout.explain:
+            if full:
+                g, s = layout.full[j]
+                explain.append(GroupHit(g, FULL, s.block_size, runs[j][slot]))
+            else:
+                g, s = layout.others[j]
+                hit = per_group[i][j]
+                explain.append(GroupHit(g, s.kind, s.block_size, hit, s.sliding_window))
+        out.append(explain)
+    return out
+
+
+def _cpu_tokens(
+    tables: dict[tuple[int, str], Table],
+    layout: Layout,
+    members: list[EngineState],
+    keys: Sequence[int],
+    points: list[int],
+    n_tokens: int,
+    chunk: int,
+    unit: int,
+) -> list[int]:
+    """Per member, :func:`~indexer.hit_rules.cpu_extension` from its GPU hit; members whose
+    hit leaves less than a chunk to load, or whose layout has a group holding nothing on CPU,
+    get 0 without a call (the function's own first answers)."""
+    cpu_tables = [tables.get((g, CPU)) for g in layout.cpu_groups]
+    if any(t is None for t in cpu_tables):
+        return [0] * len(members)
+    # Beside full attention, sliding-window groups need their window's chunks on CPU too.
+    windows = [
+        (tables.get((g, CPU)) or EMPTY_TABLE, -(-(s.sliding_window or 1) // chunk))
+        for g, s in layout.others
+        if layout.sliding and s.kind == SLIDING
+    ]
+    whole = n_tokens // chunk
+    end = min(n_tokens - 1, whole * chunk) if windows else whole * chunk
+    return [
+        0
+        if end - point < chunk
+        else cpu_extension(cpu_tables, e.bit, keys, point, n_tokens, chunk, unit, windows)
+        for e, point in zip(members, points, strict=True)
+    ]

@@ -1,0 +1,503 @@
+/*
+ * indexer._match: the match path's loops in C (indexer/matching.py, indexer/keys.py).
+ *
+ *   token_keys(seed, tokens, unit, limit, packed)
+ *       -> list[int] | bytes | None   indexer.keys.chain_keys straight from a list or tuple of
+ *                                     token ids (no array of them is built first); packed: the
+ *                                     keys as native uint64 bytes, with no int per key. None
+ *                                     when an item is not an int (the Python path then raises).
+ *   full_runs(table, keys, step, scan, block_size, nblocks, alive)
+ *       -> list[int]                  hit_rules.full_attention_run for every engine of alive at
+ *                                     once, by slot (bit position); the block loop and the
+ *                                     per-engine results stay in C.
+ *
+ * The residency table is read through residency_get only (see there), so a table kept in
+ * another form changes that function and nothing else. indexer/matching.py holds the Python
+ * equivalents; the tests hold both to the same answers.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+
+/* ------------------------------------------------------------------ residency access */
+
+#define RES_SLOTS 1024 /* indexer.staggered.SLOTS */
+
+/* Whether `table` is a residency table this file can read. */
+static int
+residency_check(PyObject *table)
+{
+    if (!PyTuple_CheckExact(table) || PyTuple_GET_SIZE(table) != RES_SLOTS) {
+        PyErr_Format(PyExc_TypeError, "residency table must be a tuple of %d dicts", RES_SLOTS);
+        return -1;
+    }
+    return 0;
+}
+
+/* The mask of the engines holding the block `key` (its low 64 bits in `low`): a borrowed int,
+ * or NULL (with no error set) when nobody holds it. A residency table is a tuple of 1024 dicts
+ * indexed by key & 1023 (indexer/staggered.py). */
+static inline PyObject *
+residency_get(PyObject *table, uint64_t low, PyObject *key, int *err)
+{
+    PyObject *d = PyTuple_GET_ITEM(table, (Py_ssize_t)(low & (RES_SLOTS - 1)));
+    if (!PyDict_CheckExact(d)) {
+        PyErr_SetString(PyExc_TypeError, "residency table slots must be dicts");
+        *err = 1;
+        return NULL;
+    }
+    PyObject *v = PyDict_GetItemWithError(d, key);
+    if (v == NULL && PyErr_Occurred()) {
+        *err = 1;
+    }
+    return v;
+}
+
+/* ------------------------------------------------------------------ token_keys */
+
+static int
+bad_tokens(void)
+{
+    PyErr_SetString(PyExc_ValueError, "token ids must be in [0, 2**32)");
+    return -1;
+}
+
+/* The items of a list or tuple as uint32 into out: 0, 1 when an item is not an int (the caller
+ * falls back), -1 with ValueError for an int outside [0, 2**32). */
+static int
+pack_ids(PyObject *seq, uint32_t *out)
+{
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *it = items[i];
+        if (!PyLong_Check(it)) {
+            return 1;
+        }
+        const unsigned long v = PyLong_AsUnsignedLong(it);
+        if (v == (unsigned long)-1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                return -1;
+            }
+            PyErr_Clear();
+            return bad_tokens();
+        }
+        if (v > 0xFFFFFFFFul) {
+            return bad_tokens();
+        }
+        out[i] = (uint32_t)v;
+    }
+    return 0;
+}
+
+/* unit (> 0) and limit (None or >= 0) as chain_keys reads them; nkeys_max: whole units. */
+static int
+key_count(PyObject *unit_obj, PyObject *limit_obj, Py_ssize_t ntokens, Py_ssize_t *unit,
+          Py_ssize_t *nkeys)
+{
+    int overflow = 0;
+    const long long u = PyLong_AsLongLongAndOverflow(unit_obj, &overflow);
+    if (u == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (overflow < 0 || (overflow == 0 && u <= 0)) {
+        PyErr_SetString(PyExc_ValueError, "chain_keys: unit must be positive");
+        return -1;
+    }
+    *unit = (overflow > 0 || u > ntokens) ? ntokens + 1 : (Py_ssize_t)u;
+    *nkeys = ntokens / *unit;
+    if (limit_obj != Py_None) {
+        const long long lim = PyLong_AsLongLongAndOverflow(limit_obj, &overflow);
+        if (lim == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        if (overflow < 0 || (overflow == 0 && lim < 0)) {
+            PyErr_SetString(PyExc_ValueError, "chain_keys: limit must not be negative");
+            return -1;
+        }
+        if (overflow == 0 && lim < *nkeys) {
+            *nkeys = (Py_ssize_t)lim;
+        }
+    }
+    return 0;
+}
+
+static PyObject *
+keys_result(uint64_t seed, const uint32_t *ids, Py_ssize_t unit, Py_ssize_t nkeys, int packed)
+{
+    const size_t ubytes = (size_t)unit * 4u;
+    const unsigned char *p = (const unsigned char *)ids;
+    uint64_t key = seed;
+    if (packed) {
+        PyObject *out = PyBytes_FromStringAndSize(NULL, nkeys * 8);
+        if (out == NULL) {
+            return NULL;
+        }
+        uint64_t *w = (uint64_t *)PyBytes_AS_STRING(out);
+        for (Py_ssize_t k = 0; k < nkeys; k++, p += ubytes) {
+            key = XXH3_64bits_withSeed(p, ubytes, (XXH64_hash_t)key);
+            memcpy(w + k, &key, sizeof key);
+        }
+        return out;
+    }
+    PyObject *out = PyList_New(nkeys);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < nkeys; k++, p += ubytes) {
+        key = XXH3_64bits_withSeed(p, ubytes, (XXH64_hash_t)key);
+        PyObject *item = PyLong_FromUnsignedLongLong((unsigned long long)key);
+        if (item == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, k, item);
+    }
+    return out;
+}
+
+static PyObject *
+token_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "token_keys() takes 5 arguments (seed, tokens, unit, limit, packed)");
+        return NULL;
+    }
+    PyObject *tokens = args[1];
+    if (!PyList_CheckExact(tokens) && !PyTuple_CheckExact(tokens)) {
+        Py_RETURN_NONE;
+    }
+    const int packed = PyObject_IsTrue(args[4]);
+    if (packed < 0) {
+        return NULL;
+    }
+    /* The same reduction as python-xxhash's seed (any int modulo 2**64). */
+    const uint64_t seed = (uint64_t)PyLong_AsUnsignedLongLongMask(args[0]);
+    if (seed == (uint64_t)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(tokens);
+    uint32_t *ids = PyMem_Malloc(n > 0 ? (size_t)n * 4u : 1u);
+    if (ids == NULL) {
+        return PyErr_NoMemory();
+    }
+    PyObject *out = NULL;
+    /* Every id is checked, as tokens_to_bytes does, before unit and limit (its order). */
+    const int rc = pack_ids(tokens, ids);
+    Py_ssize_t unit, nkeys;
+    if (rc == 1) {
+        out = Py_NewRef(Py_None);
+    }
+    else if (rc == 0 && key_count(args[2], args[3], n, &unit, &nkeys) == 0) {
+        out = keys_result(seed, ids, unit, nkeys, packed);
+    }
+    PyMem_Free(ids);
+    return out;
+}
+
+/* ------------------------------------------------------------------ full_runs */
+
+/* Keys as the walk reads them: a 1-D native uint64 buffer (array('Q')), else a list or tuple
+ * of ints used in place. */
+typedef struct {
+    Py_buffer view;
+    int has_view;
+    PyObject *seq;
+    Py_ssize_t len;
+} walk_keys;
+
+static int
+walk_keys_open(walk_keys *k, PyObject *obj)
+{
+    k->has_view = 0;
+    k->seq = NULL;
+    if (PyObject_CheckBuffer(obj)) {
+        if (PyObject_GetBuffer(obj, &k->view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+            return -1;
+        }
+        const char *f = k->view.format == NULL ? "B" : k->view.format;
+        if (f[0] == '@') {
+            f++;
+        }
+        if (k->view.ndim == 1 && k->view.itemsize == 8 && (f[0] == 'Q' || f[0] == 'L') &&
+            f[1] == '\0') {
+            k->has_view = 1;
+            k->len = k->view.shape[0];
+            return 0;
+        }
+        PyBuffer_Release(&k->view);
+        PyErr_SetString(PyExc_TypeError, "keys must be a list of ints or a uint64 buffer");
+        return -1;
+    }
+    if (!PyList_CheckExact(obj) && !PyTuple_CheckExact(obj)) {
+        PyErr_SetString(PyExc_TypeError, "keys must be a list of ints or a uint64 buffer");
+        return -1;
+    }
+    k->seq = Py_NewRef(obj);
+    k->len = PySequence_Fast_GET_SIZE(obj);
+    return 0;
+}
+
+static void
+walk_keys_close(walk_keys *k)
+{
+    if (k->has_view) {
+        PyBuffer_Release(&k->view);
+    }
+    Py_XDECREF(k->seq);
+}
+
+/* Key i as a new reference, its low 64 bits in *low. */
+static inline PyObject *
+walk_key(const walk_keys *k, Py_ssize_t i, uint64_t *low)
+{
+    if (k->has_view) {
+        memcpy(low, (const char *)k->view.buf + i * 8, 8);
+        return PyLong_FromUnsignedLongLong((unsigned long long)*low);
+    }
+    /* A list may shrink while a dict lookup runs Python code: read it bounds-checked. */
+    if (i >= PySequence_Fast_GET_SIZE(k->seq)) {
+        PyErr_SetString(PyExc_IndexError, "full_runs: keys changed size");
+        return NULL;
+    }
+    PyObject *item = PySequence_Fast_GET_ITEM(k->seq, i);
+    if (!PyLong_Check(item)) {
+        PyErr_SetString(PyExc_TypeError, "full_runs: keys must be ints");
+        return NULL;
+    }
+    *low = (uint64_t)PyLong_AsUnsignedLongLongMask(item);
+    return Py_NewRef(item);
+}
+
+/* hits[slot] = value for every bit of the 64-bit word `bits` at word `w`. */
+static int
+set_slots(PyObject *hits, uint64_t bits, Py_ssize_t w, PyObject *value)
+{
+    while (bits) {
+        const Py_ssize_t slot = w * 64 + __builtin_ctzll(bits);
+        bits &= bits - 1;
+        if (slot < PyList_GET_SIZE(hits)) {
+            Py_INCREF(value);
+            PyObject *old = PyList_GET_ITEM(hits, slot);
+            PyList_SET_ITEM(hits, slot, value);
+            Py_DECREF(old);
+        }
+    }
+    return 0;
+}
+
+/* hits[slot] = tokens for every bit set in the (non-negative) Python int mask. */
+static int
+set_mask_slots(PyObject *hits, PyObject *mask, Py_ssize_t tokens)
+{
+    PyObject *value = PyLong_FromSsize_t(tokens);
+    if (value == NULL) {
+        return -1;
+    }
+    PyObject *rest = Py_NewRef(mask);
+    PyObject *shift = PyLong_FromLong(64);
+    int rc = shift == NULL ? -1 : 0;
+    for (Py_ssize_t w = 0; rc == 0 && PyObject_IsTrue(rest) == 1; w++) {
+        set_slots(hits, (uint64_t)PyLong_AsUnsignedLongLongMask(rest), w, value);
+        PyObject *next = PyNumber_Rshift(rest, shift);
+        Py_DECREF(rest);
+        rest = next;
+        if (rest == NULL) {
+            rc = -1;
+        }
+    }
+    Py_XDECREF(rest);
+    Py_XDECREF(shift);
+    Py_DECREF(value);
+    return rc;
+}
+
+/* The walk with alive in 64 bits: blocks [0, scan) until every engine has dropped out. */
+static int
+walk64(PyObject *table, walk_keys *k, Py_ssize_t step, Py_ssize_t scan, Py_ssize_t bs,
+       uint64_t alive, PyObject *hits, uint64_t *left)
+{
+    for (Py_ssize_t b = 0; b < scan && alive; b++) {
+        uint64_t low;
+        PyObject *key = walk_key(k, (b + 1) * step - 1, &low);
+        if (key == NULL) {
+            return -1;
+        }
+        int err = 0;
+        PyObject *v = residency_get(table, low, key, &err);
+        Py_DECREF(key);
+        if (err) {
+            return -1;
+        }
+        if (v != NULL && !PyLong_Check(v)) {
+            PyErr_SetString(PyExc_TypeError, "residency masks must be ints");
+            return -1;
+        }
+        const uint64_t now = v == NULL ? 0 : alive & (uint64_t)PyLong_AsUnsignedLongLongMask(v);
+        if (now != alive) {
+            PyObject *tokens = PyLong_FromSsize_t(b * bs);
+            if (tokens == NULL) {
+                return -1;
+            }
+            set_slots(hits, alive & ~now, 0, tokens);
+            Py_DECREF(tokens);
+            alive = now;
+        }
+    }
+    *left = alive;
+    return 0;
+}
+
+/* The walk with alive beyond 64 bits, in Python ints: returns the engines still running. */
+static PyObject *
+walk_wide(PyObject *table, walk_keys *k, Py_ssize_t step, Py_ssize_t scan, Py_ssize_t bs,
+          PyObject *alive_obj, PyObject *hits)
+{
+    PyObject *alive = Py_NewRef(alive_obj);
+    for (Py_ssize_t b = 0; b < scan; b++) {
+        const int any = PyObject_IsTrue(alive);
+        if (any <= 0) {
+            if (any < 0) {
+                goto fail;
+            }
+            break;
+        }
+        uint64_t low;
+        PyObject *key = walk_key(k, (b + 1) * step - 1, &low);
+        if (key == NULL) {
+            goto fail;
+        }
+        int err = 0;
+        PyObject *v = residency_get(table, low, key, &err);
+        Py_DECREF(key);
+        if (err) {
+            goto fail;
+        }
+        PyObject *now = v == NULL ? PyLong_FromLong(0) : PyNumber_And(alive, v);
+        if (now == NULL) {
+            goto fail;
+        }
+        const int ne = PyObject_RichCompareBool(now, alive, Py_NE);
+        if (ne != 0) {
+            PyObject *inv = ne < 0 ? NULL : PyNumber_Invert(now);
+            PyObject *dropped = inv == NULL ? NULL : PyNumber_And(alive, inv);
+            Py_XDECREF(inv);
+            const int rc = dropped == NULL ? -1 : set_mask_slots(hits, dropped, b * bs);
+            Py_XDECREF(dropped);
+            if (rc < 0) {
+                Py_DECREF(now);
+                goto fail;
+            }
+            Py_SETREF(alive, now);
+            continue;
+        }
+        Py_DECREF(now);
+    }
+    return alive;
+fail:
+    Py_DECREF(alive);
+    return NULL;
+}
+
+static PyObject *
+full_runs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "full_runs() takes 7 arguments "
+                                         "(table, keys, step, scan, block_size, nblocks, alive)");
+        return NULL;
+    }
+    PyObject *table = args[0], *alive_obj = args[6];
+    Py_ssize_t nums[4];
+    for (int i = 0; i < 4; i++) {
+        nums[i] = PyLong_AsSsize_t(args[2 + i]);
+        if (nums[i] == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    const Py_ssize_t step = nums[0], scan = nums[1], bs = nums[2], nblocks = nums[3];
+    if (residency_check(table) < 0) {
+        return NULL;
+    }
+    if (!PyLong_Check(alive_obj) || step < 1 || scan < 0 || scan > nblocks) {
+        PyErr_SetString(PyExc_ValueError, "full_runs: bad arguments");
+        return NULL;
+    }
+    const int64_t nbits = (int64_t)_PyLong_NumBits(alive_obj);
+    if (nbits < 0 || _PyLong_Sign(alive_obj) < 0) {
+        PyErr_SetString(PyExc_ValueError, "full_runs: alive must be a non-negative int");
+        return NULL;
+    }
+    walk_keys k;
+    if (walk_keys_open(&k, args[1]) < 0) {
+        return NULL;
+    }
+    if (scan > 0 && scan > k.len / step) {
+        walk_keys_close(&k);
+        PyErr_SetString(PyExc_IndexError, "full_runs: fewer keys than blocks to scan");
+        return NULL;
+    }
+    PyObject *zero = PyLong_FromLong(0);
+    PyObject *hits = zero == NULL ? NULL : PyList_New((Py_ssize_t)nbits);
+    PyObject *survivors = NULL;
+    if (hits != NULL) {
+        for (Py_ssize_t i = 0; i < (Py_ssize_t)nbits; i++) {
+            PyList_SET_ITEM(hits, i, Py_NewRef(zero));
+        }
+        if (nbits <= 64) {
+            uint64_t left = 0;
+            const uint64_t alive = (uint64_t)PyLong_AsUnsignedLongLongMask(alive_obj);
+            if (walk64(table, &k, step, scan, bs, alive, hits, &left) == 0) {
+                survivors = PyLong_FromUnsignedLongLong((unsigned long long)left);
+            }
+        }
+        else {
+            survivors = walk_wide(table, &k, step, scan, bs, alive_obj, hits);
+        }
+    }
+    walk_keys_close(&k);
+    Py_XDECREF(zero);
+    if (survivors == NULL || set_mask_slots(hits, survivors, nblocks * bs) < 0) {
+        Py_XDECREF(survivors);
+        Py_XDECREF(hits);
+        return NULL;
+    }
+    Py_DECREF(survivors);
+    return hits;
+}
+
+/* ------------------------------------------------------------------ module */
+
+static PyMethodDef match_methods[] = {
+    {"token_keys", (PyCFunction)(void (*)(void))token_keys, METH_FASTCALL,
+     "token_keys(seed, tokens, unit, limit, packed, /)\n--\n\n"
+     "indexer.keys.chain_keys over a list or tuple of token ids; packed: native uint64 bytes.\n"
+     "None when an item is not an int."},
+    {"full_runs", (PyCFunction)(void (*)(void))full_runs, METH_FASTCALL,
+     "full_runs(table, keys, step, scan, block_size, nblocks, alive, /)\n--\n\n"
+     "Per slot of alive: tokens of its unbroken run of resident blocks (see\n"
+     "indexer.matching.full_runs)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef match_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "indexer._match",
+    .m_doc = "C loops of the match path; use indexer.matching and indexer.keys, not this module.",
+    .m_size = 0,
+    .m_methods = match_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__match(void)
+{
+    return PyModuleDef_Init(&match_module);
+}
