@@ -185,6 +185,7 @@ class Layout:
         "groups",
         "others",
         "raw",
+        "simple",
         "sliding",
     )
 
@@ -196,6 +197,8 @@ class Layout:
         self.full = [(g, s) for g, s in self.groups.items() if s.kind == FULL]
         self.others = [(g, s) for g, s in self.groups.items() if s.kind != FULL]
         self.sliding = bool(self.full) and any(s.kind == SLIDING for _g, s in self.others)
+        # One full-attention group and nothing else: each hit is its run (already aligned).
+        self.simple = len(self.full) == 1 and not self.others and not eagle
         # The CPU extension looks at the full-attention groups' chunks (else the others').
         self.cpu_groups = [g for g, _s in (self.full or self.others)]
         # Explanations list the groups by index: (is full attention, position in full/others).
@@ -209,14 +212,15 @@ class Layout:
 class Layouts:
     """Engines grouped by layout, remembered between matches (one per index).
 
-    Per slot: the engine last seen there, its groups as ``(group, spec)`` items, its EAGLE flag
-    and its layout's number. An engine whose groups are the same spec objects as last time is
-    grouped by that number without hashing a spec; a changed or new one is derived again."""
+    Per slot: the engine last seen there, a copy of its groups, its EAGLE flag and its layout's
+    number. An engine whose groups still equal the copy (the same spec objects: an identity check
+    each, where deriving a layout hashes every spec) keeps its number; a changed or new one is
+    derived again."""
 
     __slots__ = ("_by_key", "_layouts", "_seen")
 
     def __init__(self) -> None:
-        self._seen: dict[int, tuple[EngineState, tuple[tuple[int, GroupSpec], ...], bool, int]] = {}
+        self._seen: dict[int, tuple[EngineState, dict[int, GroupSpec], bool, int]] = {}
         self._by_key: dict[tuple[tuple[tuple[int, GroupSpec], ...], bool], int] = {}
         self._layouts: list[Layout] = []
 
@@ -224,10 +228,10 @@ class Layouts:
         seen = self._seen
         members: dict[int, list[EngineState]] = {}
         for e in engines:
-            items = tuple(e.groups.items())
             known = seen.get(e.slot)
-            if known is None or known[0] is not e or known[1] != items or known[2] != e.eagle:
-                known = seen[e.slot] = (e, items, e.eagle, self._number(items, e.eagle))
+            if known is None or known[0] is not e or known[1] != e.groups or known[2] != e.eagle:
+                groups = dict(e.groups)
+                known = seen[e.slot] = (e, groups, e.eagle, self._number(groups, e.eagle))
             same = members.get(known[3])
             if same is None:
                 members[known[3]] = [e]
@@ -235,8 +239,8 @@ class Layouts:
                 same.append(e)
         return [(self._layouts[n], m) for n, m in members.items()]
 
-    def _number(self, items: tuple[tuple[int, GroupSpec], ...], eagle: bool) -> int:
-        key = (tuple(sorted(items)), eagle)
+    def _number(self, groups: dict[int, GroupSpec], eagle: bool) -> int:
+        key = (tuple(sorted(groups.items())), eagle)
         n = self._by_key.get(key)
         if n is None:
             if len(self._layouts) > 4096:  # layouts are few; bound them all the same
@@ -286,6 +290,11 @@ def _match_group(
     alive = 0
     for e in members:
         alive |= e.bit
+    if layout.simple:
+        _match_simple(
+            tables, layout, members, keys, n_tokens, unit, cpu_chunk_tokens, out, limit, alive
+        )
+        return
     slots = [e.slot for e in members]
     # Per full-attention group, every member's run (by slot), and the shortest of them.
     runs: list[list[int]] = []
@@ -307,15 +316,38 @@ def _match_group(
         fits = fit_points(other_groups, starts, keys, align, unit)
         points = [f for f, _per_group in fits]
         explains = _explanations(layout, runs, slots, [per_group for _f, per_group in fits])
-    elif len(runs) == 1:
-        (g, spec), run = layout.full[0], runs[0]
-        bs = spec.block_size
-        explains = [[GroupHit(g, FULL, bs, run[s])] for s in slots]
     else:
         explains = _explanations(layout, runs, slots, [])
     cpu = _cpu_tokens(tables, layout, members, keys, points, n_tokens, cpu_chunk_tokens, unit)
     for e, point, c, explain in zip(members, points, cpu, explains, strict=True):
         out[e.engine] = PrefixMatch(point, c, explain)
+
+
+def _match_simple(
+    tables: dict[tuple[int, str], Table],
+    layout: Layout,
+    members: list[EngineState],
+    keys: Sequence[int],
+    n_tokens: int,
+    unit: int,
+    chunk: int,
+    out: dict[EngineId, PrefixMatch],
+    limit: int,
+    alive: int,
+) -> None:
+    """:func:`_match_group` for a layout of one full-attention group: the hit is the run."""
+    ((g, spec),) = layout.full
+    bs = spec.block_size
+    run = full_runs(tables.get((g, GPU)) or EMPTY_TABLE, keys, bs, unit, limit, alive)
+    if tables.get((g, CPU)) is None:
+        for e in members:
+            hit = run[e.slot]
+            out[e.engine] = PrefixMatch(hit, 0, [GroupHit(g, FULL, bs, hit)])
+        return
+    points = [run[e.slot] for e in members]
+    cpu = _cpu_tokens(tables, layout, members, keys, points, n_tokens, chunk, unit)
+    for e, hit, c in zip(members, points, cpu, strict=True):
+        out[e.engine] = PrefixMatch(hit, c, [GroupHit(g, FULL, bs, hit)])
 
 
 def _explanations(
