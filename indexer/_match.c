@@ -39,23 +39,39 @@ residency_check(PyObject *table)
     return 0;
 }
 
-/* The mask of the engines holding the block `key` (its low 64 bits in `low`): a borrowed int,
- * or NULL (with no error set) when nobody holds it. A residency table is a tuple of 1024 dicts
- * indexed by key & 1023 (indexer/staggered.py). */
-static inline PyObject *
-residency_get(PyObject *table, uint64_t low, PyObject *key, int *err)
+/* Who holds the block whose key is `low` (64 bits; `key` is the same as an int, or NULL: made
+ * here when needed): 0 nobody, 1 found with the low 64 bits of the engines' mask in *mask and,
+ * when `wide` is not NULL, the whole mask as a new reference in *wide; -1 on error. A residency
+ * table is a tuple of 1024 dicts indexed by key & 1023 (indexer/staggered.py). */
+static inline int
+residency_get(PyObject *table, uint64_t low, PyObject *key, uint64_t *mask, PyObject **wide)
 {
     PyObject *d = PyTuple_GET_ITEM(table, (Py_ssize_t)(low & (RES_SLOTS - 1)));
     if (!PyDict_CheckExact(d)) {
         PyErr_SetString(PyExc_TypeError, "residency table slots must be dicts");
-        *err = 1;
-        return NULL;
+        return -1;
+    }
+    PyObject *made = NULL;
+    if (key == NULL) {
+        key = made = PyLong_FromUnsignedLongLong((unsigned long long)low);
+        if (made == NULL) {
+            return -1;
+        }
     }
     PyObject *v = PyDict_GetItemWithError(d, key);
-    if (v == NULL && PyErr_Occurred()) {
-        *err = 1;
+    Py_XDECREF(made); /* v is borrowed from the dict, which holds its own key */
+    if (v == NULL) {
+        return PyErr_Occurred() ? -1 : 0;
     }
-    return v;
+    if (!PyLong_Check(v)) {
+        PyErr_SetString(PyExc_TypeError, "residency masks must be ints");
+        return -1;
+    }
+    *mask = (uint64_t)PyLong_AsUnsignedLongLongMask(v);
+    if (wide != NULL) {
+        *wide = Py_NewRef(v);
+    }
+    return 1;
 }
 
 /* ------------------------------------------------------------------ token_keys */
@@ -79,7 +95,24 @@ pack_ids(PyObject *seq, uint32_t *out)
         if (!PyLong_Check(it)) {
             return 1;
         }
-        const unsigned long v = PyLong_AsUnsignedLong(it);
+        unsigned long v;
+#if PY_VERSION_HEX < 0x030C0000
+        /* Ids below 2**30 are one digit: read it (CPython 3.11's int layout). */
+        if (Py_SIZE(it) == 1) {
+            out[i] = (uint32_t)((PyLongObject *)it)->ob_digit[0];
+            continue;
+        }
+#else
+        if (PyUnstable_Long_IsCompact((PyLongObject *)it)) {
+            const Py_ssize_t c = PyUnstable_Long_CompactValue((PyLongObject *)it);
+            if (c < 0 || c > 0xFFFFFFFF) {
+                return bad_tokens();
+            }
+            out[i] = (uint32_t)c;
+            continue;
+        }
+#endif
+        v = PyLong_AsUnsignedLong(it);
         if (v == (unsigned long)-1 && PyErr_Occurred()) {
             if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
                 return -1;
@@ -254,26 +287,29 @@ walk_keys_close(walk_keys *k)
     Py_XDECREF(k->seq);
 }
 
-/* Key i as a new reference, its low 64 bits in *low. */
-static inline PyObject *
-walk_key(const walk_keys *k, Py_ssize_t i, uint64_t *low)
+/* Key i: its low 64 bits in *low, and the int itself in *obj (borrowed; NULL when the keys
+ * are a buffer: residency_get makes one if it needs one). -1 with an error set. */
+static inline int
+walk_key(const walk_keys *k, Py_ssize_t i, uint64_t *low, PyObject **obj)
 {
     if (k->has_view) {
         memcpy(low, (const char *)k->view.buf + i * 8, 8);
-        return PyLong_FromUnsignedLongLong((unsigned long long)*low);
+        *obj = NULL;
+        return 0;
     }
     /* A list may shrink while a dict lookup runs Python code: read it bounds-checked. */
     if (i >= PySequence_Fast_GET_SIZE(k->seq)) {
         PyErr_SetString(PyExc_IndexError, "full_runs: keys changed size");
-        return NULL;
+        return -1;
     }
     PyObject *item = PySequence_Fast_GET_ITEM(k->seq, i);
     if (!PyLong_Check(item)) {
         PyErr_SetString(PyExc_TypeError, "full_runs: keys must be ints");
-        return NULL;
+        return -1;
     }
     *low = (uint64_t)PyLong_AsUnsignedLongLongMask(item);
-    return Py_NewRef(item);
+    *obj = item;
+    return 0;
 }
 
 /* hits[slot] = value for every bit of the 64-bit word `bits` at word `w`. */
@@ -325,22 +361,19 @@ walk64(PyObject *table, walk_keys *k, Py_ssize_t step, Py_ssize_t scan, Py_ssize
        uint64_t alive, PyObject *hits, uint64_t *left)
 {
     for (Py_ssize_t b = 0; b < scan && alive; b++) {
-        uint64_t low;
-        PyObject *key = walk_key(k, (b + 1) * step - 1, &low);
-        if (key == NULL) {
+        uint64_t low, mask = 0;
+        PyObject *key;
+        if (walk_key(k, (b + 1) * step - 1, &low, &key) < 0) {
             return -1;
         }
-        int err = 0;
-        PyObject *v = residency_get(table, low, key, &err);
-        Py_DECREF(key);
-        if (err) {
+        /* Held while the lookup runs: an int subclass's __eq__ may change the list. */
+        Py_XINCREF(key);
+        const int found = residency_get(table, low, key, &mask, NULL);
+        Py_XDECREF(key);
+        if (found < 0) {
             return -1;
         }
-        if (v != NULL && !PyLong_Check(v)) {
-            PyErr_SetString(PyExc_TypeError, "residency masks must be ints");
-            return -1;
-        }
-        const uint64_t now = v == NULL ? 0 : alive & (uint64_t)PyLong_AsUnsignedLongLongMask(v);
+        const uint64_t now = alive & mask;
         if (now != alive) {
             PyObject *tokens = PyLong_FromSsize_t(b * bs);
             if (tokens == NULL) {
@@ -369,18 +402,19 @@ walk_wide(PyObject *table, walk_keys *k, Py_ssize_t step, Py_ssize_t scan, Py_ss
             }
             break;
         }
-        uint64_t low;
-        PyObject *key = walk_key(k, (b + 1) * step - 1, &low);
-        if (key == NULL) {
+        uint64_t low, mask;
+        PyObject *key, *v = NULL;
+        if (walk_key(k, (b + 1) * step - 1, &low, &key) < 0) {
             goto fail;
         }
-        int err = 0;
-        PyObject *v = residency_get(table, low, key, &err);
-        Py_DECREF(key);
-        if (err) {
+        Py_XINCREF(key);
+        const int found = residency_get(table, low, key, &mask, &v);
+        Py_XDECREF(key);
+        if (found < 0) {
             goto fail;
         }
-        PyObject *now = v == NULL ? PyLong_FromLong(0) : PyNumber_And(alive, v);
+        PyObject *now = found == 0 ? PyLong_FromLong(0) : PyNumber_And(alive, v);
+        Py_XDECREF(v);
         if (now == NULL) {
             goto fail;
         }
