@@ -209,7 +209,7 @@ class PrefixIndex:
         selected = (
             list(self._engines.values())
             if engines is None
-            else [self._engines[x] for x in engines if x in self._engines]
+            else [e for e in map(self._engines.get, engines) if e is not None]
         )
         return match_engines(
             self._residency.tables,

@@ -212,44 +212,40 @@ class Layout:
 class Layouts:
     """Engines grouped by layout, remembered between matches (one per index).
 
-    Per slot: the engine last seen there, a copy of its groups, its EAGLE flag and its layout's
-    number. An engine whose groups still equal the copy (the same spec objects: an identity check
-    each, where deriving a layout hashes every spec) keeps its number; a changed or new one is
-    derived again."""
+    Per slot: a copy of the groups of the engine last seen there, its EAGLE flag and their
+    :class:`Layout`. An engine whose groups still equal the copy (the same spec objects: an
+    identity check each, where deriving a layout hashes every spec) keeps that layout; a changed
+    or new one is looked up again."""
 
-    __slots__ = ("_by_key", "_layouts", "_seen")
+    __slots__ = ("_layouts", "_seen")
 
     def __init__(self) -> None:
-        self._seen: dict[int, tuple[EngineState, dict[int, GroupSpec], bool, int]] = {}
-        self._by_key: dict[tuple[tuple[tuple[int, GroupSpec], ...], bool], int] = {}
-        self._layouts: list[Layout] = []
+        self._seen: dict[int, tuple[dict[int, GroupSpec], bool, Layout]] = {}
+        self._layouts: dict[tuple[tuple[tuple[int, GroupSpec], ...], bool], Layout] = {}
 
     def group(self, engines: Sequence[EngineState]) -> list[tuple[Layout, list[EngineState]]]:
         seen = self._seen
-        members: dict[int, list[EngineState]] = {}
+        members: dict[Layout, list[EngineState]] = {}
         for e in engines:
             known = seen.get(e.slot)
-            if known is None or known[0] is not e or known[1] != e.groups or known[2] != e.eagle:
+            if known is None or known[0] != e.groups or known[1] != e.eagle:
                 groups = dict(e.groups)
-                known = seen[e.slot] = (e, groups, e.eagle, self._number(groups, e.eagle))
-            same = members.get(known[3])
+                known = seen[e.slot] = (groups, e.eagle, self._layout(groups, e.eagle))
+            same = members.get(known[2])
             if same is None:
-                members[known[3]] = [e]
+                members[known[2]] = [e]
             else:
                 same.append(e)
-        return [(self._layouts[n], m) for n, m in members.items()]
+        return list(members.items())
 
-    def _number(self, groups: dict[int, GroupSpec], eagle: bool) -> int:
+    def _layout(self, groups: dict[int, GroupSpec], eagle: bool) -> Layout:
         key = (tuple(sorted(groups.items())), eagle)
-        n = self._by_key.get(key)
-        if n is None:
+        layout = self._layouts.get(key)
+        if layout is None:
             if len(self._layouts) > 4096:  # layouts are few; bound them all the same
-                self._by_key.clear()
                 self._layouts.clear()
-                self._seen.clear()
-            n = self._by_key[key] = len(self._layouts)
-            self._layouts.append(Layout(dict(key[0]), eagle))
-        return n
+            layout = self._layouts[key] = Layout(dict(key[0]), eagle)
+        return layout
 
 
 def match_engines(
