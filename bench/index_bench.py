@@ -10,6 +10,7 @@ engines, as in a real fleet. ``match`` latency includes computing the prompt's c
 RSS growth is measured around ingest and divided by the resident entries. The collector runs as
 ``kvrouter serve`` runs it: enabled, start-up objects frozen (``gc.freeze()``).
 
+``match_keys_p50_ms_*``: the router's call, ``match_keys`` from keys it computed beforehand.
 ``match_p50_ms_128k_swa``: a hybrid full-attention + sliding-window model whose 64 engines hold a
 128k-token prefix in full attention but not the window's tail (:func:`hybrid_swa_case`).
 """
@@ -106,6 +107,20 @@ def chain_payloads(chain: list[int], cached: set[int], rank: int) -> list[bytes]
         )
         payloads.append(msgspec.msgpack.encode([time.time(), [event], rank]))
     return payloads
+
+
+def timed_keys(index: PrefixIndex, prompts: list[list[int]]) -> list[float]:
+    """Per prompt: ``match_keys`` latency (ms) from keys computed beforehand, with the engine
+    list given, as the router calls it (router/core.py; its tokenizer caches the keys)."""
+    root = index.root(MODEL)
+    engines = index.engines()
+    times = []
+    for p in prompts:
+        keys = index.prompt_keys(p, root)
+        t = time.perf_counter()
+        index.match_keys(keys, len(p), engines)
+        times.append((time.perf_counter() - t) * 1000)
+    return times
 
 
 def timed(index: PrefixIndex, prompts: list[list[int]]) -> tuple[list[float], list[int]]:
@@ -250,6 +265,7 @@ def main() -> None:
     t8, h8 = timed(index, q8)
     q128 = [[*rng.choice(long_docs)[: long_tokens - 7], 1, 2, 3, 4, 5, 6, 7] for _ in range(30)]
     t128, h128 = timed(index, q128)
+    k8, k128 = timed_keys(index, q8), timed_keys(index, q128)
     del index
     gc.collect()
     tswa, hswa = hybrid_swa_case(args.workers, args.swa_queries, random.Random(args.seed + 1))
@@ -263,6 +279,8 @@ def main() -> None:
         "match_p50_ms_8k": round(statistics.median(t8), 3),
         "match_p99_ms_8k": round(sorted(t8)[int(len(t8) * 0.99) - 1], 3),
         "match_p50_ms_128k": round(statistics.median(t128), 3),
+        "match_keys_p50_ms_8k": round(statistics.median(k8), 3),
+        "match_keys_p50_ms_128k": round(statistics.median(k128), 3),
         "match_8k_mean_hit_tokens": round(statistics.mean(h8)),
         "match_128k_hit_tokens": min(h128),
         "match_p50_ms_128k_swa": round(statistics.median(tswa), 3),

@@ -160,7 +160,10 @@ def full_runs(
     if _c_full_runs is not None and type(res) is tuple and _c_keys(keys):
         nblocks = limit // block_size
         scan = min(nblocks, len(keys) // step)
-        return _c_full_runs(res, keys, step, scan, block_size, nblocks, alive)  # type: ignore[no-any-return]
+        try:
+            return _c_full_runs(res, keys, step, scan, block_size, nblocks, alive)  # type: ignore[no-any-return]
+        except TypeError:  # keys or masks that are not plain ints: the Python loop takes them
+            pass
     out = [0] * alive.bit_length()
     for slot, hit in full_attention_run(res, keys, block_size, unit, limit, alive).items():
         out[slot] = hit
