@@ -9,6 +9,7 @@ the layout memo is reused across matches while engines change their groups.
 
 from __future__ import annotations
 
+import os
 import random
 from array import array
 
@@ -147,7 +148,5 @@ def test_keys_from_a_token_list_refuse_what_tokens_to_bytes_refuses(bad: list[ob
 
 
 def test_c_match_path_is_built_when_native_is_required() -> None:
-    import os
-
     if os.environ.get("KVROUTER_REQUIRE_NATIVE") == "1":
         assert keys_module._match is not None, "KVROUTER_REQUIRE_NATIVE=1: build the extension"
