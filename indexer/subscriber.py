@@ -16,10 +16,13 @@ Topologies (docs/vllm-reference.md §2.2):
 Data path, all on the event-loop thread (the index is single-threaded):
 
     socket --reader callback on ZMQ_FD (NOBLOCK, <= RECV_BATCH per turn)--> per-source bounded deque
-           --applier task (<= APPLY_BATCH msgs / APPLY_BUDGET_S per turn)--> decode -> SourceState
+           --applier turn (<= APPLY_BATCH msgs / APPLY_BUDGET_S per turn)--> decode -> SourceState
            --actions--> index.apply / clear_engine, replay task, on_reset
 
-Reader and applier both return to the loop after bounded work, so a flood never starves it.
+Reader and applier both return to the loop after bounded work, so a flood never starves it. Both
+are plain loop callbacks: a reader turn that queued something schedules one applier turn with
+``call_soon`` (readers woken by the same poll run first and share it), and an applier turn with
+work left schedules the next; no future or task changes hands per message.
 A full deque drops the newest message (``queue_overflows``) and that seq becomes an ordinary gap:
 memory stays bounded by ``queue_depth`` messages and ``queue_bytes`` payload bytes per source, plus
 ZMQ's RCVHWM (``queue_depth`` messages).
@@ -140,8 +143,9 @@ class Subscriber:
         self._bound_feed: Feed | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._ready: dict[Source, None] = {}  # ordered set of sources with work
-        self._wake: asyncio.Event | None = None
-        self._applier: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._applier: asyncio.Handle | None = None
+        """The scheduled applier turn, if any."""
         self._resync: Resync | None = None
         self._running = False
 
@@ -152,22 +156,19 @@ class Subscriber:
             return
         self._running = True
         self._ctx = zmq.asyncio.Context()
-        self._wake = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         self._resync = Resync(
             self._ctx, self.replay_timeout_s, self.replay_concurrency, self._run, self._resume
-        )
-        self._applier = asyncio.get_running_loop().create_task(
-            self._apply_loop(), name="kv-subscriber-applier"
         )
         if self.bind is not None:
             self._bound_feed = self._open_feed(self.bind, None)
         for src in self._sources.values():
-            if src.feed is None and not self._is_bound(src):
+            if src.feed is None and src.topic is None:  # (bound sources share the bound feed)
                 self._feeds[src.engine] = self._open_feed(src.endpoint, src)
         for src in self._sources.values():
             if src.queue:
                 self._ready[src] = None
-        self._wake.set()
+        self._kick()
 
     async def stop(self) -> None:
         if not self._running:
@@ -175,7 +176,8 @@ class Subscriber:
         self._running = False
         tasks: list[asyncio.Task[None]] = []
         if self._applier is not None:
-            tasks.append(self._applier)
+            self._applier.cancel()
+            self._applier = None
         for src in self._sources.values():
             if src.replay_task is not None:
                 tasks.append(src.replay_task)
@@ -192,7 +194,7 @@ class Subscriber:
             src.replay_task = None
         self._feeds.clear()
         self._bound_feed = None
-        self._applier = None
+        self._loop = None
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
@@ -380,9 +382,6 @@ class Subscriber:
 
     # ------------------------------------------------------------------ sockets
 
-    def _is_bound(self, src: Source) -> bool:
-        return src.topic is not None
-
     def _open_feed(self, endpoint: str, src: Source | None) -> Feed:
         """Open the bound socket (``src`` None) or the connected one of ``src``."""
         assert self._ctx is not None
@@ -473,8 +472,9 @@ class Subscriber:
             self._ready[src] = None
 
     def _kick(self) -> None:
-        if self._ready and self._wake is not None:
-            self._wake.set()
+        """Schedule an applier turn if a source has work and none is scheduled."""
+        if self._ready and self._applier is None and self._running and self._loop is not None:
+            self._applier = self._loop.call_soon(self._apply_turn)
 
     def _resume(self, src: Source) -> None:
         """The source's replay ended: its queued messages may move again."""
@@ -484,16 +484,19 @@ class Subscriber:
 
     # ------------------------------------------------------------------ applying
 
-    async def _apply_loop(self) -> None:
-        assert self._wake is not None
-        wake = self._wake
+    def _apply_turn(self) -> None:
+        """One applier turn: up to ``APPLY_BATCH`` messages of each source with work, round
+        robin, until ``APPLY_BUDGET_S`` is spent; the next turn is scheduled if work is left."""
+        self._applier = None
+        if not self._running:
+            return
+        ready = self._ready
         clock = time.perf_counter
-        while True:
-            if not self._ready:
-                wake.clear()
-                await wake.wait()
-            t0 = clock()
-            for src in list(self._ready):
+        t_end = clock() + APPLY_BUDGET_S
+        try:
+            for src in list(ready):
+                if src not in ready:
+                    continue  # a replay started or the worker went away during this turn
                 try:
                     self._drain(src, APPLY_BATCH)
                 except Exception:  # never let one source's data stop the applier
@@ -501,12 +504,13 @@ class Subscriber:
                     src.queue.clear()
                     src.queued_bytes = 0
                     self._run(src, src.state.apply_failed(time.monotonic()))
-                if not src.queue or src.replay_task is not None or src.removed:
-                    self._ready.pop(src, None)
-                if clock() - t0 > APPLY_BUDGET_S:
-                    await asyncio.sleep(0)
-                    t0 = clock()
-            await asyncio.sleep(0)
+                ready.pop(src, None)
+                if src.queue and src.replay_task is None and not src.removed:
+                    ready[src] = None  # to the back: the next turn starts with the others
+                if clock() > t_end:
+                    break
+        finally:
+            self._kick()
 
     def _drain(self, src: Source, budget: int) -> None:
         q = src.queue
@@ -526,6 +530,11 @@ class Subscriber:
                     src.decode_errors += 1
                     batch = _UNDECODABLE
                 q[0] = (seq, payload, batch)  # decoded once, even if it waits for a replay
+            if batch is not _UNDECODABLE and state.next_in_order(seq, batch):
+                self._apply(src, seq, batch)
+                src.queued_bytes -= len(q.popleft()[1])
+                n += 1
+                continue
             live = state.live(seq, None if batch is _UNDECODABLE else batch, clock())
             request = self._run(src, live)
             if request is not None:
