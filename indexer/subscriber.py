@@ -20,9 +20,10 @@ Data path, all on the event-loop thread (the index is single-threaded):
            --actions--> index.apply / clear_engine, replay task, on_reset
 
 Reader and applier both return to the loop after bounded work, so a flood never starves it. Both
-are plain loop callbacks: a reader turn that queued something schedules one applier turn with
-``call_soon`` (readers woken by the same poll run first and share it), and an applier turn with
-work left schedules the next; no future or task changes hands per message.
+are plain loop callbacks, and no future or task changes hands per message: a connected socket's
+reader turn applies what it queued right away (up to ``APPLY_BATCH`` messages); whatever is left,
+and the bound socket's messages, go to applier turns scheduled with ``call_soon``, each of which
+schedules the next while work is left.
 A full deque drops the newest message (``queue_overflows``) and that seq becomes an ordinary gap:
 memory stays bounded by ``queue_depth`` messages and ``queue_bytes`` payload bytes per source, plus
 ZMQ's RCVHWM (``queue_depth`` messages).
@@ -174,16 +175,11 @@ class Subscriber:
         if not self._running:
             return
         self._running = False
-        tasks: list[asyncio.Task[None]] = []
         if self._applier is not None:
             self._applier.cancel()
             self._applier = None
-        for src in self._sources.values():
-            if src.replay_task is not None:
-                tasks.append(src.replay_task)
-        feeds = list(self._feeds.values())
-        if self._bound_feed is not None:
-            feeds.append(self._bound_feed)
+        tasks = [s.replay_task for s in self._sources.values() if s.replay_task is not None]
+        feeds = self._all_feeds()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -308,19 +304,13 @@ class Subscriber:
         return n
 
     def _new_source(
-        self,
-        worker_id: str,
-        rank: int,
-        endpoint: str,
-        replay_endpoint: str | None,
-        topic: str | None = None,
+        self, worker_id: str, rank: int, endpoint: str, replay: str | None, topic: str | None = None
     ) -> Source:
+        batches, seconds = self.rebuild_batches, self.rebuild_s
         state = SourceState(
-            can_replay=replay_endpoint is not None,
-            rebuild_batches=self.rebuild_batches,
-            rebuild_s=self.rebuild_s,
+            can_replay=replay is not None, rebuild_batches=batches, rebuild_s=seconds
         )
-        return Source(worker_id, rank, endpoint, replay_endpoint, state, topic=topic)
+        return Source(worker_id, rank, endpoint, replay, state, topic=topic)
 
     # ------------------------------------------------------------------ inspection
 
@@ -375,10 +365,11 @@ class Subscriber:
     def _idle(self) -> bool:
         if any(s.queue or s.replay_task is not None for s in self._sources.values()):
             return False
-        feeds = list(self._feeds.values())
-        if self._bound_feed is not None:
-            feeds.append(self._bound_feed)
-        return not any(feed.has_input() for feed in feeds)
+        return not any(feed.has_input() for feed in self._all_feeds())
+
+    def _all_feeds(self) -> list[Feed]:
+        bound = [] if self._bound_feed is None else [self._bound_feed]
+        return [*self._feeds.values(), *bound]
 
     # ------------------------------------------------------------------ sockets
 
@@ -413,7 +404,7 @@ class Subscriber:
                 options,
                 bind=False,
                 on_message=functools.partial(self._route_connect, src),
-                on_read=self._kick,
+                on_read=functools.partial(self._read_done, src),
                 on_reconnect=functools.partial(self._reconnected, src),
             )
             src.feed = feed
@@ -484,6 +475,13 @@ class Subscriber:
 
     # ------------------------------------------------------------------ applying
 
+    def _read_done(self, src: Source) -> None:
+        """A reader turn of ``src``'s own socket ended: apply what it queued in the same loop
+        turn (one loop iteration per message, not two); the rest waits for applier turns."""
+        if src in self._ready:
+            self._serve(src)
+        self._kick()
+
     def _apply_turn(self) -> None:
         """One applier turn: up to ``APPLY_BATCH`` messages of each source with work, round
         robin, until ``APPLY_BUDGET_S`` is spent; the next turn is scheduled if work is left."""
@@ -495,22 +493,27 @@ class Subscriber:
         t_end = clock() + APPLY_BUDGET_S
         try:
             for src in list(ready):
-                if src not in ready:
-                    continue  # a replay started or the worker went away during this turn
-                try:
-                    self._drain(src, APPLY_BATCH)
-                except Exception:  # never let one source's data stop the applier
-                    log.exception("applying events of %s", src.engine)
-                    src.queue.clear()
-                    src.queued_bytes = 0
-                    self._run(src, src.state.apply_failed(time.monotonic()))
-                ready.pop(src, None)
-                if src.queue and src.replay_task is None and not src.removed:
-                    ready[src] = None  # to the back: the next turn starts with the others
+                if src in ready:  # (a replay may have started, or the worker gone, meanwhile)
+                    self._serve(src)
                 if clock() > t_end:
                     break
         finally:
             self._kick()
+
+    def _serve(self, src: Source) -> None:
+        """Apply up to ``APPLY_BATCH`` of the source's queued messages; a source with work left
+        goes to the back of the ready order."""
+        try:
+            self._drain(src, APPLY_BATCH)
+        except Exception:  # never let one source's data stop the applier
+            log.exception("applying events of %s", src.engine)
+            src.queue.clear()
+            src.queued_bytes = 0
+            self._run(src, src.state.apply_failed(time.monotonic()))
+        ready = self._ready
+        ready.pop(src, None)
+        if src.queue and src.replay_task is None and not src.removed:
+            ready[src] = None
 
     def _drain(self, src: Source, budget: int) -> None:
         q = src.queue
