@@ -86,10 +86,11 @@ class Source:
     replay_task: asyncio.Task[None] | None = None
     rate: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=11))
     """``(wall clock, events applied)`` samples, one per second at most."""
+    engine: EngineId = field(init=False)
+    """``(worker_id, dp_rank)``, built once: every applied batch is keyed by it."""
 
-    @property
-    def engine(self) -> EngineId:
-        return (self.worker_id, self.dp_rank)
+    def __post_init__(self) -> None:
+        self.engine = (self.worker_id, self.dp_rank)
 
     def applied(self, now: float) -> None:
         """A batch was applied at wall clock ``now``."""

@@ -195,6 +195,31 @@ class SourceState:
             self.last_live_seq = seq
         return out
 
+    def next_in_order(self, seq: int, batch: DecodedBatch) -> bool:
+        """The common case of :meth:`live`, without building actions: a decodable batch right
+        after the last applied one, on a source that is verified, not resyncing and not
+        degraded. Returns True when it took the batch -- the caller applies it, exactly as if
+        ``live`` had returned ``[Apply(seq, batch)]`` -- and False (nothing changed) when the
+        batch needs :meth:`live`."""
+        last = self.last_seq
+        if (
+            last is None
+            or seq != last + 1
+            or self.resync
+            or self.degraded
+            or self.unverified is not None
+            or (self.last_live_seq is not None and seq <= self.last_live_seq)
+        ):
+            return False
+        self.replay_streak = 0
+        self.last_seq = self.last_ts_seq = self.last_live_seq = seq
+        self.batches += 1
+        self.events += len(batch.events)
+        self.last_event_ts = batch.ts
+        if self.overflow_max is not None and seq >= self.overflow_max:
+            self.overflow_max = None
+        return True
+
     def dropped(self, seq: int) -> None:
         """A full queue dropped the live message ``seq``."""
         if self.overflow_max is None or seq > self.overflow_max:

@@ -16,10 +16,14 @@ Topologies (docs/vllm-reference.md §2.2):
 Data path, all on the event-loop thread (the index is single-threaded):
 
     socket --reader callback on ZMQ_FD (NOBLOCK, <= RECV_BATCH per turn)--> per-source bounded deque
-           --applier task (<= APPLY_BATCH msgs / APPLY_BUDGET_S per turn)--> decode -> SourceState
+           --applier turn (<= APPLY_BATCH msgs / APPLY_BUDGET_S per turn)--> decode -> SourceState
            --actions--> index.apply / clear_engine, replay task, on_reset
 
-Reader and applier both return to the loop after bounded work, so a flood never starves it.
+Reader and applier both return to the loop after bounded work, so a flood never starves it. Both
+are plain loop callbacks, and no future or task changes hands per message: a connected socket's
+reader turn applies what it queued right away (up to ``APPLY_BATCH`` messages); whatever is left,
+and the bound socket's messages, go to applier turns scheduled with ``call_soon``, each of which
+schedules the next while work is left.
 A full deque drops the newest message (``queue_overflows``) and that seq becomes an ordinary gap:
 memory stays bounded by ``queue_depth`` messages and ``queue_bytes`` payload bytes per source, plus
 ZMQ's RCVHWM (``queue_depth`` messages).
@@ -140,8 +144,9 @@ class Subscriber:
         self._bound_feed: Feed | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._ready: dict[Source, None] = {}  # ordered set of sources with work
-        self._wake: asyncio.Event | None = None
-        self._applier: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._applier: asyncio.Handle | None = None
+        """The scheduled applier turn, if any."""
         self._resync: Resync | None = None
         self._running = False
 
@@ -152,36 +157,29 @@ class Subscriber:
             return
         self._running = True
         self._ctx = zmq.asyncio.Context()
-        self._wake = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         self._resync = Resync(
             self._ctx, self.replay_timeout_s, self.replay_concurrency, self._run, self._resume
-        )
-        self._applier = asyncio.get_running_loop().create_task(
-            self._apply_loop(), name="kv-subscriber-applier"
         )
         if self.bind is not None:
             self._bound_feed = self._open_feed(self.bind, None)
         for src in self._sources.values():
-            if src.feed is None and not self._is_bound(src):
+            if src.feed is None and src.topic is None:  # (bound sources share the bound feed)
                 self._feeds[src.engine] = self._open_feed(src.endpoint, src)
         for src in self._sources.values():
             if src.queue:
                 self._ready[src] = None
-        self._wake.set()
+        self._kick()
 
     async def stop(self) -> None:
         if not self._running:
             return
         self._running = False
-        tasks: list[asyncio.Task[None]] = []
         if self._applier is not None:
-            tasks.append(self._applier)
-        for src in self._sources.values():
-            if src.replay_task is not None:
-                tasks.append(src.replay_task)
-        feeds = list(self._feeds.values())
-        if self._bound_feed is not None:
-            feeds.append(self._bound_feed)
+            self._applier.cancel()
+            self._applier = None
+        tasks = [s.replay_task for s in self._sources.values() if s.replay_task is not None]
+        feeds = self._all_feeds()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -192,7 +190,7 @@ class Subscriber:
             src.replay_task = None
         self._feeds.clear()
         self._bound_feed = None
-        self._applier = None
+        self._loop = None
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
@@ -306,19 +304,13 @@ class Subscriber:
         return n
 
     def _new_source(
-        self,
-        worker_id: str,
-        rank: int,
-        endpoint: str,
-        replay_endpoint: str | None,
-        topic: str | None = None,
+        self, worker_id: str, rank: int, endpoint: str, replay: str | None, topic: str | None = None
     ) -> Source:
+        batches, seconds = self.rebuild_batches, self.rebuild_s
         state = SourceState(
-            can_replay=replay_endpoint is not None,
-            rebuild_batches=self.rebuild_batches,
-            rebuild_s=self.rebuild_s,
+            can_replay=replay is not None, rebuild_batches=batches, rebuild_s=seconds
         )
-        return Source(worker_id, rank, endpoint, replay_endpoint, state, topic=topic)
+        return Source(worker_id, rank, endpoint, replay, state, topic=topic)
 
     # ------------------------------------------------------------------ inspection
 
@@ -373,15 +365,13 @@ class Subscriber:
     def _idle(self) -> bool:
         if any(s.queue or s.replay_task is not None for s in self._sources.values()):
             return False
-        feeds = list(self._feeds.values())
-        if self._bound_feed is not None:
-            feeds.append(self._bound_feed)
-        return not any(feed.has_input() for feed in feeds)
+        return not any(feed.has_input() for feed in self._all_feeds())
+
+    def _all_feeds(self) -> list[Feed]:
+        bound = [] if self._bound_feed is None else [self._bound_feed]
+        return [*self._feeds.values(), *bound]
 
     # ------------------------------------------------------------------ sockets
-
-    def _is_bound(self, src: Source) -> bool:
-        return src.topic is not None
 
     def _open_feed(self, endpoint: str, src: Source | None) -> Feed:
         """Open the bound socket (``src`` None) or the connected one of ``src``."""
@@ -414,7 +404,7 @@ class Subscriber:
                 options,
                 bind=False,
                 on_message=functools.partial(self._route_connect, src),
-                on_read=self._kick,
+                on_read=functools.partial(self._read_done, src),
                 on_reconnect=functools.partial(self._reconnected, src),
             )
             src.feed = feed
@@ -473,8 +463,9 @@ class Subscriber:
             self._ready[src] = None
 
     def _kick(self) -> None:
-        if self._ready and self._wake is not None:
-            self._wake.set()
+        """Schedule an applier turn if a source has work and none is scheduled."""
+        if self._ready and self._applier is None and self._running and self._loop is not None:
+            self._applier = self._loop.call_soon(self._apply_turn)
 
     def _resume(self, src: Source) -> None:
         """The source's replay ended: its queued messages may move again."""
@@ -484,29 +475,45 @@ class Subscriber:
 
     # ------------------------------------------------------------------ applying
 
-    async def _apply_loop(self) -> None:
-        assert self._wake is not None
-        wake = self._wake
+    def _read_done(self, src: Source) -> None:
+        """A reader turn of ``src``'s own socket ended: apply what it queued in the same loop
+        turn (one loop iteration per message, not two); the rest waits for applier turns."""
+        if src in self._ready:
+            self._serve(src)
+        self._kick()
+
+    def _apply_turn(self) -> None:
+        """One applier turn: up to ``APPLY_BATCH`` messages of each source with work, round
+        robin, until ``APPLY_BUDGET_S`` is spent; the next turn is scheduled if work is left."""
+        self._applier = None
+        if not self._running:
+            return
+        ready = self._ready
         clock = time.perf_counter
-        while True:
-            if not self._ready:
-                wake.clear()
-                await wake.wait()
-            t0 = clock()
-            for src in list(self._ready):
-                try:
-                    self._drain(src, APPLY_BATCH)
-                except Exception:  # never let one source's data stop the applier
-                    log.exception("applying events of %s", src.engine)
-                    src.queue.clear()
-                    src.queued_bytes = 0
-                    self._run(src, src.state.apply_failed(time.monotonic()))
-                if not src.queue or src.replay_task is not None or src.removed:
-                    self._ready.pop(src, None)
-                if clock() - t0 > APPLY_BUDGET_S:
-                    await asyncio.sleep(0)
-                    t0 = clock()
-            await asyncio.sleep(0)
+        t_end = clock() + APPLY_BUDGET_S
+        try:
+            for src in list(ready):
+                if src in ready:  # (a replay may have started, or the worker gone, meanwhile)
+                    self._serve(src)
+                if clock() > t_end:
+                    break
+        finally:
+            self._kick()
+
+    def _serve(self, src: Source) -> None:
+        """Apply up to ``APPLY_BATCH`` of the source's queued messages; a source with work left
+        goes to the back of the ready order."""
+        try:
+            self._drain(src, APPLY_BATCH)
+        except Exception:  # never let one source's data stop the applier
+            log.exception("applying events of %s", src.engine)
+            src.queue.clear()
+            src.queued_bytes = 0
+            self._run(src, src.state.apply_failed(time.monotonic()))
+        ready = self._ready
+        ready.pop(src, None)
+        if src.queue and src.replay_task is None and not src.removed:
+            ready[src] = None
 
     def _drain(self, src: Source, budget: int) -> None:
         q = src.queue
@@ -526,6 +533,11 @@ class Subscriber:
                     src.decode_errors += 1
                     batch = _UNDECODABLE
                 q[0] = (seq, payload, batch)  # decoded once, even if it waits for a replay
+            if batch is not _UNDECODABLE and state.next_in_order(seq, batch):
+                self._apply(src, seq, batch)
+                src.queued_bytes -= len(q.popleft()[1])
+                n += 1
+                continue
             live = state.live(seq, None if batch is _UNDECODABLE else batch, clock())
             request = self._run(src, live)
             if request is not None:

@@ -19,6 +19,7 @@ Actions read ``apply N``, ``replay N (reason)`` (``ts=X`` when the answer is ver
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -643,3 +644,84 @@ def test_events_are_counted() -> None:
     state.live(0, DecodedBatch(1.0, [AllBlocksCleared(), AllBlocksCleared()]), 0.0)
     state.live(1, DecodedBatch(2.0, [AllBlocksCleared()]), 0.0)
     assert (state.batches, state.events, state.last_event_ts) == (2, 3, 2.0)
+
+
+class ShortcutDriver(Driver):
+    """A driver that offers every decodable live message to ``next_in_order`` first, as the
+    subscriber's applier does, and takes ``live`` only when the shortcut declines."""
+
+    taken = 0
+
+    def step(self, kind: str, *args: Any) -> list[str] | bool | None:
+        if kind == "live" and self.state.next_in_order(args[0], _batch(args[0])):
+            ShortcutDriver.taken += 1
+            return [f"apply {args[0]}"]
+        return super().step(kind, *args)
+
+
+def _fields(state: SourceState) -> dict[str, Any]:
+    out = {
+        name: getattr(state, name)
+        for name in SourceState.__dataclass_fields__
+        if name not in ("_out", "_now")  # scratch of the event being handled
+    }
+    if state.replay is not None:  # (compared by identity; two drivers ask two requests)
+        out["replay"] = _show(state.replay)
+    return out
+
+
+def _lockstep(kwargs: dict[str, Any], steps: list[tuple[Any, ...]]) -> None:
+    """The same steps through both drivers: same actions and the same state after each."""
+    params: dict[str, Any] = {"can_replay": True, "rebuild_batches": 256, "rebuild_s": 30.0}
+    plain = Driver(SourceState(**{**params, **kwargs}))
+    fast = ShortcutDriver(SourceState(**{**params, **kwargs}))
+    for i, step in enumerate(steps):
+        want, got = plain.step(*step), fast.step(*step)
+        assert got == want, f"step {i} {step}: {got} != {want}"
+        assert _fields(fast.state) == _fields(plain.state), f"step {i} {step}"
+
+
+def test_in_order_shortcut_agrees_with_live_in_every_rule_case() -> None:
+    before = ShortcutDriver.taken
+    for kwargs, steps, _final in CASES.values():
+        _lockstep(kwargs, [step for step, _want in steps])
+    assert ShortcutDriver.taken - before > 10  # the shortcut is exercised, not always declined
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_in_order_shortcut_agrees_with_live_on_random_streams(seed: int) -> None:
+    """Gaps, restarts, drops, reconnects, undecodable and clearing batches and resets in random
+    order, on a source without replay (so the stream never waits): the degraded, resync and
+    unverified states all occur and the shortcut must step aside in each."""
+    rng = random.Random(seed)
+    seq = 0
+    steps: list[tuple[Any, ...]] = []
+    for _ in range(300):
+        r = rng.random()
+        if r < 0.6:
+            steps.append(("live", seq))
+            seq += 1
+        elif r < 0.7:
+            seq += rng.randint(1, 3)  # a gap
+        elif r < 0.75:
+            seq = rng.randint(0, 3) if rng.random() < 0.5 else max(seq - 2, 0)  # restart
+        elif r < 0.8:
+            steps.append(("drop", seq))
+            seq += 1
+        elif r < 0.85:
+            steps.append(("emptied",))
+        elif r < 0.88:
+            steps.append(("reconnect",))
+        elif r < 0.91:
+            steps.append(("bad", seq))
+            seq += 1
+        elif r < 0.94:
+            steps.append(("cleared", seq))
+            seq += 1
+        elif r < 0.97:
+            steps.append(("at", 100.0 + rng.random() * 100))
+        else:
+            steps.append(("reset", "worker unreachable"))
+    before = ShortcutDriver.taken
+    _lockstep({"can_replay": False, "rebuild_batches": rng.randint(1, 8), "rebuild_s": 5.0}, steps)
+    assert ShortcutDriver.taken > before
