@@ -26,6 +26,7 @@
 #include "xxhash.h"
 
 #include "_ingest.h"
+#include "_u64map.h"
 
 /* ------------------------------------------------------------------ ids_from_json */
 
@@ -797,12 +798,18 @@ static PyMethodDef native_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyModuleDef_Slot native_slots[] = {
+    {Py_mod_exec, (void *)u64map_add_type},
+    {0, NULL},
+};
+
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "indexer._native",
     .m_doc = "C versions of kvrouter's request-path loops; use indexer.native, not this module.",
     .m_size = 0,
     .m_methods = native_methods,
+    .m_slots = native_slots,
 };
 
 PyMODINIT_FUNC
