@@ -26,6 +26,7 @@
 #include "xxhash.h"
 
 #include "_ingest.h"
+#include "_u64map.h"
 
 #define SLOTS 1024 /* indexer.staggered.SLOTS */
 #define STORE_BAIL (-1)
@@ -471,15 +472,15 @@ slot_dict(PyObject *table, uint64_t slot)
     return d;
 }
 
-/* The dict of the hash map holding engine hash h (slot hash(h) & 1023, as HashMap does). */
-static PyObject *
-hash_dict(PyObject *hmap, PyObject *h)
+/* An engine's hash map: a U64Map (indexer/u64map.py). */
+static int
+check_map(PyObject *m, const char *what)
 {
-    Py_hash_t hv = PyObject_Hash(h);
-    if (hv == -1 && PyErr_Occurred()) {
-        return NULL;
+    if (!U64Map_Check(m)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a U64Map", what);
+        return -1;
     }
-    return slot_dict(hmap, (uint64_t)hv);
+    return 0;
 }
 
 typedef struct {
@@ -575,17 +576,17 @@ block_keys(uint64_t seed, const unsigned char *tokens, Py_ssize_t nblocks, Py_ss
 enum { RES_UNTOUCHED, RES_INSERTED, RES_UPDATED };
 
 typedef struct {
-    PyObject *h, *k, *m; /* engine hash, content key, mask before (RES_UPDATED) */
-    PyObject *hd, *d;    /* their dicts (borrowed) */
-    int mapped;          /* h -> k inserted into hd */
-    int res;             /* what happened to k in d */
+    PyObject *k, *m; /* content key, mask before (RES_UPDATED) */
+    PyObject *d;     /* k's dict (borrowed) */
+    uint64_t h;      /* engine hash */
+    int mapped;      /* h -> k inserted into the hash map */
+    int res;         /* what happened to k in d */
 } pending_block;
 
 static void
 release_blocks(pending_block *pb, Py_ssize_t n)
 {
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_XDECREF(pb[i].h);
         Py_XDECREF(pb[i].k);
         Py_XDECREF(pb[i].m);
     }
@@ -626,7 +627,7 @@ out:
 
 /* Take back what insert_blocks did to blocks [0, n), last first. */
 static void
-undo_blocks(pending_block *pb, Py_ssize_t n)
+undo_blocks(pending_block *pb, PyObject *hmap, Py_ssize_t n)
 {
     for (Py_ssize_t i = n - 1; i >= 0; i--) {
         pending_block *p = &pb[i];
@@ -637,16 +638,39 @@ undo_blocks(pending_block *pb, Py_ssize_t n)
             (void)PyDict_SetItem(p->d, p->k, p->m);
         }
         if (p->mapped) {
-            (void)PyDict_DelItem(p->hd, p->h);
+            (void)u64map_remove(hmap, p->h);
         }
     }
 }
 
+/* Whether a block needs a rarer rule of the Python path, found before anything changes: its
+ * hash is mapped already (extra references) or the engine holds its key already (a duplicate).
+ * Taking changes back would not do: a segment grown meanwhile stays grown, and the map's order
+ * (snapshots list it) would then differ from the Python path's. 1 yes, 0 no, -3 error. */
+static int
+needs_python(PyObject *res, PyObject *hmap, const engine_bit *b, const unsigned char *hashes,
+             const uint64_t *keys, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t v;
+        int where = u64map_find(hmap, load_le(hashes + 8 * i, 8), &v);
+        if (where != U64_ABSENT) return where < 0 ? -3 : 1;
+        PyObject *k = PyLong_FromUnsignedLongLong(keys[i]);
+        PyObject *d = k == NULL ? NULL : slot_dict(res, keys[i]);
+        PyObject *m = d == NULL ? NULL : PyDict_GetItemWithError(d, k);
+        Py_XDECREF(k);
+        if (PyErr_Occurred()) return -3;
+        int held = m == NULL ? 0 : mask_has(m, b);
+        if (held) return held < 0 ? -3 : 1;
+    }
+    return 0;
+}
+
 /* Record every block: its engine hash mapped to its key, its entry or'ed with the engine's bit
- * (one lookup each: set-if-absent). A hash already mapped or a block already held is a rarer
- * case for Python (extra references, duplicates): everything is taken back and STORE_BAIL
- * returned. 0 when done, -3 with an error set. The dicts end up as Residency.add_many leaves
- * them: same entries, each inserted in block order. */
+ * (one lookup each: set-if-absent). needs_python has ruled out the rarer cases but one: a hash
+ * or key listed twice in the event; that is taken back and STORE_BAIL returned. 0 when done,
+ * -3 with an error set. The maps end up as Residency.add_many leaves them: same entries, each
+ * inserted in block order. */
 static int
 insert_blocks(pending_block *pb, PyObject *res, PyObject *hmap, const engine_bit *b,
               const unsigned char *hashes, const uint64_t *keys, Py_ssize_t n)
@@ -655,19 +679,20 @@ insert_blocks(pending_block *pb, PyObject *res, PyObject *hmap, const engine_bit
     int code = 0;
     for (i = 0; i < n && code == 0; i++) {
         pending_block *p = &pb[i];
-        p->h = PyLong_FromUnsignedLongLong(load_le(hashes + 8 * i, 8));
+        p->h = load_le(hashes + 8 * i, 8);
         p->k = PyLong_FromUnsignedLongLong(keys[i]);
-        if (p->h == NULL || p->k == NULL || (p->hd = hash_dict(hmap, p->h)) == NULL ||
-            (p->d = slot_dict(res, keys[i])) == NULL) {
+        if (p->k == NULL || (p->d = slot_dict(res, keys[i])) == NULL) {
             return -3;
         }
-        PyObject *got = PyDict_SetDefault(p->hd, p->h, p->k);
-        if (got == NULL) return -3;
-        if (got != p->k) { /* p->k is a new object: an existing value is never it */
+        uint64_t old;
+        int put = u64map_put_new(hmap, p->h, keys[i], &old);
+        if (put < 0) return -3;
+        if (put != 1) { /* mapped by an earlier block of this very event */
             code = STORE_BAIL;
             break;
         }
         p->mapped = 1;
+        PyObject *got;
         Py_ssize_t before = PyDict_GET_SIZE(p->d);
         got = PyDict_SetDefault(p->d, p->k, b->obj);
         if (got == NULL) return -3;
@@ -691,7 +716,7 @@ insert_blocks(pending_block *pb, PyObject *res, PyObject *hmap, const engine_bit
         p->res = RES_UPDATED;
     }
     if (code == STORE_BAIL) {
-        undo_blocks(pb, i + 1);
+        undo_blocks(pb, hmap, i + 1);
     }
     return code;
 }
@@ -707,7 +732,7 @@ ingest_store_dense(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *res = args[0], *hmap = args[1], *seed_obj = args[3], *parent = args[4];
     PyObject *decided = args[9];
     engine_bit b;
-    if (check_table(res, "res") < 0 || check_table(hmap, "hmap") < 0 || bit_open(&b, args[2]) < 0) {
+    if (check_table(res, "res") < 0 || check_map(hmap, "hmap") < 0 || bit_open(&b, args[2]) < 0) {
         return NULL;
     }
     if (!PyBytes_Check(args[5]) || !PyBytes_Check(args[6]) ||
@@ -722,15 +747,15 @@ ingest_store_dense(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "store_dense: not a dense event of whole units");
         return NULL;
     }
+    PyObject *mapped = NULL;
     if (parent != Py_None) {
-        PyObject *hd = hash_dict(hmap, parent);
-        if (hd == NULL) return NULL;
-        seed_obj = PyDict_GetItemWithError(hd, parent);
+        seed_obj = mapped = u64map_get_object(hmap, parent);
         if (seed_obj == NULL) {
             return PyErr_Occurred() ? NULL : PyLong_FromLong(STORE_BAIL); /* unknown parent */
         }
     }
     uint64_t seed = PyLong_AsUnsignedLongLongMask(seed_obj);
+    Py_XDECREF(mapped);
     if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
     uint64_t *keys = PyMem_Malloc((size_t)n * sizeof(uint64_t));
     pending_block *pb = PyMem_Calloc((size_t)n, sizeof(pending_block));
@@ -744,6 +769,10 @@ ingest_store_dense(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (decided != Py_None) {
         code = reannounce(decided, res, &b, keys, n);
         if (code == 1) code = STORE_REANNOUNCED;
+    }
+    if (code == 0) {
+        code = needs_python(res, hmap, &b, (const unsigned char *)PyBytes_AS_STRING(args[5]), keys, n);
+        if (code == 1) code = STORE_BAIL;
     }
     if (code == 0) {
         code = insert_blocks(pb, res, hmap, &b, (const unsigned char *)PyBytes_AS_STRING(args[5]),
@@ -761,11 +790,14 @@ static int
 remove_one(PyObject *res, PyObject *hmap, const engine_bit *b, PyObject *h, PyObject *dups,
            PyObject *extra_refs, PyObject *prefix, int *cleared)
 {
-    PyObject *hd = hash_dict(hmap, h);
-    if (hd == NULL) return -1;
-    PyObject *key = PyDict_GetItemWithError(hd, h);
-    if (key == NULL || res == Py_None) return PyErr_Occurred() ? -1 : 0;
-    Py_INCREF(key);
+    uint64_t hu = PyLong_AsUnsignedLongLong(h), ku;
+    if (hu == (uint64_t)-1 && PyErr_Occurred()) return -1;
+    int where = u64map_find(hmap, hu, &ku);
+    if (where < 0) return -1;
+    if (where == U64_ABSENT || res == Py_None) return 0;
+    PyObject *key = where == U64_NATIVE ? PyLong_FromUnsignedLongLong(ku)
+                                        : u64map_get_object(hmap, h);
+    if (key == NULL) return -1;
     int rc = -1;
     PyObject *dk = NULL, *d = slot_dict(res, PyLong_AsUnsignedLongLongMask(key));
     if (d == NULL || PyErr_Occurred()) goto out;
@@ -805,7 +837,7 @@ remove_one(PyObject *res, PyObject *hmap, const engine_bit *b, PyObject *h, PyOb
     }
     PyObject *refs = PyDict_GET_SIZE(extra_refs) ? PyDict_GetItemWithError(extra_refs, h) : NULL;
     if (refs == NULL) {
-        rc = PyErr_Occurred() || PyDict_DelItem(hd, h) < 0 ? -1 : 1;
+        rc = PyErr_Occurred() || u64map_remove(hmap, hu) < 0 ? -1 : 1;
         goto out;
     }
     long r = PyLong_AsLong(refs);
@@ -832,7 +864,7 @@ ingest_remove_hashes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *res = args[0], *hmap = args[1], *hashes = args[3], *dups = args[4];
     PyObject *extra_refs = args[5], *prefix = args[6], *sink = args[7];
     engine_bit b;
-    if ((res != Py_None && check_table(res, "res") < 0) || check_table(hmap, "hmap") < 0 ||
+    if ((res != Py_None && check_table(res, "res") < 0) || check_map(hmap, "hmap") < 0 ||
         bit_open(&b, args[2]) < 0) {
         return NULL;
     }

@@ -9,7 +9,7 @@ Data layout (why it is fast and small in pure Python):
 * That map is a *table* (indexer/staggered.py): a tuple of 1024 references to 16 dicts of
   unequal shares, indexed by ``key & SLOT_MASK``, so that CPython's all-at-once dict growth
   stops the event loop for 1/16 of the map at a time, at staggered moments.
-* Each engine keeps ``hashes``: engine hash -> content key (a :class:`HashMap`, a table too),
+* Each engine keeps ``hashes``: engine hash -> content key (a U64Map, indexer/u64map.py),
   and ``extra_refs``: engine hash -> references beyond the first (rare: the same hash stored in
   several groups or media, or stored again). A hash's references count every (group, medium)
   residency of it on that engine, so the mapping lives exactly as long as the engine holds the
@@ -78,10 +78,9 @@ class Residency:
         """Engine ``e`` holds the blocks ``keys`` (named ``hashes`` by it) in table ``res``."""
         bit = e.bit
         hmap = e.hashes
-        hdicts = list(map(hmap.table.__getitem__, map(SLOT_MASK.__and__, map(hash, hashes))))
-        known = any(map(dict.__contains__, hdicts, hashes))
+        known = any(map(hmap.__contains__, hashes))
         if known:
-            keys = _mapped_keys(e, hdicts, hashes, keys)
+            keys = _mapped_keys(e, hmap, hashes, keys)
         for log in e.exports:  # an export is reading this engine: keep the cut's values
             log.before_hashes(hashes, hmap, e.extra_refs)
             log.before_blocks(g, medium, res, bit, keys)
@@ -107,14 +106,14 @@ class Residency:
             added = len(keys)
         # One more reference per hash; a hash already mapped keeps its key (first store wins).
         if not known:
-            _consume(map(dict.__setitem__, hdicts, hashes, keys))
+            _consume(map(hmap.__setitem__, hashes, keys))
         else:
             extra = e.extra_refs
-            for d, h, key in zip(hdicts, hashes, keys, strict=False):
-                if h in d:
+            for h, key in zip(hashes, keys, strict=False):
+                if h in hmap:
                     extra[h] = extra.get(h, 0) + 1
                 else:
-                    d[h] = key
+                    hmap[h] = key
         if added:
             gm = (g, medium)
             e.resident[gm] = e.resident.get(gm, 0) + added
@@ -151,10 +150,9 @@ class Residency:
         extra_refs = e.extra_refs
         dups = self.dups
         removed = unknown = cleared = 0
-        htable = e.hashes.table
+        hmap = e.hashes
         for h in block_hashes:
-            hd = htable[hash(h) & SLOT_MASK]
-            key = hd.get(h)
+            key = hmap.get(h)
             if key is None or res is None:
                 unknown += 1
                 if unknown_sink is not None:
@@ -183,7 +181,7 @@ class Residency:
                 cleared += 1
             refs = extra_refs.get(h) if extra_refs else None
             if refs is None:
-                del hd[h]
+                del hmap[h]
             elif refs == 1:
                 del extra_refs[h]
             else:
@@ -224,7 +222,7 @@ class Residency:
         if res is None or e.exports:
             return STORE_BAIL
         code: int = _native.store_dense(  # type: ignore[union-attr]
-            res, e.hashes.table, e.bit, seed, parent, hashes, tokens, unit, block_size, decided
+            res, e.hashes, e.bit, seed, parent, hashes, tokens, unit, block_size, decided
         )
         if code > 0:
             gm = (g, medium)
@@ -249,7 +247,7 @@ class Residency:
             return
         removed, unknown, cleared = _native.remove_hashes(  # type: ignore[union-attr]
             self.tables.get((g, medium)),
-            e.hashes.table,
+            e.hashes,
             e.bit,
             hashes,
             self.dups,
@@ -300,7 +298,7 @@ class Residency:
 
 
 def _mapped_keys(
-    e: EngineState, hdicts: list[dict[BlockHash, int]], hashes: list[BlockHash], keys: list[int]
+    e: EngineState, hmap: HashMap, hashes: list[BlockHash], keys: list[int]
 ) -> list[int]:
     """``keys`` with every hash the engine already names replaced by the key it is mapped to.
 
@@ -312,8 +310,8 @@ def _mapped_keys(
     """
     out = list(keys)
     mismatch = 0
-    for i, (d, h) in enumerate(zip(hdicts, hashes, strict=False)):
-        mapped = d.get(h)
+    for i, h in enumerate(hashes):
+        mapped = hmap.get(h)
         if mapped is not None and mapped != out[i]:
             out[i] = mapped
             mismatch += 1

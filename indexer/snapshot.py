@@ -20,6 +20,7 @@ from indexer.export_log import ExportLog
 from indexer.residency import Residency
 from indexer.staggered import SLOT_MASK, HashMap, Table, new_table, shards
 from indexer.types import GroupSpec
+from indexer.u64map import SEGMENTS
 from indexer.wire import BlockHash
 
 __all__ = [
@@ -94,8 +95,8 @@ class EngineExport:
             held = new_table()
             hashes: list[bytes] = []
             n_hashes = 0
-            for shard in shards(self._hmap.table):
-                for part, keys in self._shard_hashes(shard):
+            for segment in range(SEGMENTS):
+                for part, keys in self._segment_hashes(segment):
                     if part:
                         hashes.append(part)
                     n_hashes += len(keys)
@@ -123,30 +124,30 @@ class EngineExport:
         if self._e.hashes is not self._hmap or self._e.extra_refs is not self._extra:
             raise ExportAborted(f"engine {self._e.engine} was reset during its export")
 
-    def _shard_hashes(self, shard: dict[BlockHash, int]) -> Iterator[tuple[bytes, list[int]]]:
-        """One shard of the hash map as it was at the cut: (encoded triples, their keys) per
+    def _segment_hashes(self, segment: int) -> Iterator[tuple[bytes, list[int]]]:
+        """One segment of the hash map as it was at the cut: (encoded triples, their keys) per
         slice."""
         self._check()
         log = self._log.hashes
-        table = self._hmap.table
-        # The shard now, and (in the same step) what it held at the cut but lost since: only
+        hmap = self._hmap
+        # The segment now, and (in the same step) what it held at the cut but lost since: only
         # the log still knows those.
-        todo = list(shard)
+        todo = hmap.segment_keys(segment)
         todo.extend(
             h
             for h, (key, _x) in list(log.items())
-            if key is not None and h not in shard and table[hash(h) & SLOT_MASK] is shard
+            if key is not None and h not in hmap and hmap.segment_of(h) == segment
         )
         yield b"", []
         extra = self._extra
         for i in range(0, len(todo), SLICE):
             self._check()
             hs = todo[i : i + SLICE]
-            keys = list(map(shard.get, hs))
+            keys = list(map(hmap.get, hs))
             refs = list(map(_ONE.__add__, map(extra.get, hs, repeat(0))))
             if log:
                 # Hashes changed since the cut take their logged values (C-level passes
-                # find the few; a removed one is no longer in the shard).
+                # find the few; a removed one is no longer in the map).
                 changed = list(compress(range(len(hs)), map(log.__contains__, hs)))
                 for j in changed:
                     key, x = log[hs[j]]

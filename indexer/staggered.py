@@ -5,10 +5,10 @@ stops the event loop for the whole re-insertion when it grows, and while the sub
 up with what queued meanwhile the lag stays high for several times that. The index keeps
 millions of entries in a few residency maps and one hash map per engine, so:
 
-* Every map is a *table*: a tuple of ``SLOTS`` references to ``SHARDS`` dicts: one subscript
-  more per lookup. Residency tables are indexed by ``key & SLOT_MASK`` (content keys are uniform
-  64-bit ints); engine hash maps by ``hash(h) & SLOT_MASK`` (vLLM hashes may be bytes). Each
-  growth step is then 1/16 of the map.
+* Every residency map is a *table*: a tuple of ``SLOTS`` references to ``SHARDS`` dicts: one
+  subscript more per lookup, indexed by ``key & SLOT_MASK`` (content keys are uniform 64-bit
+  ints). Each growth step is then 1/16 of the map. Engine hash maps are
+  :class:`indexer.u64map.U64Map`, split the same way.
 * The shards get unequal shares -- shard ``i`` about ``2 ** (i / 16)`` -- so they reach their
   growth points at different moments instead of all at once (equal shards would all grow
   together, which splits the work but not the stall).
@@ -23,9 +23,9 @@ Batches stay C-level: ``map`` over ``table.__getitem__`` and ``dict.get`` / ``di
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from itertools import chain
 from typing import Any
+
+from indexer.u64map import U64Map
 
 __all__ = ["EMPTY_TABLE", "SLOTS", "SLOT_MASK", "HashMap", "Table", "new_table", "shards"]
 
@@ -63,45 +63,5 @@ def shards(table: Table) -> list[dict[Any, int]]:
     return [table[i] for i in _SHARD_FIRST_SLOT]
 
 
-class HashMap:
-    """Engine block hash (int or bytes) -> content key, as a staggered table.
-
-    The dict API the index needs, plus ``table`` for its C-level batch paths. Hashes are spread
-    by ``hash(h)``, which is fixed within a process (bytes hashes are salted per process, and
-    this map is never persisted as a table: snapshots list its items).
-    """
-
-    __slots__ = ("table",)
-
-    def __init__(self, items: Iterable[tuple[Any, int]] = ()) -> None:
-        self.table = new_table()
-        table = self.table
-        for h, key in items:
-            table[hash(h) & SLOT_MASK][h] = key
-
-    def get(self, h: Any, default: int | None = None) -> int | None:
-        return self.table[hash(h) & SLOT_MASK].get(h, default)
-
-    def __contains__(self, h: object) -> bool:
-        return h in self.table[hash(h) & SLOT_MASK]
-
-    def __getitem__(self, h: Any) -> int:
-        return self.table[hash(h) & SLOT_MASK][h]
-
-    def __setitem__(self, h: Any, key: int) -> None:
-        self.table[hash(h) & SLOT_MASK][h] = key
-
-    def __delitem__(self, h: Any) -> None:
-        del self.table[hash(h) & SLOT_MASK][h]
-
-    def __len__(self) -> int:
-        return sum(map(len, shards(self.table)))
-
-    def __iter__(self) -> Iterator[Any]:
-        return chain.from_iterable(shards(self.table))
-
-    def values(self) -> Iterator[int]:
-        return chain.from_iterable(d.values() for d in shards(self.table))
-
-    def items(self) -> Iterator[tuple[Any, int]]:
-        return chain.from_iterable(d.items() for d in shards(self.table))
+HashMap = U64Map
+"""An engine's hash map: engine block hash (int or bytes) -> content key (indexer/u64map.py)."""
