@@ -11,6 +11,7 @@ setup(
             [
                 "indexer/_native.c",
                 "indexer/_ingest.c",
+                "indexer/_residency.c",
                 "indexer/_u64map.c",
                 "indexer/_u64map_type.c",
             ],

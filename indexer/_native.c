@@ -10,8 +10,8 @@
  *
  * indexer/native.py is the public face and holds the pure-Python equivalents; the tests check
  * both against each other. Every input is read through bounds-checked indexes only: any bytes
- * are safe, and the only allocation is the result (run_scan also makes one int per key it looks
- * up from a uint64 buffer, freed at once).
+ * are safe, and the only allocation is the result (run_scan looks uint64 keys up without an
+ * object; only a key or value outside uint64 makes one, freed at once).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -458,8 +458,6 @@ chain_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 /* ------------------------------------------------------------------ run_scan */
 
-#define RUN_SCAN_SLOTS 1024 /* indexer.staggered.SLOTS */
-
 /* keys as run_scan reads them: a 1-D buffer of native uint64 (array('Q'), a 'Q' memoryview),
  * else any sequence through PySequence_Fast (a list or tuple is used in place). */
 typedef struct {
@@ -508,27 +506,52 @@ scan_keys_len(const scan_keys *k)
     return k->has_view ? k->view.shape[0] : PySequence_Fast_GET_SIZE(k->seq);
 }
 
-/* Key i (0 <= i < scan_keys_len) as a new reference, and its slot in *slot. */
-static inline PyObject *
-scan_key(const scan_keys *k, Py_ssize_t i, Py_ssize_t *slot)
+/* Key i (0 <= i < scan_keys_len): 1 with *u set when it is an int in [1, 2**64) (the map's
+ * uint64 lookup), else 0 with a new reference to it as an int in *obj; -1 with an error. */
+static inline int
+scan_key(const scan_keys *k, Py_ssize_t i, uint64_t *u, PyObject **obj)
 {
     if (k->has_view) {
-        uint64_t v;
-        memcpy(&v, (const char *)k->view.buf + i * k->view.strides[0], sizeof v);
-        *slot = (Py_ssize_t)(v & (RUN_SCAN_SLOTS - 1));
-        return PyLong_FromUnsignedLongLong((unsigned long long)v);
+        memcpy(u, (const char *)k->view.buf + i * k->view.strides[0], sizeof *u);
+        if (*u != 0) return 1;
+        *obj = PyLong_FromUnsignedLongLong(0);
+        return *obj == NULL ? -1 : 0;
     }
     PyObject *item = PySequence_Fast_GET_ITEM(k->seq, i);
-    /* An int is used as is; anything else through __index__ (TypeError for a str or a float,
-     * as `key & 1023` raises in Python). */
-    PyObject *key = PyLong_Check(item) ? Py_NewRef(item) : PyNumber_Index(item);
-    if (key == NULL) {
-        return NULL;
+    if (PyLong_CheckExact(item)) {
+        *u = PyLong_AsUnsignedLongLong(item);
+        if (!(*u == (uint64_t)-1 && PyErr_Occurred()) && *u != 0) return 1;
+        PyErr_Clear(); /* negative, or beyond 64 bits */
     }
-    /* The low 64 bits in two's complement (never fails for an int): their low 10 bits are
-     * Python's `key & 1023` for any int, negative or beyond 64 bits. */
-    *slot = (Py_ssize_t)(PyLong_AsUnsignedLongLongMask(key) & (RUN_SCAN_SLOTS - 1));
-    return key;
+    /* Anything but an int through __index__ (TypeError for a str or a float, as the Python
+     * version's operator.index). */
+    *obj = PyLong_Check(item) ? Py_NewRef(item) : PyNumber_Index(item);
+    return *obj == NULL ? -1 : 0;
+}
+
+/* The value of a block's key in map: 1 with *v (0 when absent) for a uint64 value, else 0 with
+ * a new reference in *val; -1 with an error. `fast`: the key is the uint64 u, else obj. */
+static int
+scan_value(PyObject *map, int fast, uint64_t u, PyObject *obj, uint64_t *v, PyObject **val)
+{
+    PyObject *key = NULL;
+    if (fast) {
+        int where = u64map_find(map, u, v);
+        if (where < 0) return -1;
+        if (where == U64_NATIVE) return 1;
+        if (where == U64_ABSENT) {
+            *v = 0;
+            return 1;
+        }
+        obj = key = PyLong_FromUnsignedLongLong(u); /* in a side dict */
+        if (key == NULL) return -1;
+    }
+    *val = u64map_get_object(map, obj);
+    Py_XDECREF(key);
+    if (*val != NULL) return 0;
+    if (PyErr_Occurred()) return -1;
+    *v = 0;
+    return 1;
 }
 
 /* (b, now), stealing now (NULL: an error is set, passed on). */
@@ -574,14 +597,9 @@ run_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (count == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    if (!PyTuple_Check(tables)) {
-        PyErr_Format(PyExc_TypeError, "run_scan: tables must be a tuple, not %.100s",
+    if (!U64Map_Check(tables)) {
+        PyErr_Format(PyExc_TypeError, "run_scan: tables must be a U64Map, not %.100s",
                      Py_TYPE(tables)->tp_name);
-        return NULL;
-    }
-    if (PyTuple_GET_SIZE(tables) != RUN_SCAN_SLOTS) {
-        PyErr_Format(PyExc_ValueError, "run_scan: tables must have %d slots, not %zd",
-                     RUN_SCAN_SLOTS, PyTuple_GET_SIZE(tables));
         return NULL;
     }
     if (!PyLong_Check(alive_obj)) {
@@ -620,26 +638,16 @@ run_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_IndexError, "run_scan: key index out of range");
             goto done;
         }
-        Py_ssize_t slot;
-        PyObject *key = scan_key(&k, (b + 1) * step - 1, &slot);
-        if (key == NULL) {
+        uint64_t u, v;
+        PyObject *key = NULL, *val = NULL;
+        int fast = scan_key(&k, (b + 1) * step - 1, &u, &key);
+        int plain = fast < 0 ? -1 : scan_value(tables, fast, u, key, &v, &val);
+        Py_XDECREF(key);
+        if (plain < 0) {
             goto done;
         }
-        PyObject *d = PyTuple_GET_ITEM(tables, slot);
-        if (!PyDict_Check(d)) {
-            PyErr_Format(PyExc_TypeError, "run_scan: tables[%zd] is a %.100s, not a dict", slot,
-                         Py_TYPE(d)->tp_name);
-            Py_DECREF(key);
-            goto done;
-        }
-        PyObject *v = PyDict_GetItemWithError(d, key); /* borrowed */
-        Py_DECREF(key);
-        if (v == NULL && PyErr_Occurred()) {
-            goto done;
-        }
-        if (alive_fits && (v == NULL || PyLong_Check(v))) {
-            const unsigned long long now =
-                v == NULL ? 0 : alive & PyLong_AsUnsignedLongLongMask(v);
+        if (plain && alive_fits) {
+            const unsigned long long now = alive & v;
             if (now != alive) {
                 out = scan_result(b, PyLong_FromUnsignedLongLong(now));
                 goto done;
@@ -648,8 +656,7 @@ run_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         /* General case, exactly Python's `now = alive & v; if now != alive` (TypeError for a
          * value that is not an int). */
-        PyObject *val = v == NULL ? PyLong_FromLong(0) : Py_NewRef(v);
-        if (val == NULL) {
+        if (plain && (val = PyLong_FromUnsignedLongLong(v)) == NULL) {
             goto done;
         }
         PyObject *now = PyNumber_And(alive_obj, val);
@@ -779,7 +786,7 @@ static PyMethodDef native_methods[] = {
     {"run_scan", (PyCFunction)(void (*)(void))run_scan, METH_FASTCALL,
      "run_scan(tables, keys, first, step, count, alive, /)\n--\n\n"
      "For blocks b = first .. count-1 (key keys[(b+1)*step-1]): now = alive &\n"
-     "tables[key & 1023].get(key, 0); the first (b, now) with now != alive, else\n"
+     "tables.get(key, 0); the first (b, now) with now != alive, else\n"
      "(count, alive). See indexer.native.run_scan."},
     {"ids_to_json", (PyCFunction)ids_to_json, METH_O,
      "ids_to_json(data, /)\n--\n\n"

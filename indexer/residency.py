@@ -6,9 +6,9 @@ Data layout (why it is fast and small in pure Python):
 * ``tables[(group_idx, medium)]`` maps a content key to an int bitmask of the engines holding
   that block. Matching a prompt is then one dict lookup and one ``&`` per block boundary for the
   whole fleet at once, not per engine.
-* That map is a *table* (indexer/staggered.py): a tuple of 1024 references to 16 dicts of
-  unequal shares, indexed by ``key & SLOT_MASK``, so that CPython's all-at-once dict growth
-  stops the event loop for 1/16 of the map at a time, at staggered moments.
+* That map is a *table*, a U64Map (indexer/u64map.py): uint64 key -> uint64 mask in 16 bytes,
+  in segments of unequal shares that grow (re-insert their entries) at staggered moments, so
+  the event loop never stops for the whole map; masks past 64 bits sit in its side dicts.
 * Each engine keeps ``hashes``: engine hash -> content key (a U64Map, indexer/u64map.py),
   and ``extra_refs``: engine hash -> references beyond the first (rare: the same hash stored in
   several groups or media, or stored again). A hash's references count every (group, medium)
@@ -34,7 +34,7 @@ from operator import eq
 
 from indexer.engine_state import EngineState
 from indexer.keys import _native
-from indexer.staggered import SLOT_MASK, HashMap, Table, new_table
+from indexer.staggered import HashMap, Table, new_table
 from indexer.wire import BlockHash
 
 __all__ = ["NATIVE_INGEST", "Residency"]
@@ -87,22 +87,21 @@ class Residency:
         # The whole event in C-level passes (map/update) rather than a Python loop per block:
         # this is what makes ingest fast. Duplicates (a block already resident on this engine,
         # group and medium) are rare and take the slow loop.
-        dicts = list(map(res.__getitem__, map(SLOT_MASK.__and__, keys)))
-        before = list(map(dict.get, dicts, keys, repeat(0, len(keys))))
+        before = list(map(res.get, keys, repeat(0, len(keys))))
         after = list(map(bit.__or__, before))
         if any(map(eq, after, before)):
             added = 0
             dups = self.dups
-            for d, key, m, m_new in zip(dicts, keys, before, after, strict=True):
+            for key, m, m_new in zip(keys, before, after, strict=True):
                 if m_new == m:
                     dk = (e.slot, g, medium, key)
                     dups[dk] = dups.get(dk, 0) + 1
                     e.counters["duplicates"] += 1
                 else:
-                    d[key] = m_new
+                    res[key] = m_new
                     added += 1
         else:
-            _consume(map(dict.__setitem__, dicts, keys, after))
+            _consume(map(res.__setitem__, keys, after))
             added = len(keys)
         # One more reference per hash; a hash already mapped keeps its key (first store wins).
         if not known:
@@ -158,8 +157,7 @@ class Residency:
                 if unknown_sink is not None:
                     unknown_sink.add(h)
                 continue
-            d = res[key & SLOT_MASK]
-            m = d.get(key, 0)
+            m = res.get(key, 0)
             if not m & bit:
                 unknown += 1
                 if unknown_sink is not None:
@@ -175,9 +173,9 @@ class Residency:
             else:
                 m &= others
                 if m:
-                    d[key] = m
+                    res[key] = m
                 else:
-                    del d[key]
+                    del res[key]
                 cleared += 1
             refs = extra_refs.get(h) if extra_refs else None
             if refs is None:
@@ -273,14 +271,13 @@ class Residency:
         keys = set(e.hashes.values())
         for res in self.tables.values():
             for key in keys:
-                d = res[key & SLOT_MASK]
-                m = d.get(key)
+                m = res.get(key)
                 if m is not None and m & bit:
                     m &= keep
                     if m:
-                        d[key] = m
+                        res[key] = m
                     else:
-                        del d[key]
+                        del res[key]
         if self.dups:
             for dk in [dk for dk in self.dups if dk[0] == e.slot]:
                 del self.dups[dk]
@@ -294,7 +291,7 @@ class Residency:
     def holds(self, e: EngineState, g: int, medium: str, key: int) -> bool:
         """Whether engine ``e`` holds the block ``key`` in (g, medium)."""
         res = self.tables.get((g, medium))
-        return bool(res and res[key & SLOT_MASK].get(key, 0) & e.bit)
+        return bool(res is not None and res.get(key, 0) & e.bit)
 
 
 def _mapped_keys(

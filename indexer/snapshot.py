@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Generator, Iterator
-from itertools import compress, islice, repeat
+from itertools import compress, repeat
 from typing import Any
 
 import msgspec
@@ -18,7 +18,7 @@ import msgspec
 from indexer.engine_state import EngineState
 from indexer.export_log import ExportLog
 from indexer.residency import Residency
-from indexer.staggered import SLOT_MASK, HashMap, Table, new_table, shards
+from indexer.staggered import HashMap, Table, new_table
 from indexer.types import GroupSpec
 from indexer.u64map import SEGMENTS
 from indexer.wire import BlockHash
@@ -89,9 +89,9 @@ class EngineExport:
 
     def __iter__(self) -> Iterator[bytes]:
         try:
-            # The content keys the engine names, each once: a table of int-keyed dicts, not a
-            # set, so that the collector untracks them (a million entries never traversed) and
-            # they grow at staggered moments (indexer/staggered.py).
+            # The content keys the engine names, each once: a U64Map, not a set, so that they
+            # cost 16 bytes each, the collector never traverses them, and they grow at staggered
+            # moments (indexer/u64map.py).
             held = new_table()
             hashes: list[bytes] = []
             n_hashes = 0
@@ -100,8 +100,7 @@ class EngineExport:
                     if part:
                         hashes.append(part)
                     n_hashes += len(keys)
-                    dicts = map(held.__getitem__, map(SLOT_MASK.__and__, keys))
-                    _consume(map(dict.__setitem__, dicts, keys, repeat(None)))
+                    _consume(map(held.__setitem__, keys, repeat(0)))
                     yield b""
             resident: list[list[bytes]] = []
             for (g, medium), res in self._tables:
@@ -113,9 +112,7 @@ class EngineExport:
             yield _enc(self._groups) + _array_header(len(resident))
             for entry in resident:
                 yield from entry
-            for d in shards(held):  # freed a shard at a time, not a million entries at once
-                d.clear()
-                yield b""
+            held.clear()  # a few blocks to free, no object per entry
             yield _enc(self._dups)
         finally:
             self.close()
@@ -171,9 +168,7 @@ class EngineExport:
         n = 0
         for ks in _slices(keys):
             self._check()
-            masks = list(
-                map(dict.get, map(res.__getitem__, map(SLOT_MASK.__and__, ks)), ks, repeat(0))
-            )
+            masks = list(map(res.get, ks, repeat(0)))
             flags = list(map(bit.__and__, masks))
             log = self._log.resident.get((g, medium))
             if log:  # keys changed since the cut take their logged values
@@ -206,10 +201,10 @@ _consume = deque(maxlen=0).extend
 
 def _slices(table: Table) -> Iterator[list[int]]:
     """The keys of ``table`` (not changed meanwhile), at most :data:`SLICE` at a time."""
-    for d in shards(table):
-        keys = iter(d)
-        for _ in range(0, len(d), SLICE):
-            yield list(islice(keys, SLICE))
+    for segment in range(SEGMENTS):
+        keys = table.segment_keys(segment)
+        for i in range(0, len(keys), SLICE):
+            yield keys[i : i + SLICE]
 
 
 _ONE = 1
@@ -252,8 +247,7 @@ def restore_snapshot(residency: Residency, e: EngineState, state: EngineSnapshot
     for g, medium, keys in state.resident:
         res = residency.table(g, medium)
         for k in keys:
-            d = res[k & SLOT_MASK]
-            d[k] = d.get(k, 0) | bit
+            res[k] = res.get(k, 0) | bit
         e.resident[(g, medium)] = e.resident.get((g, medium), 0) + len(keys)
         residency.total += len(keys)
     for g, medium, k, n in state.dups:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from indexer.staggered import HashMap, new_table, shards
+from indexer.staggered import HashMap, new_table
 
 
 def _worst_step(maps: list[HashMap | dict[int, int]], steps: int, per_step: int) -> float:
@@ -61,7 +61,7 @@ def test_hash_map_behaves_as_a_dict() -> None:
     assert sorted(m.values()) == [1, 2] and set(m) == {b"a" * 32, 2**64 - 1}
 
 
-def test_every_slot_has_a_dict_and_there_are_sixteen() -> None:
+def test_every_slot_has_a_segment_and_there_are_sixteen() -> None:
     table = new_table()
-    assert len(table) == 1024 and len({id(d) for d in table}) == 16
-    assert {id(d) for d in shards(table)} == {id(d) for d in table}
+    assert len(table) == 0 and len(table.segment_sizes()) == 16
+    assert {table.segment_of(slot) for slot in range(1024)} == set(range(16))
