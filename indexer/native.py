@@ -33,7 +33,7 @@ import msgspec
 
 from indexer.keys import _chain_keys_py, _native, tokens_to_bytes
 from indexer.staggered import Table
-from indexer.u64map import U64Map
+from indexer.u64map import PyU64Map, U64Map
 
 __all__ = ["NATIVE", "chain_keys_bytes", "ids_from_json", "ids_to_json", "run_scan"]
 
@@ -88,7 +88,7 @@ def _run_scan_py(
 ) -> tuple[int, int]:
     """Python ``run_scan``: the plain block loop, with the checks of the C version."""
     first, step, count = _clamp_ssize(first), _clamp_ssize(step), _clamp_ssize(count)
-    if not isinstance(tables, U64Map):
+    if not isinstance(tables, U64Map | PyU64Map):
         raise TypeError(f"run_scan: tables must be a U64Map, not {type(tables).__name__}")
     if not isinstance(alive, int):
         raise TypeError(f"run_scan: alive must be an int, not {type(alive).__name__}")

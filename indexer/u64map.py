@@ -3,9 +3,10 @@
 The index keeps millions of entries in a few residency maps (content key -> mask of engines)
 and one hash map per engine (engine block hash -> content key). Two things shape them:
 
-* **Size.** A dict entry plus its int objects costs about 100 bytes; the C type
-  ``indexer._native.U64Map`` (indexer/_u64map.c) keeps a uint64 key and a uint64 value in 16
-  bytes of an open-addressing table (linear probing, deletion by backward shift: churn leaves no
+* **Size.** A dict entry (hash, key and value pointers, index) plus an int object for its key
+  and often one for its value costs several times the 16 bytes of the C type
+  ``indexer._native.U64Map`` (indexer/_u64map.c), which keeps a uint64 key and a uint64 value in
+  an open-addressing table (linear probing, deletion by backward shift: churn leaves no
   tombstones), at most 3/4 full. Entries that are not two uint64 -- bytes hashes from vLLM's
   sha256 modes, negative ints, key 0, masks of engines past slot 63 -- go to a side dict inside
   the map, so it answers exactly as a dict does for any key and value.
