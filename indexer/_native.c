@@ -529,6 +529,26 @@ scan_key(const scan_keys *k, Py_ssize_t i, uint64_t *u, PyObject **obj)
     return *obj == NULL ? -1 : 0;
 }
 
+/* Blocks whose places run_scan asks the cache for before it looks them up. */
+#define SCAN_AHEAD 8
+
+/* Ask the cache for block b's place in map, if b is scanned and its key an int (a hint only). */
+static inline void
+scan_prefetch(const scan_keys *k, PyObject *map, Py_ssize_t b, Py_ssize_t step, Py_ssize_t count)
+{
+    if (b >= count || b + 1 > scan_keys_len(k) / step) return;
+    Py_ssize_t i = (b + 1) * step - 1;
+    uint64_t u;
+    if (k->has_view) {
+        memcpy(&u, (const char *)k->view.buf + i * k->view.strides[0], sizeof u);
+    } else {
+        PyObject *item = PySequence_Fast_GET_ITEM(k->seq, i);
+        if (!PyLong_CheckExact(item)) return;
+        u = PyLong_AsUnsignedLongLongMask(item); /* never fails for an int */
+    }
+    u64map_prefetch(map, u);
+}
+
 /* The value of a block's key in map: 1 with *v (0 when absent) for a uint64 value, else 0 with
  * a new reference in *val; -1 with an error. `fast`: the key is the uint64 u, else obj. */
 static int
@@ -631,7 +651,13 @@ run_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *out = NULL;
+    for (Py_ssize_t b = first; b < first + SCAN_AHEAD && b < count; b++) {
+        scan_prefetch(&k, tables, b, step, count);
+    }
     for (Py_ssize_t b = first; b < count; b++) {
+        if (b <= PY_SSIZE_T_MAX - SCAN_AHEAD) {
+            scan_prefetch(&k, tables, b + SCAN_AHEAD, step, count);
+        }
         /* Block b's key is keys[(b + 1) * step - 1], in range iff b + 1 <= len // step (no
          * overflow: b < count <= PY_SSIZE_T_MAX and step >= 1). */
         if (b + 1 > scan_keys_len(&k) / step) {

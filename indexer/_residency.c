@@ -267,6 +267,18 @@ reannounce(PyObject *decided, PyObject *res, const engine_bit *b, const uint64_t
     return verdict;
 }
 
+/* Blocks whose places are asked of the cache ahead of their lookups (u64map_prefetch). */
+#define AHEAD 8
+
+/* Ask the cache for block i's places in both maps (a hint only). */
+static inline void
+prefetch_block(PyObject *res, PyObject *hmap, const unsigned char *hashes, const uint64_t *keys,
+               Py_ssize_t i)
+{
+    u64map_prefetch(hmap, load_le(hashes + 8 * i, 8));
+    u64map_prefetch(res, keys[i]);
+}
+
 /* Whether a block needs a rarer rule of the Python path, found before anything changes: its
  * hash is mapped already (extra references) or the engine holds its key already (a duplicate).
  * Taking changes back would not do: a segment grown meanwhile stays grown, and the map's order
@@ -275,7 +287,11 @@ static int
 needs_python(PyObject *res, PyObject *hmap, const engine_bit *b, const unsigned char *hashes,
              const uint64_t *keys, Py_ssize_t n)
 {
+    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++) {
+        prefetch_block(res, hmap, hashes, keys, i);
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) prefetch_block(res, hmap, hashes, keys, i + AHEAD);
         uint64_t v;
         int where = u64map_find(hmap, load_le(hashes + 8 * i, 8), &v);
         if (where != U64_ABSENT) return where < 0 ? ERR : 1;
@@ -521,7 +537,17 @@ ingest_remove_hashes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t n = PyBytes_GET_SIZE(hashes) / 8, removed = 0, unknown = 0;
     int cleared = 0;
     const unsigned char *hp = (const unsigned char *)PyBytes_AS_STRING(hashes);
+    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++) {
+        u64map_prefetch(hmap, load_le(hp + 8 * i, 8));
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) u64map_prefetch(hmap, load_le(hp + 8 * (i + AHEAD), 8));
+        if (i + AHEAD / 2 < n && res != Py_None) { /* its key is in the cache by now */
+            uint64_t key;
+            int where = u64map_find(hmap, load_le(hp + 8 * (i + AHEAD / 2), 8), &key);
+            if (where == U64_NATIVE) u64map_prefetch(res, key);
+            if (where < 0) PyErr_Clear(); /* a hint only: the removal meets it again */
+        }
         uint64_t hu = load_le(hp + 8 * i, 8);
         int rc = remove_one(res, hmap, &b, hu, dups, extra_refs, prefix, &cleared);
         if (rc == 0) {

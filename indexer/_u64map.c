@@ -5,7 +5,7 @@
  *
  * Layout: SEGMENTS segments; key k belongs to segment SLOT_SEG[k & 1023] (any other key:
  * hash(key) & 1023), the slot shares of u64map.py, so segments reach their growth points at
- * different moments. A segment is one PyMem block of cap keys then cap values, linear probing
+ * different moments. A segment is one PyMem block of cap (key, value) places, linear probing
  * from murmur3's fmix64(k), key 0 meaning empty; deletion shifts the following entries back,
  * so churn leaves no tombstones and probe runs stay as short as the load allows. A segment
  * doubles when it passes 3/4 full: that growth re-inserts only that segment's entries, at most
@@ -33,7 +33,7 @@ probe(const segment *s, uint64_t k)
         return -1;
     }
     size_t mask = (size_t)s->cap - 1, i = (size_t)fmix64(k) & mask;
-    while (s->keys[i] != 0 && s->keys[i] != k) {
+    while (s->e[i].k != 0 && s->e[i].k != k) {
         i = (i + 1) & mask;
     }
     return (Py_ssize_t)i;
@@ -47,25 +47,23 @@ grow(segment *s)
         PyErr_NoMemory();
         return -1;
     }
-    uint64_t *keys = PyMem_Calloc((size_t)cap * 2, sizeof(uint64_t));
-    if (keys == NULL) {
+    entry *e = PyMem_Calloc((size_t)cap, sizeof(entry));
+    if (e == NULL) {
         PyErr_NoMemory();
         return -1;
     }
     size_t mask = (size_t)cap - 1;
     for (Py_ssize_t j = 0; j < s->cap; j++) {
-        uint64_t k = s->keys[j];
-        if (k != 0) {
-            size_t i = (size_t)fmix64(k) & mask;
-            while (keys[i] != 0) {
+        if (s->e[j].k != 0) {
+            size_t i = (size_t)fmix64(s->e[j].k) & mask;
+            while (e[i].k != 0) {
                 i = (i + 1) & mask;
             }
-            keys[i] = k;
-            keys[cap + i] = VALS(s)[j];
+            e[i] = s->e[j];
         }
     }
-    PyMem_Free(s->keys);
-    s->keys = keys;
+    PyMem_Free(s->e);
+    s->e = e;
     s->cap = cap;
     return 0;
 }
@@ -75,17 +73,17 @@ static int
 native_set(segment *s, uint64_t k, uint64_t v, uint64_t *old, int keep)
 {
     Py_ssize_t i = probe(s, k);
-    if (i >= 0 && s->keys[i] == k) {
-        if (old != NULL) *old = VALS(s)[i];
-        if (!keep) VALS(s)[i] = v;
+    if (i >= 0 && s->e[i].k == k) {
+        if (old != NULL) *old = s->e[i].v;
+        if (!keep) s->e[i].v = v;
         return 0;
     }
     if (s->used + 1 > s->cap - s->cap / 4) {
         if (grow(s) < 0) return -1;
         i = probe(s, k);
     }
-    s->keys[i] = k;
-    VALS(s)[i] = v;
+    s->e[i].k = k;
+    s->e[i].v = v;
     s->used++;
     return 1;
 }
@@ -95,20 +93,18 @@ static void
 native_erase(segment *s, size_t i)
 {
     size_t mask = (size_t)s->cap - 1, j = i;
-    uint64_t *vals = VALS(s);
     for (;;) {
         j = (j + 1) & mask;
-        if (s->keys[j] == 0) break;
-        size_t home = (size_t)fmix64(s->keys[j]) & mask;
+        if (s->e[j].k == 0) break;
+        size_t home = (size_t)fmix64(s->e[j].k) & mask;
         /* The entry at j stays unless its home lies cyclically outside (i, j]. */
         int stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
         if (!stays) {
-            s->keys[i] = s->keys[j];
-            vals[i] = vals[j];
+            s->e[i] = s->e[j];
             i = j;
         }
     }
-    s->keys[i] = 0;
+    s->e[i].k = 0;
     s->used--;
 }
 
@@ -184,8 +180,8 @@ u64map_find(PyObject *o, uint64_t k, uint64_t *v)
     segment *s = seg_of(MAP(o), k);
     if (k != 0) {
         Py_ssize_t i = probe(s, k);
-        if (i >= 0 && s->keys[i] == k) {
-            *v = VALS(s)[i];
+        if (i >= 0 && s->e[i].k == k) {
+            *v = s->e[i].v;
             return U64_NATIVE;
         }
     }
@@ -193,6 +189,17 @@ u64map_find(PyObject *o, uint64_t k, uint64_t *v)
     PyObject *got = side_lookup_u64(s, k);
     if (got == NULL) return PyErr_Occurred() ? -1 : U64_ABSENT;
     return U64_SIDE;
+}
+
+void
+u64map_prefetch(PyObject *o, uint64_t k)
+{
+    const segment *s = seg_of(MAP(o), k);
+    if (s->cap != 0) {
+#if defined(__GNUC__) || defined(__clang__)
+        __builtin_prefetch(&s->e[(size_t)fmix64(k) & ((size_t)s->cap - 1)]);
+#endif
+    }
 }
 
 int
@@ -246,7 +253,7 @@ u64map_remove(PyObject *o, uint64_t k)
     segment *s = seg_of(m, k);
     if (k != 0) {
         Py_ssize_t i = probe(s, k);
-        if (i >= 0 && s->keys[i] == k) {
+        if (i >= 0 && s->e[i].k == k) {
             native_erase(s, (size_t)i);
             m->len--;
             m->version++;
@@ -270,7 +277,7 @@ u64map_get_object(PyObject *o, PyObject *key)
     uint64_t k;
     if (key_u64(key, &k)) {
         Py_ssize_t i = probe(s, k);
-        if (i >= 0 && s->keys[i] == k) return PyLong_FromUnsignedLongLong(VALS(s)[i]);
+        if (i >= 0 && s->e[i].k == k) return PyLong_FromUnsignedLongLong(s->e[i].v);
         if (s->side_ints == 0) return NULL;
     }
     if (s->side == NULL) return NULL;
@@ -294,7 +301,7 @@ u64map_set_object(PyObject *o, PyObject *key, PyObject *value)
     } else {
         if (native_key) {
             Py_ssize_t i = probe(s, k);
-            if (i >= 0 && s->keys[i] == k) { /* moves to the side dict */
+            if (i >= 0 && s->e[i].k == k) { /* moves to the side dict */
                 native_erase(s, (size_t)i);
                 m->len--, m->version++;
             }
@@ -316,7 +323,7 @@ u64map_del_object(PyObject *o, PyObject *key)
     int native_key = key_u64(key, &k);
     if (native_key) {
         Py_ssize_t i = probe(s, k);
-        if (i >= 0 && s->keys[i] == k) {
+        if (i >= 0 && s->e[i].k == k) {
             native_erase(s, (size_t)i);
             m->len--, m->version++;
             return 1;
@@ -336,8 +343,8 @@ u64map_clear_all(U64MapObject *m)
 {
     for (int i = 0; i < SEGMENTS; i++) {
         segment *s = &m->seg[i];
-        PyMem_Free(s->keys);
-        s->keys = NULL;
+        PyMem_Free(s->e);
+        s->e = NULL;
         s->cap = s->used = s->side_ints = 0;
         Py_CLEAR(s->side);
     }

@@ -20,6 +20,10 @@ enum { U64_ABSENT = 0, U64_NATIVE = 1, U64_SIDE = 2 };
  * -1 with an error set. */
 int u64map_find(PyObject *m, uint64_t k, uint64_t *v);
 
+/* Start loading the place of key k into the cache (a hint, no effect on the map): issued a few
+ * keys ahead, the lookups of a scan wait on memory together instead of one after another. */
+void u64map_prefetch(PyObject *m, uint64_t k);
+
 /* m[k] = v. 0, or -1 with an error set (no memory). */
 int u64map_put(PyObject *m, uint64_t k, uint64_t v);
 

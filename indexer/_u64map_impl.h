@@ -11,7 +11,11 @@
 extern unsigned char SLOT_SEG[SLOTS]; /* slot -> segment, set by u64map_add_type */
 
 typedef struct {
-    uint64_t *keys; /* cap keys, then cap values; 0: an empty place */
+    uint64_t k, v; /* k 0: an empty place */
+} entry;
+
+typedef struct {
+    entry *e; /* cap places: a hit reads one cache line */
     Py_ssize_t cap, used;
     PyObject *side;       /* dict, or NULL */
     Py_ssize_t side_ints; /* side keys that are uint64 (a value there is no uint64) */
@@ -25,7 +29,6 @@ typedef struct {
 } U64MapObject;
 
 #define MAP(o) ((U64MapObject *)(o))
-#define VALS(s) ((s)->keys + (s)->cap)
 
 static inline uint64_t
 fmix64(uint64_t k)

@@ -46,7 +46,7 @@ iter_dealloc(U64IterObject *it)
 }
 
 static PyObject *
-entry(int kind, PyObject *k, PyObject *v) /* steals k and v */
+iter_entry(int kind, PyObject *k, PyObject *v) /* steals k and v */
 {
     if (k == NULL || v == NULL || kind != IT_ITEMS) {
         Py_XDECREF(kind == IT_VALUES ? k : v);
@@ -64,13 +64,13 @@ seg_next(U64IterObject *it, segment *s)
 {
     if (!it->in_side) {
         for (; it->pos < s->cap; it->pos++) {
-            if (s->keys[it->pos] != 0) {
+            if (s->e[it->pos].k != 0) {
                 Py_ssize_t i = it->pos++;
                 PyObject *k = it->kind == IT_VALUES ? Py_NewRef(Py_None)
-                                                    : PyLong_FromUnsignedLongLong(s->keys[i]);
+                                                    : PyLong_FromUnsignedLongLong(s->e[i].k);
                 PyObject *v = it->kind == IT_KEYS ? Py_NewRef(Py_None)
-                                                  : PyLong_FromUnsignedLongLong(VALS(s)[i]);
-                return entry(it->kind, k, v);
+                                                  : PyLong_FromUnsignedLongLong(s->e[i].v);
+                return iter_entry(it->kind, k, v);
             }
         }
         it->in_side = 1;
@@ -78,7 +78,7 @@ seg_next(U64IterObject *it, segment *s)
     }
     PyObject *k, *v;
     if (s->side != NULL && PyDict_Next(s->side, &it->pos, &k, &v)) {
-        return entry(it->kind, Py_NewRef(k), Py_NewRef(v));
+        return iter_entry(it->kind, Py_NewRef(k), Py_NewRef(v));
     }
     return NULL;
 }
