@@ -199,20 +199,64 @@ map_contains(PyObject *self, PyObject *key)
     return v != NULL ? 1 : PyErr_Occurred() ? -1 : 0;
 }
 
+/* m.get(key, dflt) as a new reference. */
+static PyObject *
+get_one(PyObject *self, PyObject *key, PyObject *dflt)
+{
+    uint64_t k, v;
+    /* The match loops' common case first: a uint64 key, found natively or absent. */
+    if (PyLong_CheckExact(key) && key_u64(key, &k)) {
+        int where = u64map_find(self, k, &v);
+        if (where == U64_NATIVE) return PyLong_FromUnsignedLongLong(v);
+        if (where == U64_ABSENT) return Py_NewRef(dflt);
+    }
+    PyObject *got = u64map_get_object(self, key);
+    if (got != NULL || PyErr_Occurred()) return got;
+    return Py_NewRef(dflt);
+}
+
 static PyObject *
 map_get(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (!positional("get", nargs)) return NULL;
-    uint64_t k, v;
-    /* The match loops' common case first: a uint64 key, found natively or absent. */
-    if (PyLong_CheckExact(args[0]) && key_u64(args[0], &k)) {
-        int where = u64map_find(self, k, &v);
-        if (where == U64_NATIVE) return PyLong_FromUnsignedLongLong(v);
-        if (where == U64_ABSENT) return Py_NewRef(nargs > 1 ? args[1] : Py_None);
+    return get_one(self, args[0], nargs > 1 ? args[1] : Py_None);
+}
+
+/* Keys whose places get_many asks the cache for before it looks them up. */
+#define GET_AHEAD 8
+
+/* [m.get(k, dflt) for k in keys], the lookups of the next keys started ahead of time. */
+static PyObject *
+map_get_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!positional("get_many", nargs)) return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "get_many: keys must be a sequence");
+    if (seq == NULL) return NULL;
+    PyObject *dflt = nargs > 1 ? args[1] : Py_None;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        if (i >= PySequence_Fast_GET_SIZE(seq)) { /* a key's __eq__ shrank the list */
+            PyErr_SetString(PyExc_RuntimeError, "get_many: keys changed size");
+            Py_CLEAR(out);
+            break;
+        }
+        for (Py_ssize_t j = i == 0 ? 0 : i + GET_AHEAD - 1; j < i + GET_AHEAD && j < n; j++) {
+            PyObject *ahead = j < PySequence_Fast_GET_SIZE(seq) ? PySequence_Fast_GET_ITEM(seq, j)
+                                                                : NULL;
+            if (ahead != NULL && PyLong_CheckExact(ahead)) {
+                u64map_prefetch(self, PyLong_AsUnsignedLongLongMask(ahead));
+            }
+        }
+        PyObject *v = get_one(self, PySequence_Fast_GET_ITEM(seq, i), dflt);
+        if (v == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, v);
     }
-    PyObject *got = u64map_get_object(self, args[0]);
-    if (got != NULL || PyErr_Occurred()) return got;
-    return Py_NewRef(nargs > 1 ? args[1] : Py_None);
+    Py_DECREF(seq);
+    return out;
 }
 
 static PyObject *
@@ -332,6 +376,8 @@ map_repr(PyObject *self)
 
 static PyMethodDef map_methods[] = {
     {"get", (PyCFunction)(void (*)(void))map_get, METH_FASTCALL, "get(key, default=None)"},
+    {"get_many", (PyCFunction)(void (*)(void))map_get_many, METH_FASTCALL,
+     "get_many(keys, default=None): [get(k, default) for k in keys]"},
     {"pop", (PyCFunction)(void (*)(void))map_pop, METH_FASTCALL, "pop(key[, default])"},
     {"setdefault", (PyCFunction)(void (*)(void))map_setdefault, METH_FASTCALL,
      "setdefault(key, default=None)"},

@@ -1,10 +1,10 @@
 """Which engines hold which block: bitmasks per (group, medium), with reference counts.
 
-Data layout (why it is fast and small in pure Python):
+Data layout (why it is fast and small):
 
 * Engines get a *slot*; an engine is one bit ``1 << slot``.
 * ``tables[(group_idx, medium)]`` maps a content key to an int bitmask of the engines holding
-  that block. Matching a prompt is then one dict lookup and one ``&`` per block boundary for the
+  that block. Matching a prompt is then one lookup and one ``&`` per block boundary for the
   whole fleet at once, not per engine.
 * That map is a *table*, a U64Map (indexer/u64map.py): uint64 key -> uint64 mask in 16 bytes,
   in segments of unequal shares that grow (re-insert their entries) at staggered moments, so
@@ -20,7 +20,7 @@ Data layout (why it is fast and small in pure Python):
   ``dups[(slot, group, medium, key)]`` instead of a counter on every entry.
 
 :meth:`Residency.store_packed` and :meth:`Residency.remove_packed` do the same work in C
-(indexer/_ingest.c) for events whose hashes arrive packed (indexer/wire.py ``PackedEvents``);
+(indexer/_residency.c) for events whose hashes arrive packed (indexer/wire.py ``PackedEvents``);
 they leave the rare cases (duplicates, hashes already mapped, exports in progress) to the Python
 methods here, which are the reference.
 """
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from itertools import repeat
 from operator import eq
 
 from indexer.engine_state import EngineState
@@ -87,7 +86,7 @@ class Residency:
         # The whole event in C-level passes (map/update) rather than a Python loop per block:
         # this is what makes ingest fast. Duplicates (a block already resident on this engine,
         # group and medium) are rare and take the slow loop.
-        before = list(map(res.get, keys, repeat(0, len(keys))))
+        before = res.get_many(keys, 0)
         after = list(map(bit.__or__, before))
         if any(map(eq, after, before)):
             added = 0

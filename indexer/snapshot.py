@@ -168,7 +168,7 @@ class EngineExport:
         n = 0
         for ks in _slices(keys):
             self._check()
-            masks = list(map(res.get, ks, repeat(0)))
+            masks = res.get_many(ks, 0)
             flags = list(map(bit.__and__, masks))
             log = self._log.resident.get((g, medium))
             if log:  # keys changed since the cut take their logged values

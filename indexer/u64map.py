@@ -28,7 +28,8 @@ and one hash map per engine (engine block hash -> content key). Two things shape
 :class:`PyU64Map` is the pure-Python reference with the same API and the same segments (one
 dict each), used when the extension is not built; ``U64Map`` is whichever is in use. Both have
 the dict API the index uses (get, ``in``, ``[]``, ``del``, len, iteration, keys / values /
-items as iterators, pop, setdefault, clear), ``segment_of(key)``, ``segment_keys(i)`` and
+items as iterators, pop, setdefault, clear), ``get_many(keys, default)`` (the lookups of a list
+of keys, which C overlaps in memory), ``segment_of(key)``, ``segment_keys(i)`` and
 ``segment_sizes()`` (entries and bytes per segment). Keys are ints, bytes, str or tuples (a
 float key equal to an int would not find the int's entry, as it would in a dict).
 """
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Iterator
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any
 
 from indexer.keys import _native
@@ -79,6 +80,9 @@ class PyU64Map:
 
     def get(self, k: Any, default: Any = None) -> Any:
         return self._dict(k).get(k, default)
+
+    def get_many(self, keys: Iterable[Any], default: Any = None) -> list[Any]:
+        return list(map(self.get, keys, repeat(default)))
 
     def __contains__(self, k: object) -> bool:
         return k in self._dict(k)

@@ -37,7 +37,19 @@ _values = st.one_of(
     st.booleans(),
     st.binary(max_size=8),
 )
-_OPS = ("set", "set", "set", "get", "in", "getitem", "del", "pop", "pop_default", "setdefault")
+_OPS = (
+    "set",
+    "set",
+    "set",
+    "get",
+    "get_many",
+    "in",
+    "getitem",
+    "del",
+    "pop",
+    "pop_default",
+    "setdefault",
+)
 
 
 @st.composite
@@ -62,6 +74,11 @@ def _apply(m: Any, op: str, key: Any, value: Any) -> Any:
             return None
         if op == "get":
             return m.get(key, "absent")
+        if op == "get_many":  # a dict has none: its definition
+            keys = [key, value, key]
+            if isinstance(m, dict):
+                return [m.get(k, "absent") for k in keys]
+            return m.get_many(keys, "absent")
         if op == "in":
             return key in m
         if op == "getitem":
