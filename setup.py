@@ -8,8 +8,20 @@ setup(
     ext_modules=[
         Extension(
             "indexer._native",
-            ["indexer/_native.c", "indexer/_ingest.c"],
-            depends=["indexer/_ingest.h"],
+            [
+                "indexer/_native.c",
+                "indexer/_ingest.c",
+                "indexer/_residency.c",
+                "indexer/_scan.c",
+                "indexer/_u64map.c",
+                "indexer/_u64map_type.c",
+            ],
+            depends=[
+                "indexer/_ingest.h",
+                "indexer/_scan.h",
+                "indexer/_u64map.h",
+                "indexer/_u64map_impl.h",
+            ],
             include_dirs=["third_party/xxhash"],
             optional=True,
             extra_compile_args=["-O2"],

@@ -1,4 +1,5 @@
-/* indexer/_ingest.c's functions, registered in indexer._native's method table (_native.c). */
+/* indexer/_ingest.c's and _residency.c's functions, registered in indexer._native's method
+ * table (_native.c). */
 #ifndef KVROUTER_INGEST_H
 #define KVROUTER_INGEST_H
 

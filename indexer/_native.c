@@ -4,14 +4,17 @@
  *   ids_from_json(raw)                     -> bytes      (a /tokenize "tokens" array as uint32 LE)
  *   chain_keys(seed, data, unit, limit)    -> list[int]  (indexer.keys.chain_keys over bytes)
  *   run_scan(tables, keys, first, step, count, alive)
- *                                          -> (b, now)   (full_attention_run's block loop)
+ *                                          -> (b, now)   (full_attention_run's block loop,
+ *                                                         indexer/_scan.c)
  *   ids_to_json(data)                      -> bytes      (uint32 LE ids as a compact JSON array)
- *   decode_batch, store_dense, remove_hashes: the event plane's hot path (indexer/_ingest.c)
+ *   decode_batch: the event plane's decoder (indexer/_ingest.c)
+ *   store_dense, remove_hashes: residency in C (indexer/_residency.c)
+ *   U64Map: the index's maps (indexer/_u64map.c, _u64map_type.c)
  *
  * indexer/native.py is the public face and holds the pure-Python equivalents; the tests check
  * both against each other. Every input is read through bounds-checked indexes only: any bytes
- * are safe, and the only allocation is the result (run_scan also makes one int per key it looks
- * up from a uint64 buffer, freed at once).
+ * are safe, and the only allocation is the result (run_scan looks uint64 keys up without an
+ * object; only a key or value outside uint64 makes one, freed at once).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -26,6 +29,8 @@
 #include "xxhash.h"
 
 #include "_ingest.h"
+#include "_scan.h"
+#include "_u64map.h"
 
 /* ------------------------------------------------------------------ ids_from_json */
 
@@ -455,223 +460,6 @@ chain_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
-/* ------------------------------------------------------------------ run_scan */
-
-#define RUN_SCAN_SLOTS 1024 /* indexer.staggered.SLOTS */
-
-/* keys as run_scan reads them: a 1-D buffer of native uint64 (array('Q'), a 'Q' memoryview),
- * else any sequence through PySequence_Fast (a list or tuple is used in place). */
-typedef struct {
-    Py_buffer view;
-    int has_view;
-    PyObject *seq; /* a new reference when !has_view */
-} scan_keys;
-
-static int
-scan_keys_open(scan_keys *k, PyObject *obj)
-{
-    k->has_view = 0;
-    k->seq = NULL;
-    if (PyObject_CheckBuffer(obj)) {
-        if (PyObject_GetBuffer(obj, &k->view, PyBUF_FORMAT | PyBUF_STRIDES) < 0) {
-            return -1;
-        }
-        const char *f = k->view.format == NULL ? "B" : k->view.format;
-        if (f[0] == '@') {
-            f++;
-        }
-        if (k->view.ndim == 1 && k->view.itemsize == 8 && (f[0] == 'Q' || f[0] == 'L') &&
-            f[1] == '\0') {
-            k->has_view = 1; /* the exporter cannot resize while the view is held */
-            return 0;
-        }
-        PyBuffer_Release(&k->view); /* any other buffer (bytes, array('I')): its items */
-    }
-    k->seq = PySequence_Fast(obj, "run_scan: keys must be a sequence or a uint64 buffer");
-    return k->seq == NULL ? -1 : 0;
-}
-
-static void
-scan_keys_close(scan_keys *k)
-{
-    if (k->has_view) {
-        PyBuffer_Release(&k->view);
-    }
-    Py_XDECREF(k->seq);
-}
-
-/* The number of keys now: a list can change size while Python code runs in a dict lookup. */
-static inline Py_ssize_t
-scan_keys_len(const scan_keys *k)
-{
-    return k->has_view ? k->view.shape[0] : PySequence_Fast_GET_SIZE(k->seq);
-}
-
-/* Key i (0 <= i < scan_keys_len) as a new reference, and its slot in *slot. */
-static inline PyObject *
-scan_key(const scan_keys *k, Py_ssize_t i, Py_ssize_t *slot)
-{
-    if (k->has_view) {
-        uint64_t v;
-        memcpy(&v, (const char *)k->view.buf + i * k->view.strides[0], sizeof v);
-        *slot = (Py_ssize_t)(v & (RUN_SCAN_SLOTS - 1));
-        return PyLong_FromUnsignedLongLong((unsigned long long)v);
-    }
-    PyObject *item = PySequence_Fast_GET_ITEM(k->seq, i);
-    /* An int is used as is; anything else through __index__ (TypeError for a str or a float,
-     * as `key & 1023` raises in Python). */
-    PyObject *key = PyLong_Check(item) ? Py_NewRef(item) : PyNumber_Index(item);
-    if (key == NULL) {
-        return NULL;
-    }
-    /* The low 64 bits in two's complement (never fails for an int): their low 10 bits are
-     * Python's `key & 1023` for any int, negative or beyond 64 bits. */
-    *slot = (Py_ssize_t)(PyLong_AsUnsignedLongLongMask(key) & (RUN_SCAN_SLOTS - 1));
-    return key;
-}
-
-/* (b, now), stealing now (NULL: an error is set, passed on). */
-static PyObject *
-scan_result(Py_ssize_t b, PyObject *now)
-{
-    if (now == NULL) {
-        return NULL;
-    }
-    PyObject *bo = PyLong_FromSsize_t(b);
-    if (bo == NULL) {
-        Py_DECREF(now);
-        return NULL;
-    }
-    PyObject *out = PyTuple_Pack(2, bo, now);
-    Py_DECREF(bo);
-    Py_DECREF(now);
-    return out;
-}
-
-static PyObject *
-run_scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)module;
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError,
-                     "run_scan() takes exactly 6 arguments "
-                     "(tables, keys, first, step, count, alive), %zd given",
-                     nargs);
-        return NULL;
-    }
-    PyObject *tables = args[0], *keys_obj = args[1], *alive_obj = args[5];
-    /* Integers beyond Py_ssize_t are clamped to its range (the fallback clamps the same). */
-    const Py_ssize_t first = PyNumber_AsSsize_t(args[2], NULL);
-    if (first == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    const Py_ssize_t step = PyNumber_AsSsize_t(args[3], NULL);
-    if (step == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    const Py_ssize_t count = PyNumber_AsSsize_t(args[4], NULL);
-    if (count == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (!PyTuple_Check(tables)) {
-        PyErr_Format(PyExc_TypeError, "run_scan: tables must be a tuple, not %.100s",
-                     Py_TYPE(tables)->tp_name);
-        return NULL;
-    }
-    if (PyTuple_GET_SIZE(tables) != RUN_SCAN_SLOTS) {
-        PyErr_Format(PyExc_ValueError, "run_scan: tables must have %d slots, not %zd",
-                     RUN_SCAN_SLOTS, PyTuple_GET_SIZE(tables));
-        return NULL;
-    }
-    if (!PyLong_Check(alive_obj)) {
-        PyErr_Format(PyExc_TypeError, "run_scan: alive must be an int, not %.100s",
-                     Py_TYPE(alive_obj)->tp_name);
-        return NULL;
-    }
-    if (first < 0 || step < 1) {
-        PyErr_SetString(PyExc_ValueError, "run_scan: first must be >= 0 and step >= 1");
-        return NULL;
-    }
-    if (first >= count) {
-        return scan_result(count, Py_NewRef(alive_obj));
-    }
-    /* Fast path: alive fits in 64 bits (up to 64 engines). alive & v then depends only on the
-     * low 64 bits of v, whatever v's size or sign. Otherwise, Python ints block by block. */
-    int alive_fits = 1;
-    const unsigned long long alive = PyLong_AsUnsignedLongLong(alive_obj);
-    if (alive == (unsigned long long)-1 && PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
-            return NULL;
-        }
-        PyErr_Clear(); /* negative, or beyond 64 bits */
-        alive_fits = 0;
-    }
-
-    scan_keys k;
-    if (scan_keys_open(&k, keys_obj) < 0) {
-        return NULL;
-    }
-    PyObject *out = NULL;
-    for (Py_ssize_t b = first; b < count; b++) {
-        /* Block b's key is keys[(b + 1) * step - 1], in range iff b + 1 <= len // step (no
-         * overflow: b < count <= PY_SSIZE_T_MAX and step >= 1). */
-        if (b + 1 > scan_keys_len(&k) / step) {
-            PyErr_SetString(PyExc_IndexError, "run_scan: key index out of range");
-            goto done;
-        }
-        Py_ssize_t slot;
-        PyObject *key = scan_key(&k, (b + 1) * step - 1, &slot);
-        if (key == NULL) {
-            goto done;
-        }
-        PyObject *d = PyTuple_GET_ITEM(tables, slot);
-        if (!PyDict_Check(d)) {
-            PyErr_Format(PyExc_TypeError, "run_scan: tables[%zd] is a %.100s, not a dict", slot,
-                         Py_TYPE(d)->tp_name);
-            Py_DECREF(key);
-            goto done;
-        }
-        PyObject *v = PyDict_GetItemWithError(d, key); /* borrowed */
-        Py_DECREF(key);
-        if (v == NULL && PyErr_Occurred()) {
-            goto done;
-        }
-        if (alive_fits && (v == NULL || PyLong_Check(v))) {
-            const unsigned long long now =
-                v == NULL ? 0 : alive & PyLong_AsUnsignedLongLongMask(v);
-            if (now != alive) {
-                out = scan_result(b, PyLong_FromUnsignedLongLong(now));
-                goto done;
-            }
-            continue;
-        }
-        /* General case, exactly Python's `now = alive & v; if now != alive` (TypeError for a
-         * value that is not an int). */
-        PyObject *val = v == NULL ? PyLong_FromLong(0) : Py_NewRef(v);
-        if (val == NULL) {
-            goto done;
-        }
-        PyObject *now = PyNumber_And(alive_obj, val);
-        Py_DECREF(val);
-        if (now == NULL) {
-            goto done;
-        }
-        const int ne = PyObject_RichCompareBool(now, alive_obj, Py_NE);
-        if (ne > 0) {
-            out = scan_result(b, now);
-            goto done;
-        }
-        Py_DECREF(now);
-        if (ne < 0) {
-            goto done;
-        }
-    }
-    out = scan_result(count, Py_NewRef(alive_obj));
-done:
-    scan_keys_close(&k);
-    return out;
-}
-
 /* ------------------------------------------------------------------ ids_to_json */
 
 static inline unsigned
@@ -775,10 +563,10 @@ static PyMethodDef native_methods[] = {
      "chain_keys(seed, data, unit, limit, /)\n--\n\n"
      "indexer.keys.chain_keys over the bytes-like data: xxh3_64 of each whole unit of\n"
      "unit*4 bytes, seeded by the previous key, at most limit keys (None: no cap)."},
-    {"run_scan", (PyCFunction)(void (*)(void))run_scan, METH_FASTCALL,
+    {"run_scan", (PyCFunction)(void (*)(void))native_run_scan, METH_FASTCALL,
      "run_scan(tables, keys, first, step, count, alive, /)\n--\n\n"
      "For blocks b = first .. count-1 (key keys[(b+1)*step-1]): now = alive &\n"
-     "tables[key & 1023].get(key, 0); the first (b, now) with now != alive, else\n"
+     "tables.get(key, 0); the first (b, now) with now != alive, else\n"
      "(count, alive). See indexer.native.run_scan."},
     {"ids_to_json", (PyCFunction)ids_to_json, METH_O,
      "ids_to_json(data, /)\n--\n\n"
@@ -797,12 +585,18 @@ static PyMethodDef native_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyModuleDef_Slot native_slots[] = {
+    {Py_mod_exec, (void *)u64map_add_type},
+    {0, NULL},
+};
+
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "indexer._native",
     .m_doc = "C versions of kvrouter's request-path loops; use indexer.native, not this module.",
     .m_size = 0,
     .m_methods = native_methods,
+    .m_slots = native_slots,
 };
 
 PyMODINIT_FUNC

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from indexer.staggered import SLOT_MASK, HashMap, Table
+from indexer.staggered import HashMap, Table
 from indexer.wire import BlockHash
 
 __all__ = ["ExportLog"]
@@ -44,4 +44,4 @@ class ExportLog:
         log = self.resident.setdefault((g, medium), {})
         for k in keys:
             if k is not None and k not in log:
-                log[k] = bool(res[k & SLOT_MASK].get(k, 0) & bit)
+                log[k] = bool(res.get(k, 0) & bit)

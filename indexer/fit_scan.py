@@ -18,11 +18,11 @@ that reference over random residency tables).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import accumulate, compress, islice, repeat
+from itertools import accumulate, compress, islice
 from operator import and_, or_
 
 from indexer.hit_rules import fit_point, mask_slots
-from indexer.staggered import SLOT_MASK, Table
+from indexer.staggered import Table
 from indexer.types import CHUNKED, MAMBA, SLIDING, GroupSpec
 
 __all__ = ["fit_points"]
@@ -236,7 +236,7 @@ def _block_masks(
         return []
     # Blocks smaller than the unit (step 0): the rule's index is -1.
     ks = keys[(first + 1) * step - 1 : end * step : step * every] if step else [keys[-1]] * n
-    return list(map(dict.get, map(res.__getitem__, map(SLOT_MASK.__and__, ks)), ks, repeat(0)))
+    return res.get_many(ks, 0)
 
 
 def _window_ands(masks: list[int], width: int) -> list[int]:

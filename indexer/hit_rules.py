@@ -1,10 +1,9 @@
 """vLLM's prefix-cache hit rules, as pure functions over residency tables.
 
-A *residency lookup* is a table (indexer/staggered.py): ``res[key & SLOT_MASK].get(key, 0)`` is
-the bitmask of the engines holding the block whose content key is ``key``; ``bit`` selects one
-engine. A plain ``{key: mask}`` dict repeated ``SLOTS`` times is one too (the tests build theirs
-that way). ``keys[i]`` is the content key at token ``(i + 1) * unit`` of the prompt, so the block
-``b`` of a group with blocks of ``bs`` tokens ends at key ``keys[(b + 1) * bs // unit - 1]``.
+A *residency lookup* is a table (indexer/u64map.py): ``res.get(key, 0)`` is the bitmask of the
+engines holding the block whose content key is ``key``; ``bit`` selects one engine. ``keys[i]``
+is the content key at token ``(i + 1) * unit`` of the prompt, so the block ``b`` of a group
+with blocks of ``bs`` tokens ends at key ``keys[(b + 1) * bs // unit - 1]``.
 
 The rules (vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` and its managers):
 
@@ -31,7 +30,7 @@ import math
 from collections.abc import Iterable, Sequence
 
 from indexer.native import run_scan
-from indexer.staggered import SLOT_MASK, Table
+from indexer.staggered import Table
 from indexer.types import CHUNKED, MAMBA, SLIDING, GroupSpec
 
 __all__ = [
@@ -135,8 +134,7 @@ def group_accepts(
     else:
         first = 0
     return all(
-        res[k & SLOT_MASK].get(k, 0) & bit
-        for k in (keys[(b + 1) * step - 1] for b in range(first, end_block))
+        res.get(k, 0) & bit for k in (keys[(b + 1) * step - 1] for b in range(first, end_block))
     )
 
 
@@ -220,7 +218,7 @@ def cpu_extension(
 
     def present(table: Table, c: int) -> bool:
         key = keys[(c + 1) * step - 1] if (c + 1) * step <= len(keys) else None
-        return key is not None and bool(table[key & SLOT_MASK].get(key, 0) & bit)
+        return key is not None and bool(table.get(key, 0) & bit)
 
     start = k = gpu_hit // chunk
     while k < whole and all(present(t, k) for t in tables):  # type: ignore[arg-type]

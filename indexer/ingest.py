@@ -30,7 +30,6 @@ from indexer.engine_state import EngineState
 from indexer.hit_rules import alignment, group_accepts
 from indexer.keys import chain_keys, mix_extra, tokens_to_bytes
 from indexer.residency import NATIVE_INGEST, STORE_BAIL, STORE_REANNOUNCED, Residency
-from indexer.staggered import SLOT_MASK
 from indexer.types import CHUNKED, FULL, GPU, MAMBA, GroupSpec, group_kind
 from indexer.vllm_hash import VllmHashLocator
 from indexer.wire import (
@@ -528,7 +527,7 @@ class Ingest:
         for g, spec in e.groups.items():
             if spec.kind == FULL and spec.block_size == ev.block_size:
                 res = tables.get((g, GPU))
-                if res is None or not res[keys[0] & SLOT_MASK].get(keys[0], 0) & bit:
+                if res is None or not res.get(keys[0], 0) & bit:
                     decided[decision_key] = False
                     return False
         unit_keys = self._unit_keys(e, ev, keys, point)

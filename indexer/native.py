@@ -32,7 +32,8 @@ from typing import Any
 import msgspec
 
 from indexer.keys import _chain_keys_py, _native, tokens_to_bytes
-from indexer.staggered import SLOT_MASK, SLOTS
+from indexer.staggered import Table
+from indexer.u64map import PyU64Map, U64Map
 
 __all__ = ["NATIVE", "chain_keys_bytes", "ids_from_json", "ids_to_json", "run_scan"]
 
@@ -78,7 +79,7 @@ def _clamp_ssize(n: Any) -> int:
 
 
 def _run_scan_py(
-    tables: tuple[dict[Any, int], ...],
+    tables: Table,
     keys: Sequence[int],
     first: int,
     step: int,
@@ -87,22 +88,18 @@ def _run_scan_py(
 ) -> tuple[int, int]:
     """Python ``run_scan``: the plain block loop, with the checks of the C version."""
     first, step, count = _clamp_ssize(first), _clamp_ssize(step), _clamp_ssize(count)
-    if not isinstance(tables, tuple):
-        raise TypeError(f"run_scan: tables must be a tuple, not {type(tables).__name__}")
-    if len(tables) != SLOTS:
-        raise ValueError(f"run_scan: tables must have {SLOTS} slots, not {len(tables)}")
+    if not isinstance(tables, U64Map | PyU64Map):
+        raise TypeError(f"run_scan: tables must be a U64Map, not {type(tables).__name__}")
     if not isinstance(alive, int):
         raise TypeError(f"run_scan: alive must be an int, not {type(alive).__name__}")
     if first < 0 or step < 1:
         raise ValueError("run_scan: first must be >= 0 and step >= 1")
     if first >= count:
         return count, alive
-    # dict.get unbound: a TypeError for a slot that is not a dict, and a dict subclass's own
-    # get() is bypassed, as PyDict_GetItemWithError does; as fast as the bound method.
-    get = dict.get
+    get = tables.get
     block_keys = keys[(first + 1) * step - 1 : count * step : step]  # ends early if keys do
     for b, key in enumerate(block_keys, first):
-        now = alive & get(tables[key & SLOT_MASK], key, 0)
+        now = alive & get(index(key), 0)  # index: a TypeError for a key that is no int, as in C
         if now != alive:
             return b, now
     if first + len(block_keys) < count:
@@ -139,19 +136,18 @@ ids_to_json: Callable[[bytes | bytearray | memoryview], bytes]
 (``b"[1,2,3]"``), for the upstream body of a prompt whose ids come from the tokenizer's cache.
 ValueError unless the length is a multiple of 4."""
 
-run_scan: Callable[[tuple[dict[Any, int], ...], Sequence[int], int, int, int, int], tuple[int, int]]
+run_scan: Callable[[Table, Sequence[int], int, int, int, int], tuple[int, int]]
 """``run_scan(tables, keys, first, step, count, alive)``, all positional: for blocks
 ``b = first, ..., count - 1`` (block ``b``'s key is ``keys[(b + 1) * step - 1]``),
-``now = alive & tables[key & 1023].get(key, 0)``; returns ``(b, now)`` for the first block where
+``now = alive & tables.get(key, 0)``; returns ``(b, now)`` for the first block where
 ``now != alive``, else ``(count, alive)``.
 
-``tables`` is a residency table (indexer/staggered.py: a tuple of 1024 dicts, key -> bitmask of
-engines); ``keys`` a list of ints or an ``array("Q")``; ``alive`` and the values any
-non-negative ints (more than 64 bits when there are more than 64 engines: C has a 64-bit fast
-path and handles the rest with Python ints). Errors: TypeError if ``tables`` is not a tuple, a
-slot it looks up is not a dict, ``alive`` or a value is not an int; ValueError for
-``len(tables) != 1024``, ``first < 0`` or ``step < 1``; IndexError when a block to scan has no
-key (blocks before it are scanned first: a mismatch there is returned instead)."""
+``tables`` is a residency table (a U64Map, indexer/u64map.py: key -> bitmask of engines);
+``keys`` a list of ints or an ``array("Q")``; ``alive`` and the values any non-negative ints
+(more than 64 bits when there are more than 64 engines: C has a 64-bit fast path and handles the
+rest with Python ints). Errors: TypeError if ``tables`` is not a U64Map, a key, ``alive`` or a
+value is not an int; ValueError for ``first < 0`` or ``step < 1``; IndexError when a block to
+scan has no key (blocks before it are scanned first: a mismatch there is returned instead)."""
 
 if _native is not None:
     ids_from_json = _native.ids_from_json

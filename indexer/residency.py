@@ -1,15 +1,15 @@
 """Which engines hold which block: bitmasks per (group, medium), with reference counts.
 
-Data layout (why it is fast and small in pure Python):
+Data layout (why it is fast and small):
 
 * Engines get a *slot*; an engine is one bit ``1 << slot``.
 * ``tables[(group_idx, medium)]`` maps a content key to an int bitmask of the engines holding
-  that block. Matching a prompt is then one dict lookup and one ``&`` per block boundary for the
+  that block. Matching a prompt is then one lookup and one ``&`` per block boundary for the
   whole fleet at once, not per engine.
-* That map is a *table* (indexer/staggered.py): a tuple of 1024 references to 16 dicts of
-  unequal shares, indexed by ``key & SLOT_MASK``, so that CPython's all-at-once dict growth
-  stops the event loop for 1/16 of the map at a time, at staggered moments.
-* Each engine keeps ``hashes``: engine hash -> content key (a :class:`HashMap`, a table too),
+* That map is a *table*, a U64Map (indexer/u64map.py): uint64 key -> uint64 mask in 16 bytes,
+  in segments of unequal shares that grow (re-insert their entries) at staggered moments, so
+  the event loop never stops for the whole map; masks past 64 bits sit in its side dicts.
+* Each engine keeps ``hashes``: engine hash -> content key (a U64Map, indexer/u64map.py),
   and ``extra_refs``: engine hash -> references beyond the first (rare: the same hash stored in
   several groups or media, or stored again). A hash's references count every (group, medium)
   residency of it on that engine, so the mapping lives exactly as long as the engine holds the
@@ -20,7 +20,7 @@ Data layout (why it is fast and small in pure Python):
   ``dups[(slot, group, medium, key)]`` instead of a counter on every entry.
 
 :meth:`Residency.store_packed` and :meth:`Residency.remove_packed` do the same work in C
-(indexer/_ingest.c) for events whose hashes arrive packed (indexer/wire.py ``PackedEvents``);
+(indexer/_residency.c) for events whose hashes arrive packed (indexer/wire.py ``PackedEvents``);
 they leave the rare cases (duplicates, hashes already mapped, exports in progress) to the Python
 methods here, which are the reference.
 """
@@ -29,12 +29,11 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from itertools import repeat
 from operator import eq
 
 from indexer.engine_state import EngineState
 from indexer.keys import _native
-from indexer.staggered import SLOT_MASK, HashMap, Table, new_table
+from indexer.staggered import HashMap, Table, new_table
 from indexer.wire import BlockHash
 
 __all__ = ["NATIVE_INGEST", "Residency"]
@@ -78,43 +77,41 @@ class Residency:
         """Engine ``e`` holds the blocks ``keys`` (named ``hashes`` by it) in table ``res``."""
         bit = e.bit
         hmap = e.hashes
-        hdicts = list(map(hmap.table.__getitem__, map(SLOT_MASK.__and__, map(hash, hashes))))
-        known = any(map(dict.__contains__, hdicts, hashes))
+        known = any(map(hmap.__contains__, hashes))
         if known:
-            keys = _mapped_keys(e, hdicts, hashes, keys)
+            keys = _mapped_keys(e, hmap, hashes, keys)
         for log in e.exports:  # an export is reading this engine: keep the cut's values
             log.before_hashes(hashes, hmap, e.extra_refs)
             log.before_blocks(g, medium, res, bit, keys)
         # The whole event in C-level passes (map/update) rather than a Python loop per block:
         # this is what makes ingest fast. Duplicates (a block already resident on this engine,
         # group and medium) are rare and take the slow loop.
-        dicts = list(map(res.__getitem__, map(SLOT_MASK.__and__, keys)))
-        before = list(map(dict.get, dicts, keys, repeat(0, len(keys))))
+        before = res.get_many(keys, 0)
         after = list(map(bit.__or__, before))
         if any(map(eq, after, before)):
             added = 0
             dups = self.dups
-            for d, key, m, m_new in zip(dicts, keys, before, after, strict=True):
+            for key, m, m_new in zip(keys, before, after, strict=True):
                 if m_new == m:
                     dk = (e.slot, g, medium, key)
                     dups[dk] = dups.get(dk, 0) + 1
                     e.counters["duplicates"] += 1
                 else:
-                    d[key] = m_new
+                    res[key] = m_new
                     added += 1
         else:
-            _consume(map(dict.__setitem__, dicts, keys, after))
+            _consume(map(res.__setitem__, keys, after))
             added = len(keys)
         # One more reference per hash; a hash already mapped keeps its key (first store wins).
         if not known:
-            _consume(map(dict.__setitem__, hdicts, hashes, keys))
+            _consume(map(hmap.__setitem__, hashes, keys))
         else:
             extra = e.extra_refs
-            for d, h, key in zip(hdicts, hashes, keys, strict=False):
-                if h in d:
+            for h, key in zip(hashes, keys, strict=False):
+                if h in hmap:
                     extra[h] = extra.get(h, 0) + 1
                 else:
-                    d[h] = key
+                    hmap[h] = key
         if added:
             gm = (g, medium)
             e.resident[gm] = e.resident.get(gm, 0) + added
@@ -151,17 +148,15 @@ class Residency:
         extra_refs = e.extra_refs
         dups = self.dups
         removed = unknown = cleared = 0
-        htable = e.hashes.table
+        hmap = e.hashes
         for h in block_hashes:
-            hd = htable[hash(h) & SLOT_MASK]
-            key = hd.get(h)
+            key = hmap.get(h)
             if key is None or res is None:
                 unknown += 1
                 if unknown_sink is not None:
                     unknown_sink.add(h)
                 continue
-            d = res[key & SLOT_MASK]
-            m = d.get(key, 0)
+            m = res.get(key, 0)
             if not m & bit:
                 unknown += 1
                 if unknown_sink is not None:
@@ -177,13 +172,13 @@ class Residency:
             else:
                 m &= others
                 if m:
-                    d[key] = m
+                    res[key] = m
                 else:
-                    del d[key]
+                    del res[key]
                 cleared += 1
             refs = extra_refs.get(h) if extra_refs else None
             if refs is None:
-                del hd[h]
+                del hmap[h]
             elif refs == 1:
                 del extra_refs[h]
             else:
@@ -224,7 +219,7 @@ class Residency:
         if res is None or e.exports:
             return STORE_BAIL
         code: int = _native.store_dense(  # type: ignore[union-attr]
-            res, e.hashes.table, e.bit, seed, parent, hashes, tokens, unit, block_size, decided
+            res, e.hashes, e.bit, seed, parent, hashes, tokens, unit, block_size, decided
         )
         if code > 0:
             gm = (g, medium)
@@ -249,7 +244,7 @@ class Residency:
             return
         removed, unknown, cleared = _native.remove_hashes(  # type: ignore[union-attr]
             self.tables.get((g, medium)),
-            e.hashes.table,
+            e.hashes,
             e.bit,
             hashes,
             self.dups,
@@ -275,14 +270,13 @@ class Residency:
         keys = set(e.hashes.values())
         for res in self.tables.values():
             for key in keys:
-                d = res[key & SLOT_MASK]
-                m = d.get(key)
+                m = res.get(key)
                 if m is not None and m & bit:
                     m &= keep
                     if m:
-                        d[key] = m
+                        res[key] = m
                     else:
-                        del d[key]
+                        del res[key]
         if self.dups:
             for dk in [dk for dk in self.dups if dk[0] == e.slot]:
                 del self.dups[dk]
@@ -296,11 +290,11 @@ class Residency:
     def holds(self, e: EngineState, g: int, medium: str, key: int) -> bool:
         """Whether engine ``e`` holds the block ``key`` in (g, medium)."""
         res = self.tables.get((g, medium))
-        return bool(res and res[key & SLOT_MASK].get(key, 0) & e.bit)
+        return bool(res is not None and res.get(key, 0) & e.bit)
 
 
 def _mapped_keys(
-    e: EngineState, hdicts: list[dict[BlockHash, int]], hashes: list[BlockHash], keys: list[int]
+    e: EngineState, hmap: HashMap, hashes: list[BlockHash], keys: list[int]
 ) -> list[int]:
     """``keys`` with every hash the engine already names replaced by the key it is mapped to.
 
@@ -312,8 +306,8 @@ def _mapped_keys(
     """
     out = list(keys)
     mismatch = 0
-    for i, (d, h) in enumerate(zip(hdicts, hashes, strict=False)):
-        mapped = d.get(h)
+    for i, h in enumerate(hashes):
+        mapped = hmap.get(h)
         if mapped is not None and mapped != out[i]:
             out[i] = mapped
             mismatch += 1

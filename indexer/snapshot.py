@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Generator, Iterator
-from itertools import compress, islice, repeat
+from itertools import compress, repeat
 from typing import Any
 
 import msgspec
@@ -18,8 +18,9 @@ import msgspec
 from indexer.engine_state import EngineState
 from indexer.export_log import ExportLog
 from indexer.residency import Residency
-from indexer.staggered import SLOT_MASK, HashMap, Table, new_table, shards
+from indexer.staggered import HashMap, Table, new_table
 from indexer.types import GroupSpec
+from indexer.u64map import SEGMENTS
 from indexer.wire import BlockHash
 
 __all__ = [
@@ -88,19 +89,18 @@ class EngineExport:
 
     def __iter__(self) -> Iterator[bytes]:
         try:
-            # The content keys the engine names, each once: a table of int-keyed dicts, not a
-            # set, so that the collector untracks them (a million entries never traversed) and
-            # they grow at staggered moments (indexer/staggered.py).
+            # The content keys the engine names, each once: a U64Map, not a set, so that they
+            # cost 16 bytes each, the collector never traverses them, and they grow at staggered
+            # moments (indexer/u64map.py).
             held = new_table()
             hashes: list[bytes] = []
             n_hashes = 0
-            for shard in shards(self._hmap.table):
-                for part, keys in self._shard_hashes(shard):
+            for segment in range(SEGMENTS):
+                for part, keys in self._segment_hashes(segment):
                     if part:
                         hashes.append(part)
                     n_hashes += len(keys)
-                    dicts = map(held.__getitem__, map(SLOT_MASK.__and__, keys))
-                    _consume(map(dict.__setitem__, dicts, keys, repeat(None)))
+                    _consume(map(held.__setitem__, keys, repeat(0)))
                     yield b""
             resident: list[list[bytes]] = []
             for (g, medium), res in self._tables:
@@ -112,9 +112,7 @@ class EngineExport:
             yield _enc(self._groups) + _array_header(len(resident))
             for entry in resident:
                 yield from entry
-            for d in shards(held):  # freed a shard at a time, not a million entries at once
-                d.clear()
-                yield b""
+            held.clear()  # a few blocks to free, no object per entry
             yield _enc(self._dups)
         finally:
             self.close()
@@ -123,30 +121,30 @@ class EngineExport:
         if self._e.hashes is not self._hmap or self._e.extra_refs is not self._extra:
             raise ExportAborted(f"engine {self._e.engine} was reset during its export")
 
-    def _shard_hashes(self, shard: dict[BlockHash, int]) -> Iterator[tuple[bytes, list[int]]]:
-        """One shard of the hash map as it was at the cut: (encoded triples, their keys) per
+    def _segment_hashes(self, segment: int) -> Iterator[tuple[bytes, list[int]]]:
+        """One segment of the hash map as it was at the cut: (encoded triples, their keys) per
         slice."""
         self._check()
         log = self._log.hashes
-        table = self._hmap.table
-        # The shard now, and (in the same step) what it held at the cut but lost since: only
+        hmap = self._hmap
+        # The segment now, and (in the same step) what it held at the cut but lost since: only
         # the log still knows those.
-        todo = list(shard)
+        todo = hmap.segment_keys(segment)
         todo.extend(
             h
             for h, (key, _x) in list(log.items())
-            if key is not None and h not in shard and table[hash(h) & SLOT_MASK] is shard
+            if key is not None and h not in hmap and hmap.segment_of(h) == segment
         )
         yield b"", []
         extra = self._extra
         for i in range(0, len(todo), SLICE):
             self._check()
             hs = todo[i : i + SLICE]
-            keys = list(map(shard.get, hs))
+            keys = list(map(hmap.get, hs))
             refs = list(map(_ONE.__add__, map(extra.get, hs, repeat(0))))
             if log:
                 # Hashes changed since the cut take their logged values (C-level passes
-                # find the few; a removed one is no longer in the shard).
+                # find the few; a removed one is no longer in the map).
                 changed = list(compress(range(len(hs)), map(log.__contains__, hs)))
                 for j in changed:
                     key, x = log[hs[j]]
@@ -170,9 +168,7 @@ class EngineExport:
         n = 0
         for ks in _slices(keys):
             self._check()
-            masks = list(
-                map(dict.get, map(res.__getitem__, map(SLOT_MASK.__and__, ks)), ks, repeat(0))
-            )
+            masks = res.get_many(ks, 0)
             flags = list(map(bit.__and__, masks))
             log = self._log.resident.get((g, medium))
             if log:  # keys changed since the cut take their logged values
@@ -205,10 +201,10 @@ _consume = deque(maxlen=0).extend
 
 def _slices(table: Table) -> Iterator[list[int]]:
     """The keys of ``table`` (not changed meanwhile), at most :data:`SLICE` at a time."""
-    for d in shards(table):
-        keys = iter(d)
-        for _ in range(0, len(d), SLICE):
-            yield list(islice(keys, SLICE))
+    for segment in range(SEGMENTS):
+        keys = table.segment_keys(segment)
+        for i in range(0, len(keys), SLICE):
+            yield keys[i : i + SLICE]
 
 
 _ONE = 1
@@ -251,8 +247,7 @@ def restore_snapshot(residency: Residency, e: EngineState, state: EngineSnapshot
     for g, medium, keys in state.resident:
         res = residency.table(g, medium)
         for k in keys:
-            d = res[k & SLOT_MASK]
-            d[k] = d.get(k, 0) | bit
+            res[k] = res.get(k, 0) | bit
         e.resident[(g, medium)] = e.resident.get((g, medium), 0) + len(keys)
         residency.total += len(keys)
     for g, medium, k, n in state.dups:

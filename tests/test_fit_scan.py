@@ -14,8 +14,9 @@ import pytest
 
 from indexer.fit_scan import fit_points
 from indexer.hit_rules import alignment, fit_point
-from indexer.staggered import SLOTS, Table
+from indexer.staggered import Table
 from indexer.types import CHUNKED, FULL, MAMBA, SLIDING, GroupSpec
+from indexer.u64map import U64Map
 
 UNIT = 16
 
@@ -49,7 +50,7 @@ def random_table(rng: random.Random, keys: list[int], n_engines: int, style: str
                 mask |= 1 << e
         if mask:
             held[k] = mask
-    return (held,) * SLOTS
+    return U64Map(held.items())
 
 
 def check_case(rng: random.Random) -> None:
@@ -83,7 +84,7 @@ def test_one_pass_equals_the_point_by_point_rules(seed: int) -> None:
 def test_unaligned_points_fall_back_to_the_reference() -> None:
     spec = GroupSpec(SLIDING, 32, sliding_window=64)
     keys = list(range(1, 11))
-    res: Table = ({k: 1 for k in keys},) * SLOTS
+    res: Table = U64Map((k, 1) for k in keys)
     starts = [(1, 80), (2, 48)]
     want = [fit_point([(spec, res)], bit, keys, s, 16, UNIT) for bit, s in starts]
     assert fit_points([(spec, res)], starts, keys, 16, UNIT) == want
@@ -95,7 +96,7 @@ def test_long_prompt_without_the_windows_tail_is_one_pass() -> None:
     n_blocks = 8192
     keys = list(range(1, n_blocks + 1))
     everyone = (1 << 64) - 1
-    res: Table = ({k: everyone for k in keys[: n_blocks // 2]},) * SLOTS
+    res: Table = U64Map((k, everyone) for k in keys[: n_blocks // 2])
     spec = GroupSpec(SLIDING, 16, sliding_window=1024)
     starts = [(1 << e, n_blocks * 16 - 16) for e in range(64)]
     t = time.perf_counter()

@@ -20,8 +20,9 @@ from indexer.hit_rules import (
     hit_limit,
 )
 from indexer.matching import GroupHit, match_engines
-from indexer.staggered import SLOTS, Table
+from indexer.staggered import Table
 from indexer.types import CHUNKED, CPU, FULL, GPU, MAMBA, SLIDING, GroupSpec
+from indexer.u64map import U64Map
 
 UNIT = 16
 KEYS = [10_000 + i for i in range(64)]  # a 1,024-token prompt
@@ -35,8 +36,8 @@ def at(tokens: int) -> int:
 
 
 def table(held: dict[int, int]) -> Table:
-    """A residency table from ``{token boundary: engines mask}``: one dict in every slot."""
-    return ({at(t): mask for t, mask in held.items()},) * SLOTS
+    """A residency table from ``{token boundary: engines mask}``."""
+    return U64Map((at(t), mask) for t, mask in held.items())
 
 
 def accepts(spec: GroupSpec, held: dict[int, int], point: int, bit: int = A) -> bool:

@@ -474,15 +474,13 @@ def test_residency_is_split_into_staggered_shards():
     """No residency dict holds more than a small share of the blocks, and the shares differ
     (about 1:2 smallest to largest), so the dicts do not all grow -- a stop of the event loop
     proportional to their size in CPython -- at the same moment. Matching is unaffected."""
-    from indexer.staggered import shards
-
     idx = PrefixIndex()
     idx.add_engine(W0, MODEL)
     eng = Engine()
     prompts = [prompt(16 * 64, start=100_000 * i) for i in range(100)]  # 6,400 blocks
     for p in prompts:
         idx.apply(W0, [eng.stored(p, 0, 64, 16)])
-    sizes = sorted(len(d) for d in shards(idx._residency.tables[(0, "GPU")]))
+    sizes = sorted(n for n, _bytes in idx._residency.tables[(0, "GPU")].segment_sizes())
     assert sum(sizes) == 6400 == idx.total_entries
     assert sizes[-1] <= 0.12 * 6400
     assert 1.5 <= sizes[-1] / sizes[0] <= 2.6

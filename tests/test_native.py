@@ -32,7 +32,7 @@ from indexer.native import (
     _ids_to_json_py,
     _run_scan_py,
 )
-from indexer.staggered import SLOT_MASK, Table, new_table
+from indexer.staggered import Table, new_table
 from tests.test_index import Engine
 
 _c: ModuleType | None
@@ -394,7 +394,7 @@ def reference_scan(
         if i >= len(keys):
             raise IndexError(i)
         key = keys[i]
-        now = alive & tables[key & SLOT_MASK].get(key, 0)
+        now = alive & tables.get(key, 0)
         if now != alive:
             return b, now
     return count, alive
@@ -429,7 +429,7 @@ def _scans(draw: st.DrawFn) -> tuple[Table, list[int], int, int, int, int]:
     for b in range(nblocks):
         if draw(st.integers(0, 9)):  # else: not resident anywhere (missing from the dict)
             key = keys[(b + 1) * step - 1]
-            table[key & SLOT_MASK][key] = draw(values)
+            table[key] = draw(values)
     alive = draw(st.one_of(st.just(everyone), st.integers(0, everyone), st.just(0)))
     first = draw(st.integers(0, nblocks + 1))
     count = draw(st.one_of(st.just(nblocks), st.integers(0, nblocks + 2)))
@@ -455,7 +455,7 @@ def test_run_scan_edges(impl: ScanFn) -> None:
     table = new_table()
     ks = list(range(100, 132))
     for k in ks[:20]:
-        table[k & SLOT_MASK][k] = 0b111
+        table[k] = 0b111
     assert impl(table, ks, 0, 1, 32, 0b101) == (20, 0)
     assert impl(table, array("Q", ks), 0, 1, 32, 0b101) == (20, 0)
     assert impl(table, ks, 0, 2, 16, 0b101) == (10, 0)  # block b is key (b + 1) * 2 - 1
@@ -466,25 +466,25 @@ def test_run_scan_edges(impl: ScanFn) -> None:
     assert impl(table, ks, 0, 1, 32, 0) == (32, 0)  # alive 0 never changes
     # More than 64 engines: the bits above 64 decide, in C too.
     big = 1 << 100
-    table[ks[3] & SLOT_MASK][ks[3]] = big | 1
+    table[ks[3]] = big | 1
     assert impl(table, ks, 0, 1, 20, big | 1) == (0, 1)  # block 0 holds 0b111: bit 100 is out
     assert impl(table, ks, 3, 1, 20, big | 1) == (4, 1)
     assert impl(table, ks, 3, 1, 20, 1) == (20, 1)  # a small alive against a big value
     # Negative values (not bitmasks, but ints): Python's & on two's complement, in C too.
-    table[ks[5] & SLOT_MASK][ks[5]] = -2
+    table[ks[5]] = -2
     assert impl(table, ks, 5, 1, 20, 0b111) == (5, 0b110)
     assert impl(table, ks, 5, 1, 20, big | 0b111) == (5, big | 0b110)
     # Keys past 2**63 and a strided uint64 view read the same as a list.
     hi = [U64_MAX - i for i in range(8)]
     for k in hi[1::2]:
-        table[k & SLOT_MASK][k] = 1
+        table[k] = 1
     assert impl(table, hi, 0, 2, 4, 1) == (4, 1)
     assert impl(table, memoryview(array("Q", hi))[1::2], 0, 1, 4, 1) == (4, 1)
     assert impl(table, memoryview(array("Q", hi)).cast("B").cast("Q"), 0, 2, 4, 1) == (4, 1)
     # Other sequences of ints (read item by item): a tuple, bytes, array("I").
     small = [5, 6, 7]
     for k in small:
-        table[k & SLOT_MASK][k] = 1
+        table[k] = 1
     for ks2 in (tuple(small), bytes(small), array("I", small)):
         assert impl(table, ks2, 0, 1, 3, 1) == (3, 1)  # type: ignore[arg-type]
     # first and count beyond Py_ssize_t are clamped to it (in both): nothing to scan here.
@@ -493,10 +493,8 @@ def test_run_scan_edges(impl: ScanFn) -> None:
 
 _SCAN_ERRORS: list[tuple[str, type[Exception]]] = [
     ("tables is a list", TypeError),
-    ("1023 slots", ValueError),
-    ("1025 slots", ValueError),
-    ("slot is None", TypeError),
-    ("slot is a list", TypeError),
+    ("tables is a dict", TypeError),
+    ("tables is a tuple of dicts", TypeError),
     ("index past the keys", IndexError),
     ("huge count", IndexError),
     ("huge step", IndexError),
@@ -521,17 +519,14 @@ def test_run_scan_rejects(impl: ScanFn, case: str, error: type[Exception]) -> No
     table = new_table()
     ks: list[Any] = [10, 11, 12, 13]
     for k in ks:
-        table[k & SLOT_MASK][k] = 1
+        table[k] = 1
     args: list[Any] = [table, ks, 0, 1, 4, 1]
     if case == "tables is a list":
         args[0] = list(table)
-    elif case.endswith(" slots"):
-        n = int(case.split()[0])
-        args[0] = (table + table)[:n]
-    elif case.startswith("slot is"):
-        bad: list[Any] = list(table)
-        bad[12 & SLOT_MASK] = None if case == "slot is None" else [12]
-        args[0] = tuple(bad)
+    elif case == "tables is a dict":
+        args[0] = dict(table.items())
+    elif case == "tables is a tuple of dicts":
+        args[0] = (dict(table.items()),) * 1024
     elif case == "index past the keys":
         args[4] = 5
     elif case == "huge count":
@@ -539,12 +534,12 @@ def test_run_scan_rejects(impl: ScanFn, case: str, error: type[Exception]) -> No
     elif case == "huge step":
         args[3] = 2**80
     elif case.startswith(("float value", "str value", "None value")):
-        table[12 & SLOT_MASK][12] = {"float": 1.0, "str": "1", "None": None}[case.split()[0]]
+        table[12] = {"float": 1.0, "str": "1", "None": None}[case.split()[0]]
         if case.endswith("big alive"):
             args[5] = 2**100 | 1
             for k in ks:
                 if k != 12:
-                    table[k & SLOT_MASK][k] = 2**100 | 1
+                    table[k] = 2**100 | 1
     elif case == "str key":
         ks[2] = "12"
     elif case == "float key":
@@ -568,7 +563,7 @@ def test_run_scan_index_error_only_when_reached(impl: ScanFn) -> None:
     """A block without a key is an IndexError only if the scan gets there."""
     table = new_table()
     ks = [10, 11, 12]
-    table[10 & SLOT_MASK][10] = 1
+    table[10] = 1
     assert impl(table, ks, 0, 1, 10, 1) == (1, 0)
     with pytest.raises(IndexError):
         impl(table, ks, 0, 1, 10, 0)  # alive 0 never stops: runs out of keys

@@ -183,10 +183,7 @@ def test_random_bytes_never_escape(data: bytes, prefix: bytes) -> None:
 def engine_state(index: PrefixIndex) -> dict[str, Any]:
     """Everything the index holds, order of the hash maps included (snapshots list them)."""
     res = index._residency
-    tables = {
-        gm: {k: v for d in set(map(id, t)) for k, v in _dict(t, d).items()}
-        for gm, t in res.tables.items()
-    }
+    tables = {gm: dict(t.items()) for gm, t in res.tables.items()}
     engines = {}
     for eid in index.engines():
         e = index._engines[eid]
@@ -203,10 +200,6 @@ def engine_state(index: PrefixIndex) -> dict[str, Any]:
             index.export_engine(eid),
         )
     return {"tables": tables, "dups": dict(res.dups), "total": res.total, "engines": engines}
-
-
-def _dict(table: tuple[dict[Any, int], ...], ident: int) -> dict[Any, int]:
-    return next(d for d in table if id(d) == ident)
 
 
 class Stream:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import sys
 
-from indexer.staggered import HashMap, new_table, shards
+from indexer.staggered import HashMap, new_table
 
 
 def _worst_step(maps: list[HashMap | dict[int, int]], steps: int, per_step: int) -> float:
     """Fill every map with the same keys, ``per_step`` at a time, as 16 engines under the same
     load do; return the largest share of all entries re-inserted by growth within one step."""
-    seen: dict[int, int] = {}
+    seen: dict[tuple[int, int], int] = {}
     worst = 0
     for step in range(steps):
         first = step * per_step
@@ -22,11 +22,11 @@ def _worst_step(maps: list[HashMap | dict[int, int]], steps: int, per_step: int)
         for m in maps:
             for k in keys:
                 m[k] = k
-            for d in shards(m.table) if isinstance(m, HashMap) else [m]:
-                size = sys.getsizeof(d)
-                if seen.get(id(d), size) != size:
-                    moved += len(d)
-                seen[id(d)] = size
+            parts = m.segment_sizes() if isinstance(m, HashMap) else [(len(m), sys.getsizeof(m))]
+            for i, (n, size) in enumerate(parts):
+                if seen.get((id(m), i), size) != size:
+                    moved += n
+                seen[(id(m), i)] = size
         if first >= 1600:  # small maps grow cheaply anyway
             worst = max(worst, moved / (len(maps) * (first + per_step)))
     return worst
@@ -45,7 +45,7 @@ def test_one_maps_shards_have_unequal_shares():
     one = HashMap()
     for i in range(16_384):
         one[(i // 1024 + 1) * 1024 + i * 389 % 1024] = i
-    sizes = sorted(map(len, shards(one.table)))
+    sizes = sorted(n for n, _bytes in one.segment_sizes())
     assert 1.5 <= sizes[-1] / sizes[0] <= 2.6
     assert sizes[-1] <= 0.09 * sum(sizes)
 
@@ -61,7 +61,7 @@ def test_hash_map_behaves_as_a_dict() -> None:
     assert sorted(m.values()) == [1, 2] and set(m) == {b"a" * 32, 2**64 - 1}
 
 
-def test_every_slot_has_a_dict_and_there_are_sixteen() -> None:
+def test_every_slot_has_a_segment_and_there_are_sixteen() -> None:
     table = new_table()
-    assert len(table) == 1024 and len({id(d) for d in table}) == 16
-    assert {id(d) for d in shards(table)} == {id(d) for d in table}
+    assert len(table) == 0 and len(table.segment_sizes()) == 16
+    assert {table.segment_of(slot) for slot in range(1024)} == set(range(16))
