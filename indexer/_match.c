@@ -1,5 +1,5 @@
 /*
- * indexer._match: the match path's loops in C (indexer/matching.py, indexer/keys.py).
+ * The match path's loops in C, part of indexer._native (indexer/matching.py, indexer/keys.py).
  *
  *   token_keys(seed, tokens, unit, limit, packed)
  *       -> list[int] | bytes | None   indexer.keys.chain_keys straight from a list or tuple of
@@ -11,8 +11,7 @@
  *                                     once, by slot (bit position); the block loop and the
  *                                     per-engine results stay in C.
  *
- * The residency table is read through residency_get only (see there), so a table kept in
- * another form changes that function and nothing else. indexer/matching.py holds the Python
+ * The residency table (a U64Map) is read through residency_get only (see there). indexer/matching.py holds the Python
  * equivalents; the tests hold both to the same answers.
  */
 #define PY_SSIZE_T_CLEAN
@@ -24,16 +23,17 @@
 #define XXH_INLINE_ALL
 #include "xxhash.h"
 
-/* ------------------------------------------------------------------ residency access */
+#include "_u64map.h"
 
-#define RES_SLOTS 1024 /* indexer.staggered.SLOTS */
+/* ------------------------------------------------------------------ residency access */
 
 /* Whether `table` is a residency table this file can read. */
 static int
 residency_check(PyObject *table)
 {
-    if (!PyTuple_CheckExact(table) || PyTuple_GET_SIZE(table) != RES_SLOTS) {
-        PyErr_Format(PyExc_TypeError, "residency table must be a tuple of %d dicts", RES_SLOTS);
+    if (!U64Map_Check(table)) {
+        PyErr_Format(PyExc_TypeError, "residency table must be a U64Map, not %.100s",
+                     Py_TYPE(table)->tp_name);
         return -1;
     }
     return 0;
@@ -42,34 +42,45 @@ residency_check(PyObject *table)
 /* Who holds the block whose key is `low` (64 bits; `key` is the same as an int, or NULL: made
  * here when needed): 0 nobody, 1 found with the low 64 bits of the engines' mask in *mask and,
  * when `wide` is not NULL, the whole mask as a new reference in *wide; -1 on error. A residency
- * table is a tuple of 1024 dicts indexed by key & 1023 (indexer/staggered.py). */
+ * table is a U64Map (indexer/_u64map.h): the common entry is read without a Python object; a
+ * mask past 64 bits (engines past slot 63) sits in a side dict and is read as an int. */
 static inline int
 residency_get(PyObject *table, uint64_t low, PyObject *key, uint64_t *mask, PyObject **wide)
 {
-    PyObject *d = PyTuple_GET_ITEM(table, (Py_ssize_t)(low & (RES_SLOTS - 1)));
-    if (!PyDict_CheckExact(d)) {
-        PyErr_SetString(PyExc_TypeError, "residency table slots must be dicts");
+    uint64_t v;
+    const int found = u64map_find(table, low, &v);
+    if (found < 0) {
         return -1;
     }
-    PyObject *made = NULL;
-    if (key == NULL) {
-        key = made = PyLong_FromUnsignedLongLong((unsigned long long)low);
-        if (made == NULL) {
+    if (found == U64_ABSENT) {
+        return 0;
+    }
+    if (found == U64_NATIVE) {
+        *mask = v;
+        if (wide != NULL && (*wide = PyLong_FromUnsignedLongLong((unsigned long long)v)) == NULL) {
             return -1;
         }
+        return 1;
     }
-    PyObject *v = PyDict_GetItemWithError(d, key);
-    Py_XDECREF(made); /* v is borrowed from the dict, which holds its own key */
-    if (v == NULL) {
+    PyObject *made = NULL;
+    if (key == NULL && (key = made = PyLong_FromUnsignedLongLong((unsigned long long)low)) == NULL) {
+        return -1;
+    }
+    PyObject *m = u64map_get_object(table, key);
+    Py_XDECREF(made);
+    if (m == NULL) {
         return PyErr_Occurred() ? -1 : 0;
     }
-    if (!PyLong_Check(v)) {
+    if (!PyLong_Check(m)) {
+        Py_DECREF(m);
         PyErr_SetString(PyExc_TypeError, "residency masks must be ints");
         return -1;
     }
-    *mask = (uint64_t)PyLong_AsUnsignedLongLongMask(v);
+    *mask = (uint64_t)PyLong_AsUnsignedLongLongMask(m);
     if (wide != NULL) {
-        *wide = Py_NewRef(v);
+        *wide = m;
+    } else {
+        Py_DECREF(m);
     }
     return 1;
 }
@@ -522,16 +533,10 @@ static PyMethodDef match_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef match_module = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "indexer._match",
-    .m_doc = "C loops of the match path; use indexer.matching and indexer.keys, not this module.",
-    .m_size = 0,
-    .m_methods = match_methods,
-};
-
-PyMODINIT_FUNC
-PyInit__match(void)
+/* Adds the functions above to indexer._native (its exec slot): they read U64Map tables through
+ * _u64map.h's C API, which lives in that extension. */
+int
+match_add_functions(PyObject *module)
 {
-    return PyModuleDef_Init(&match_module);
+    return PyModule_AddFunctions(module, match_methods);
 }

@@ -585,8 +585,11 @@ static PyMethodDef native_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+int match_add_functions(PyObject *module); /* indexer/_match.c */
+
 static PyModuleDef_Slot native_slots[] = {
     {Py_mod_exec, (void *)u64map_add_type},
+    {Py_mod_exec, (void *)match_add_functions},
     {0, NULL},
 };
 

@@ -61,19 +61,9 @@ _native_chain: Callable[[int, bytes, int, int | None], list[int]] | None = (
 )
 
 
-def _load_match() -> ModuleType | None:
-    """The C extension ``indexer._match`` (the match path's loops) if it was built and C is
-    not switched off (``KVROUTER_NATIVE=0``), else None."""
-    if _native is None:
-        return None
-    try:
-        from indexer import _match
-    except ImportError:
-        return None
-    return _match
-
-
-_match = _load_match()
+# The match path's C loops (indexer/_match.c) are part of the same extension: they read the
+# residency tables through the U64Map C API that lives there.
+_match: ModuleType | None = _native
 _token_keys: Callable[[int, Sequence[int], int, int | None, bool], Any] | None = (
     None if _match is None else _match.token_keys
 )

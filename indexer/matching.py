@@ -28,6 +28,7 @@ from indexer.hit_rules import alignment, cpu_extension, full_attention_run, hit_
 from indexer.keys import _match
 from indexer.staggered import EMPTY_TABLE, Table
 from indexer.types import CPU, FULL, GPU, SLIDING, EngineId, GroupSpec
+from indexer.u64map import U64Map
 
 __all__ = [
     "GroupHit",
@@ -157,7 +158,7 @@ def full_runs(
     step = block_size // unit
     if step == 0:  # blocks smaller than the unit are never indexed: every run is 0
         return [0] * alive.bit_length()
-    if _c_full_runs is not None and type(res) is tuple and _c_keys(keys):
+    if _c_full_runs is not None and type(res) is U64Map and _c_keys(keys):
         nblocks = limit // block_size
         scan = min(nblocks, len(keys) // step)
         try:

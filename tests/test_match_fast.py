@@ -20,7 +20,7 @@ from indexer.engine_state import EngineState
 from indexer.hit_rules import full_attention_run
 from indexer.keys import _chain_keys_py, chain_keys, packed_keys, tokens_to_bytes
 from indexer.matching import Layouts, full_runs, match_engines, match_engines_reference
-from indexer.staggered import SLOT_MASK, Table, new_table
+from indexer.staggered import Table, new_table
 from indexer.types import CHUNKED, CPU, FULL, GPU, MAMBA, SLIDING, GroupSpec
 
 UNIT = 16
@@ -59,7 +59,7 @@ def random_table(rng: random.Random, keys: list[int], slots: list[int]) -> Table
             if i < cuts[s] and rng.random() > 0.03:
                 mask |= 1 << s
         if mask:
-            table[k & SLOT_MASK][k] = mask
+            table[k] = mask
     return table
 
 
