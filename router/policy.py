@@ -16,8 +16,10 @@ The kvrouter policy picks the engine with the lowest *expected time to first tok
     expected TTFT = cost / prefill_tokens_per_s
 
 Ranking adds ``(weight - 1) * uncached``: recomputing a prefix elsewhere also delays every
-request that queues behind it there (``recompute_weight``, 4 by default; 0 learns ``1 / (1 - u)``
-from the fleet's utilization ``u``, the share of engines busy when requests arrive).
+request that queues behind it there and evicts cached prefixes to store the copy
+(``recompute_weight``: learned by default as ``1 / (1 - u) + k / (1 - k)`` from the fleet's
+utilization ``u``, the share of engines busy when requests arrive, and its mean KV usage ``k``;
+any value >= 1 fixes it).
 
 Hits are the larger of what the index shows and what a short-lived speculative entry predicts
 (a prefix this router just sent there, before the worker's events arrive). Herd protection:
@@ -80,8 +82,8 @@ class Candidate:
 class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
     """The ``policy`` section of the configuration: which policy, and the kvrouter cost model.
 
-    ``queue_drain`` is learned per engine; ``recompute_weight`` is fixed unless set to 0 (learned
-    from the fleet's utilization); docs/benchmarks.md has the A/B figures of both.
+    ``queue_drain`` is learned per engine, ``recompute_weight`` from the fleet (unless fixed);
+    docs/benchmarks.md has the A/B figures of both.
     """
 
     name: str = "kvrouter"
@@ -108,12 +110,12 @@ class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
     the GPU and model without configuration, and never above what is still queued). A fixed
     rate above the real one is worse than none, which is why the rate is learned and not
     configured."""
-    recompute_weight: float = 4.0
-    """Weight of a prompt's uncached tokens against queued ones when ranking; 0 learns it as
-    ``1 / (1 - utilization)`` (:meth:`KvRouterPolicy.recompute_weight`), any value >= 1 fixes
-    it. Fixed by default: the learned weight is 1 on an idle fleet, so siblings sent together
-    stop following a busy holder's speculative entry and the prefix is computed twice (the
-    A/B in docs/benchmarks.md: faster chat and agentic TTFT, a lower CPU-tier hit rate).
+    recompute_weight: float = 0.0
+    """Weight of a prompt's uncached tokens against queued ones when ranking; 0 (the default)
+    learns it from the fleet's utilization and KV usage (:meth:`KvRouterPolicy.
+    recompute_weight`), any value >= 1 fixes it. A fixed weight fits one traffic shape: a
+    high one keeps long conversations' hits but queues chat turns behind a busy holder while
+    other engines idle, a low one does the reverse (docs/benchmarks.md has the A/B).
     Above 1 a cached prefix is worth more than the queue it saves this one request:
     recomputing it elsewhere spends that prefill a second time, and every request that queues
     behind it on that engine waits for it too. ``near_tie_tokens`` is scaled by it.
@@ -174,6 +176,27 @@ UTILIZATION_DECISIONS = 256
 """Decisions the utilization averages over (exponentially; a plain mean before that many)."""
 MAX_RECOMPUTE_WEIGHT = 16.0
 """Ceiling of the learned weight: near full utilization there is no steady state to model."""
+LEARNED_WEIGHT_FLOOR = 1.1
+"""Least learned weight. At 1 (an idle fleet) waiting for a prefix queued on its holder and
+recomputing it on an idle engine tie, and the near-tie rule (fewest in-flight requests) sends
+siblings that arrive together away from the first one's speculative entry: the prefix is
+computed twice for no gain in TTFT. Just above 1, an equal wait goes to the cached copy while
+a recompute that is clearly faster still wins."""
+
+
+def kv_weight(kv_usage: float) -> float:
+    """Extra weight of an uncached token when running requests fill the fleet's KV caches to
+    ``kv_usage`` on average (``k / (1 - k)``, the KV counterpart of the queueing term).
+
+    Recomputing a prefix away from its holder stores a second copy of it, which evicts cached
+    prefixes from the part of the cache running requests leave free; the smaller that part,
+    the sooner the evicted prefixes are ones later requests come back for. The fleet's mean,
+    not the candidate's own usage: the engines running the most are the holders of the
+    busiest conversations, and pricing their uncached tokens higher drives those
+    conversations away from their prefixes."""
+    k = min(max(kv_usage, 0.0), 0.95)
+    return k / (1.0 - k)
+
 
 DRAIN_WINDOW_S = 60.0
 """Backlogged seconds the learned drain rate averages over (older evidence is halved away)."""
@@ -217,15 +240,21 @@ class KvRouterPolicy(Policy):
         so this is the share of time an engine is busy: its utilization."""
         return self._busy
 
-    def recompute_weight(self) -> float:
-        """``recompute_weight`` if set, else ``1 / (1 - u)`` at utilization ``u``: ``x`` more
-        tokens to prefill on an engine delay this request by ``x`` and, in an M/M/1 queue,
-        the requests behind it by ``x * u / (1 - u)`` in all. An idle fleet weighs recomputing
-        at its own cost (nobody waits), a busy one at the queueing it causes."""
+    def recompute_weight(self, kv_usage: float = 0.0) -> float:
+        """``recompute_weight`` if set, else learned from the fleet's state: ``1 / (1 - u)`` at
+        utilization ``u`` plus :func:`kv_weight` at the fleet's mean KV usage ``kv_usage``.
+
+        ``x`` more tokens to prefill on an engine delay this request by ``x`` and, in an M/M/1
+        queue, the requests behind it by ``x * u / (1 - u)`` in all: an idle fleet weighs
+        recomputing at about its own cost (nobody waits), a busy one at the queueing it causes.
+        The copy it stores costs cache room as well, which the KV term prices. Never below
+        ``LEARNED_WEIGHT_FLOOR``."""
         w = self.params.recompute_weight
         if w > 0:
             return w
-        return min(1.0 / max(1.0 - self._busy, 1e-9), MAX_RECOMPUTE_WEIGHT)
+        queueing = 1.0 / max(1.0 - self._busy, 1e-9)
+        learned = max(queueing, LEARNED_WEIGHT_FLOOR) + kv_weight(kv_usage)
+        return min(learned, MAX_RECOMPUTE_WEIGHT)
 
     def _observe_busy(self, candidates: Sequence[Candidate]) -> None:
         busy = sum(
@@ -338,7 +367,7 @@ class KvRouterPolicy(Policy):
         if not dry_run and len(self._drain) > 2 * len(candidates) + 16:  # engines left: forget
             live = {c.engine for c in candidates}
             self._drain = {e: st for e, st in self._drain.items() if e in live}
-        weight = self.recompute_weight()
+        weight = self.recompute_weight(sum(c.load.kv_usage for c in candidates) / len(candidates))
         if not dry_run:
             self._observe_busy(candidates)
         costs = [
