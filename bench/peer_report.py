@@ -15,6 +15,13 @@ whatever the placement, so neither the mean nor the p90 of a fleet's TTFT goes b
 pooled engine's own TTFT is lower (it prefills one request 8 workers fast), which is why a
 limit on the fleet relative to ``pooled_ideal`` can lie below this bound. Goodput has no
 bound here: it is flagged ``censored`` when the tested loads do not bracket it.
+
+A mean-TTFT target that is missed also carries ``queueing``: kvrouter's mean TTFT split into
+its no-queueing floor at the hits it got (``ttft_floor_s``) and the rest, the queueing its
+placement left; ``allowed_s`` is the queueing the limit leaves at that floor, and the best
+peer's own split is given alongside (when its floor is in the run). A limit whose allowed
+queueing is below what every measured policy queues at this load is out of reach of placement
+at these hits; raising the hits lowers the floor instead.
 """
 
 from __future__ import annotations
@@ -97,6 +104,8 @@ def targets(
             what, b, upper = bound
             excluded = limit > b if upper else limit < b
             out[name]["bound"] = {"what": what, "value": round(b, 4), "excluded": bool(excluded)}
+        if not ok and name.startswith("ttft_mean") and "ttft_floor_s" in k:
+            out[name]["queueing"] = _queueing(k, limit, best, pol.get(best) if best else None)
 
     def floor(key: str) -> tuple[str, float | None, bool] | None:
         if pooled is None or key not in pooled:
@@ -163,6 +172,21 @@ def targets(
             None,
             floor("ttft_floor_one_worker_s"),
         )
+    return out
+
+
+def _queueing(k: dict, limit: float, best: str | None, peer: dict | None) -> dict:
+    """kvrouter's mean TTFT as floor + queueing, the queueing ``limit`` allows at that floor,
+    and the best peer's split (see the module docstring)."""
+    floor = k["ttft_floor_s"]
+    out = {
+        "floor_s": round(floor, 4),
+        "queueing_s": round(k["ttft_mean_s"] - floor, 4),
+        "allowed_s": round(limit - floor, 4),
+    }
+    if peer is not None and "ttft_floor_s" in peer and not math.isnan(peer["ttft_floor_s"]):
+        out[f"{best}_floor_s"] = round(peer["ttft_floor_s"], 4)
+        out[f"{best}_queueing_s"] = round(peer["ttft_mean_s"] - peer["ttft_floor_s"], 4)
     return out
 
 
