@@ -18,10 +18,10 @@ bound here: it is flagged ``censored`` when the tested loads do not bracket it.
 
 A mean-TTFT target that is missed also carries ``queueing``: kvrouter's mean TTFT split into
 its no-queueing floor at the hits it got (``ttft_floor_s``) and the rest, the queueing its
-placement left; ``allowed_s`` is the queueing the limit leaves at that floor, and the best
-peer's own split is given alongside (when its floor is in the run). A limit whose allowed
-queueing is below what every measured policy queues at this load is out of reach of placement
-at these hits; raising the hits lowers the floor instead.
+placement left; ``allowed_s`` is the queueing the limit leaves at that floor, and every peer's
+and ``pooled_ideal``'s own queueing (mean TTFT - its floor) is given alongside. A limit whose
+allowed queueing is below what every measured policy queues at this load is out of reach of
+placement at these hits; only more hits (a lower floor) would bring it closer.
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ def targets(
             excluded = limit > b if upper else limit < b
             out[name]["bound"] = {"what": what, "value": round(b, 4), "excluded": bool(excluded)}
         if not ok and name.startswith("ttft_mean") and "ttft_floor_s" in k:
-            out[name]["queueing"] = _queueing(k, limit, best, pol.get(best) if best else None)
+            others = {p: pol[p] for p in (*present, "pooled_ideal") if p in pol}
+            out[name]["queueing"] = _queueing(k, limit, others)
 
     def floor(key: str) -> tuple[str, float | None, bool] | None:
         if pooled is None or key not in pooled:
@@ -175,18 +176,18 @@ def targets(
     return out
 
 
-def _queueing(k: dict, limit: float, best: str | None, peer: dict | None) -> dict:
+def _queueing(k: dict, limit: float, others: dict[str, dict]) -> dict:
     """kvrouter's mean TTFT as floor + queueing, the queueing ``limit`` allows at that floor,
-    and the best peer's split (see the module docstring)."""
+    and each other policy's queueing (mean TTFT - its own floor; see the module docstring)."""
     floor = k["ttft_floor_s"]
     out = {
         "floor_s": round(floor, 4),
         "queueing_s": round(k["ttft_mean_s"] - floor, 4),
         "allowed_s": round(limit - floor, 4),
     }
-    if peer is not None and "ttft_floor_s" in peer and not math.isnan(peer["ttft_floor_s"]):
-        out[f"{best}_floor_s"] = round(peer["ttft_floor_s"], 4)
-        out[f"{best}_queueing_s"] = round(peer["ttft_mean_s"] - peer["ttft_floor_s"], 4)
+    for name, s in others.items():
+        if not math.isnan(s.get("ttft_floor_s", math.nan)):
+            out[f"{name}_queueing_s"] = round(s["ttft_mean_s"] - s["ttft_floor_s"], 4)
     return out
 
 
