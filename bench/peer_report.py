@@ -15,6 +15,13 @@ whatever the placement, so neither the mean nor the p90 of a fleet's TTFT goes b
 pooled engine's own TTFT is lower (it prefills one request 8 workers fast), which is why a
 limit on the fleet relative to ``pooled_ideal`` can lie below this bound. Goodput has no
 bound here: it is flagged ``censored`` when the tested loads do not bracket it.
+
+A mean-TTFT target that is missed also carries ``queueing``: kvrouter's mean TTFT split into
+its no-queueing floor at the hits it got (``ttft_floor_s``) and the rest, the queueing its
+placement left; ``allowed_s`` is the queueing the limit leaves at that floor, and every peer's
+and ``pooled_ideal``'s own queueing (mean TTFT - its floor) is given alongside. A limit whose
+allowed queueing is below what every measured policy queues at this load is out of reach of
+placement at these hits; only more hits (a lower floor) would bring it closer.
 """
 
 from __future__ import annotations
@@ -97,6 +104,9 @@ def targets(
             what, b, upper = bound
             excluded = limit > b if upper else limit < b
             out[name]["bound"] = {"what": what, "value": round(b, 4), "excluded": bool(excluded)}
+        if not ok and name.startswith("ttft_mean") and "ttft_floor_s" in k:
+            others = {p: pol[p] for p in (*present, "pooled_ideal") if p in pol}
+            out[name]["queueing"] = _queueing(k, limit, others)
 
     def floor(key: str) -> tuple[str, float | None, bool] | None:
         if pooled is None or key not in pooled:
@@ -163,6 +173,21 @@ def targets(
             None,
             floor("ttft_floor_one_worker_s"),
         )
+    return out
+
+
+def _queueing(k: dict, limit: float, others: dict[str, dict]) -> dict:
+    """kvrouter's mean TTFT as floor + queueing, the queueing ``limit`` allows at that floor,
+    and each other policy's queueing (mean TTFT - its own floor; see the module docstring)."""
+    floor = k["ttft_floor_s"]
+    out = {
+        "floor_s": round(floor, 4),
+        "queueing_s": round(k["ttft_mean_s"] - floor, 4),
+        "allowed_s": round(limit - floor, 4),
+    }
+    for name, s in others.items():
+        if not math.isnan(s.get("ttft_floor_s", math.nan)):
+            out[f"{name}_queueing_s"] = round(s["ttft_mean_s"] - s["ttft_floor_s"], 4)
     return out
 
 

@@ -290,7 +290,8 @@ def run_policy(
                 batch = decode_payload(payload)
             except DecodeError:
                 continue
-            index.apply((workers[w].url, rank), batch.events)
+            if name == "kvrouter":  # the other policies never read kvrouter's index
+                index.apply((workers[w].url, rank), batch.events)
             if peer is not None:
                 peer.on_events(w, batch.events)
         for c in fleet.completed():

@@ -16,8 +16,10 @@ The kvrouter policy picks the engine with the lowest *expected time to first tok
     expected TTFT = cost / prefill_tokens_per_s
 
 Ranking adds ``(weight - 1) * uncached``: recomputing a prefix elsewhere also delays every
-request that queues behind it there (``recompute_weight``, 4 by default; 0 learns ``1 / (1 - u)``
-from the fleet's utilization ``u``, the share of engines busy when requests arrive).
+request that queues behind it there and evicts cached prefixes to store the copy
+(``recompute_weight``: learned by default as ``1 / (1 - u) + k / (1 - k)`` from the fleet's
+utilization ``u``, the share of engines busy when requests arrive, and its mean KV usage ``k``;
+any value >= 1 fixes it).
 
 Hits are the larger of what the index shows and what a short-lived speculative entry predicts
 (a prefix this router just sent there, before the worker's events arrive). Herd protection:
@@ -36,17 +38,17 @@ The routing benchmark drives this module directly with a simulated clock:
 from __future__ import annotations
 
 import copy
-import heapq
-import itertools
 import random
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
 from router.load import EngineLoad
+from router.speculative import SAMPLE_STRIDE, Engine, SpeculativeCache
 
 __all__ = [
+    "SAMPLE_STRIDE",
     "Candidate",
     "Decision",
     "EngineCost",
@@ -59,10 +61,6 @@ __all__ = [
     "SpeculativeCache",
     "make_policy",
 ]
-
-Engine = Hashable
-"""An engine identity: the router uses ``(url, dp_rank)`` (``indexer.index.EngineId``); the
-benchmark and the tests may use anything hashable."""
 
 
 @dataclass(slots=True)
@@ -80,8 +78,8 @@ class Candidate:
 class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
     """The ``policy`` section of the configuration: which policy, and the kvrouter cost model.
 
-    ``queue_drain`` is learned per engine; ``recompute_weight`` is fixed unless set to 0 (learned
-    from the fleet's utilization); docs/benchmarks.md has the A/B figures of both.
+    ``queue_drain`` is learned per engine, ``recompute_weight`` from the fleet (unless fixed);
+    docs/benchmarks.md has the A/B figures of both.
     """
 
     name: str = "kvrouter"
@@ -108,12 +106,12 @@ class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
     the GPU and model without configuration, and never above what is still queued). A fixed
     rate above the real one is worse than none, which is why the rate is learned and not
     configured."""
-    recompute_weight: float = 4.0
-    """Weight of a prompt's uncached tokens against queued ones when ranking; 0 learns it as
-    ``1 / (1 - utilization)`` (:meth:`KvRouterPolicy.recompute_weight`), any value >= 1 fixes
-    it. Fixed by default: the learned weight is 1 on an idle fleet, so siblings sent together
-    stop following a busy holder's speculative entry and the prefix is computed twice (the
-    A/B in docs/benchmarks.md: faster chat and agentic TTFT, a lower CPU-tier hit rate).
+    recompute_weight: float = 0.0
+    """Weight of a prompt's uncached tokens against queued ones when ranking; 0 (the default)
+    learns it from the fleet's utilization and KV usage (:meth:`KvRouterPolicy.
+    recompute_weight`), any value >= 1 fixes it. A fixed weight fits one traffic shape: a
+    high one keeps long conversations' hits but queues chat turns behind a busy holder while
+    other engines idle, a low one does the reverse (docs/benchmarks.md has the A/B).
     Above 1 a cached prefix is worth more than the queue it saves this one request:
     recomputing it elsewhere spends that prefill a second time, and every request that queues
     behind it on that engine waits for it too. ``near_tie_tokens`` is scaled by it.
@@ -174,6 +172,27 @@ UTILIZATION_DECISIONS = 256
 """Decisions the utilization averages over (exponentially; a plain mean before that many)."""
 MAX_RECOMPUTE_WEIGHT = 16.0
 """Ceiling of the learned weight: near full utilization there is no steady state to model."""
+LEARNED_WEIGHT_FLOOR = 1.1
+"""Least learned weight. At 1 (an idle fleet) waiting for a prefix queued on its holder and
+recomputing it on an idle engine tie, and the near-tie rule (fewest in-flight requests) sends
+siblings that arrive together away from the first one's speculative entry: the prefix is
+computed twice for no gain in TTFT. Just above 1, an equal wait goes to the cached copy while
+a recompute that is clearly faster still wins."""
+
+
+def kv_weight(kv_usage: float) -> float:
+    """Extra weight of an uncached token when running requests fill the fleet's KV caches to
+    ``kv_usage`` on average (``k / (1 - k)``, the KV counterpart of the queueing term).
+
+    Recomputing a prefix away from its holder stores a second copy of it, which evicts cached
+    prefixes from the part of the cache running requests leave free; the smaller that part,
+    the sooner the evicted prefixes are ones later requests come back for. The fleet's mean,
+    not the candidate's own usage: the engines running the most are the holders of the
+    busiest conversations, and pricing their uncached tokens higher drives those
+    conversations away from their prefixes."""
+    k = min(max(kv_usage, 0.0), 0.95)
+    return k / (1.0 - k)
+
 
 DRAIN_WINDOW_S = 60.0
 """Backlogged seconds the learned drain rate averages over (older evidence is halved away)."""
@@ -217,15 +236,21 @@ class KvRouterPolicy(Policy):
         so this is the share of time an engine is busy: its utilization."""
         return self._busy
 
-    def recompute_weight(self) -> float:
-        """``recompute_weight`` if set, else ``1 / (1 - u)`` at utilization ``u``: ``x`` more
-        tokens to prefill on an engine delay this request by ``x`` and, in an M/M/1 queue,
-        the requests behind it by ``x * u / (1 - u)`` in all. An idle fleet weighs recomputing
-        at its own cost (nobody waits), a busy one at the queueing it causes."""
+    def recompute_weight(self, kv_usage: float = 0.0) -> float:
+        """``recompute_weight`` if set, else learned from the fleet's state: ``1 / (1 - u)`` at
+        utilization ``u`` plus :func:`kv_weight` at the fleet's mean KV usage ``kv_usage``.
+
+        ``x`` more tokens to prefill on an engine delay this request by ``x`` and, in an M/M/1
+        queue, the requests behind it by ``x * u / (1 - u)`` in all: an idle fleet weighs
+        recomputing at about its own cost (nobody waits), a busy one at the queueing it causes.
+        The copy it stores costs cache room as well, which the KV term prices. Never below
+        ``LEARNED_WEIGHT_FLOOR``."""
         w = self.params.recompute_weight
         if w > 0:
             return w
-        return min(1.0 / max(1.0 - self._busy, 1e-9), MAX_RECOMPUTE_WEIGHT)
+        queueing = 1.0 / max(1.0 - self._busy, 1e-9)
+        learned = max(queueing, LEARNED_WEIGHT_FLOOR) + kv_weight(kv_usage)
+        return min(learned, MAX_RECOMPUTE_WEIGHT)
 
     def _observe_busy(self, candidates: Sequence[Candidate]) -> None:
         busy = sum(
@@ -338,7 +363,7 @@ class KvRouterPolicy(Policy):
         if not dry_run and len(self._drain) > 2 * len(candidates) + 16:  # engines left: forget
             live = {c.engine for c in candidates}
             self._drain = {e: st for e, st in self._drain.items() if e in live}
-        weight = self.recompute_weight()
+        weight = self.recompute_weight(sum(c.load.kv_usage for c in candidates) / len(candidates))
         if not dry_run:
             self._observe_busy(candidates)
         costs = [
@@ -486,128 +511,3 @@ def make_policy(name: str, params: PolicyParams | None = None, seed: int | None 
     if name == "random":
         return RandomPolicy(seed)
     raise ValueError(f"unknown policy {name!r}")
-
-
-SAMPLE_STRIDE = 16
-"""Records shared between replicas carry every ``SAMPLE_STRIDE``-th key of a prompt and its
-deepest one (keys are chained, so each names its whole prefix): 33 keys instead of 512 for an
-8k-token prompt. A sibling's hit from such a record is found at that stride (256 tokens at the
-default unit of 16), which :meth:`SpeculativeCache.hit_tokens` searches first."""
-
-
-class SpeculativeCache:
-    """Short-lived "this engine is about to hold this prefix" entries, as content keys.
-
-    ``record(engine, keys, now)`` after routing a prompt whose content keys (one per ``unit``
-    tokens, chained) are ``keys``; ``hit_tokens(engine, keys, unit, now)`` returns how many
-    leading tokens of another prompt such entries cover. Entries expire ``ttl`` after they
-    were recorded (re-recording refreshes them, never shortens them). Keys are chained, so one
-    key names a whole prefix: the covered run is found by a binary search over every
-    ``SAMPLE_STRIDE``-th position (a record from another replica has those and its deepest
-    key), then the deepest live key within the stride after the last covered one.
-
-    Layout, for the request path: every routed request records one key per 16 tokens (512 for
-    an 8k prompt), so recording is one C-level ``dict.update``. Expiry is incremental: records
-    sit in a heap by expiry time, and each ``record`` first retires the records whose time has
-    passed, deleting their keys unless a later record refreshed them. Why: a periodic sweep of
-    every entry stops the event loop for a time that grows with the number of keys held, once
-    per sweep under load; and records of other replicas may carry another TTL, so expiry times
-    do not arrive in order. Bounded by ``max_keys``: past it, the records closest to expiry are
-    retired early, so at most ``max_keys`` keys are held after every ``record``. The key
-    sequences are kept by reference (the tokenizer's cache holds them anyway) and must not be
-    changed after recording.
-    """
-
-    def __init__(self, ttl_s: float = 2.0, max_keys: int = 1_000_000) -> None:
-        self.ttl_s = ttl_s
-        self.max_keys = max_keys
-        self._entries: dict[Engine, dict[int, float]] = {}
-        # (until, tie-break, engine, keys) per record, a heap: soonest expiry first.
-        self._records: list[tuple[float, int, Engine, Sequence[int]]] = []
-        self._count = itertools.count()
-        self._latest = float("-inf")  # the latest expiry recorded so far
-        self._size = 0  # keys held, over all engines
-
-    def __len__(self) -> int:
-        return self._size
-
-    def record(
-        self, engine: Engine, keys: Sequence[int], now: float, ttl_s: float | None = None
-    ) -> None:
-        ttl = self.ttl_s if ttl_s is None else ttl_s
-        if ttl <= 0 or not keys:
-            return
-        self.expire(now)
-        until = now + ttl
-        entries = self._entries.setdefault(engine, {})
-        before = len(entries)
-        if until >= self._latest:  # the common case: later than every entry, one C-level pass
-            entries.update(dict.fromkeys(keys, until))
-            self._latest = until
-        else:  # a shorter TTL (another replica's): refresh, never shorten
-            get = entries.get
-            for k in keys:
-                if get(k, until) <= until:
-                    entries[k] = until
-        self._size += len(entries) - before
-        heapq.heappush(self._records, (until, next(self._count), engine, keys))
-        while self._size > self.max_keys and self._records:
-            self._retire(*heapq.heappop(self._records))
-
-    def expire(self, now: float) -> None:
-        records = self._records
-        while records and records[0][0] <= now:
-            self._retire(*heapq.heappop(records))
-
-    def _retire(self, until: float, _n: int, engine: Engine, keys: Sequence[int]) -> None:
-        entries = self._entries.get(engine)
-        if entries is None:
-            return
-        before = len(entries)
-        get = entries.get
-        for k in keys:
-            if get(k) == until:  # not refreshed by a later record
-                del entries[k]
-        self._size -= before - len(entries)
-        if not entries:
-            del self._entries[engine]
-
-    def withdraw(self, engine: Engine, keys: Sequence[int]) -> None:
-        """Drop ``keys`` of ``engine`` now: the request that recorded them failed there, and
-        siblings must not follow it to an engine that may not compute the prefix. Its record
-        stays queued; retiring it later deletes nothing (the keys are gone)."""
-        entries = self._entries.get(engine)
-        if entries is None:
-            return
-        before = len(entries)
-        pop = entries.pop
-        for k in keys:
-            pop(k, None)
-        self._size -= before - len(entries)
-        if not entries:
-            del self._entries[engine]
-
-    def hit_tokens(self, engine: Engine, keys: Sequence[int], unit: int, now: float) -> int:
-        entries = self._entries.get(engine)
-        if not entries or not keys:
-            return 0
-
-        def live(i: int) -> bool:
-            t = entries.get(keys[i])
-            return t is not None and t > now
-
-        stride = SAMPLE_STRIDE
-        lo, hi = 0, len(keys) // stride  # invariant: positions stride*j-1 live for j <= lo
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if live(mid * stride - 1):
-                lo = mid
-            else:
-                hi = mid - 1
-        covered = lo * stride
-        # Within the next stride, the deepest live key wins: a key names its whole prefix, and
-        # a record from another replica holds only its own deepest key there.
-        for i in range(min(covered + stride - 1, len(keys) - 1), covered - 1, -1):
-            if live(i):
-                return (i + 1) * unit
-        return covered * unit

@@ -11,6 +11,7 @@ import pytest
 from router.config import ConfigError, load_config, parse_config, parse_worker_arg
 from router.load import EngineLoad
 from router.policy import (
+    LEARNED_WEIGHT_FLOOR,
     Candidate,
     KvRouterPolicy,
     PolicyParams,
@@ -107,7 +108,7 @@ def test_policy_knobs_reach_the_policy_and_default_to_its_own_defaults():
     with pytest.raises(ConfigError, match=r"policy\.recompute_weight"):
         parse_config({"workers": [{"url": "http://a:1"}], "policy": {"recompute_weight": 0.5}})
     learned = parse_config({"workers": [{"url": "http://a:1"}], "policy": {"recompute_weight": 0}})
-    assert learned.policy.recompute_weight == 0.0 and PolicyParams().recompute_weight == 4.0
+    assert learned.policy.recompute_weight == 0.0 and PolicyParams().recompute_weight == 0.0
 
 
 def test_worker_quick_form():
@@ -257,8 +258,8 @@ def test_recompute_weight_is_learned_from_utilization() -> None:
     idle = KvRouterPolicy(PolicyParams(near_tie_tokens=0, recompute_weight=0.0), seed=0)
     for i in range(50):
         idle.choose([cand("a"), cand("b"), cand("c"), cand("d")], 100, i * 0.1)
-    assert idle.utilization() == 0.0 and idle.recompute_weight() == 1.0
-    assert holder_or_other(idle).engine == "b"  # 2,500 tokens of wait there against 2,000 here
+    assert idle.utilization() == 0.0 and idle.recompute_weight() == LEARNED_WEIGHT_FLOOR
+    assert holder_or_other(idle).engine == "b"  # 2,500 tokens of wait there against 2,200 here
 
     busy = KvRouterPolicy(PolicyParams(near_tie_tokens=0, recompute_weight=0.0), seed=0)
     for i in range(50):  # three engines of four with prefill queued at every arrival
@@ -274,6 +275,33 @@ def test_recompute_weight_is_learned_from_utilization() -> None:
     for i in range(50):
         fixed.choose([cand("a"), cand("b")], 100, i * 0.1)
     assert fixed.recompute_weight() == 4.0 and holder_or_other(fixed).engine == "a"
+
+
+def test_kv_usage_raises_the_learned_weight() -> None:
+    """At the same utilization, a fleet whose KV caches running requests fill to 60 % weighs
+    recomputing a prefix 0.6 / 0.4 = 1.5 more: the copy evicts cached prefixes later requests
+    come back for, so the request stays with its holder where a roomy fleet would move it."""
+
+    def learned(kv_usage: float) -> KvRouterPolicy:
+        p = KvRouterPolicy(PolicyParams(near_tie_tokens=0), seed=0)  # learned by default
+        for i in range(50):  # one engine of two with prefill queued at every arrival
+            p.choose([cand("a", queued_prefill_tokens=500), cand("b")], 100, i * 0.1)
+        assert p.utilization() == pytest.approx(0.5)
+        return p
+
+    def holder_or_other(p: KvRouterPolicy, kv_usage: float) -> str:
+        # a: 1,000 of 2,000 tokens cached behind 2,800 queued; b: idle, nothing cached
+        cands = [
+            cand("a", gpu=1000, queued_prefill_tokens=2800, kv_usage=kv_usage),
+            cand("b", kv_usage=kv_usage),
+        ]
+        return p.choose(cands, 2000, 9.0).engine
+
+    roomy, full = learned(0.0), learned(0.6)
+    assert roomy.recompute_weight(0.0) == pytest.approx(2.0)
+    assert full.recompute_weight(0.6) == pytest.approx(3.5)
+    assert holder_or_other(roomy, 0.0) == "b"  # 3,800 + 1,000 against 2,000 + 2,000
+    assert holder_or_other(full, 0.6) == "a"  # 3,800 + 2,500 against 2,000 + 5,000
 
 
 def test_simple_policies():

@@ -316,6 +316,30 @@ def test_targets_carry_bounds_from_the_pooled_engine():
     assert t["ttft_mean <= 1.3 * pooled_ideal (conversation trace)"]["bound"]["excluded"]
 
 
+def test_a_missed_mean_ttft_target_splits_floor_and_queueing():
+    """A missed mean-TTFT target says how much of kvrouter's TTFT is its no-queueing floor at
+    the hits it got and how much queueing, next to the queueing the limit allows and each
+    peer's own queueing; a met target carries no split."""
+
+    def s(hit: float, mean: float, p90: float, floor: float) -> dict[str, float]:
+        return {"hit_rate": hit, "ttft_mean_s": mean, "ttft_p90_s": p90, "ttft_floor_s": floor}
+
+    pol = {"kvrouter": s(0.15, 1.0, 2.0, 0.7), "dynamo": s(0.10, 1.1, 2.5, 0.75)}
+    t = peer_report.targets({"0.8": pol}, {}, peers.NAMES, conversation_trace=False)
+    q = t["ttft_mean <= 0.85 * best peer"]["queueing"]
+    assert q == pytest.approx(
+        {
+            "floor_s": 0.7,
+            "queueing_s": 0.3,
+            "allowed_s": 0.235,
+            "dynamo_queueing_s": 0.35,
+        }
+    )
+    pol["kvrouter"]["ttft_mean_s"] = 0.9
+    t = peer_report.targets({"0.8": pol}, {}, peers.NAMES, conversation_trace=False)
+    assert "queueing" not in t["ttft_mean <= 0.85 * best peer"]
+
+
 def test_malformed_trace_line_names_the_line(tmp_path):
     trace = tmp_path / "bad.jsonl"
     good = '{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [1, 2]}'

@@ -1,0 +1,143 @@
+"""Speculative entries: "this engine is about to hold this prefix", before its KV events arrive.
+
+The router records a prompt's content keys for the engine it sends the prompt to; a sibling
+routed before the worker's events arrive finds that prefix there (router/policy.py uses the hit
+as a candidate's ``speculative_tokens``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Hashable, Sequence
+
+__all__ = ["SAMPLE_STRIDE", "Engine", "SpeculativeCache"]
+
+Engine = Hashable
+"""An engine identity: the router uses ``(url, dp_rank)`` (``indexer.index.EngineId``); the
+benchmark and the tests may use anything hashable."""
+
+
+SAMPLE_STRIDE = 16
+"""Records shared between replicas carry every ``SAMPLE_STRIDE``-th key of a prompt and its
+deepest one (keys are chained, so each names its whole prefix): 33 keys instead of 512 for an
+8k-token prompt. A sibling's hit from such a record is found at that stride (256 tokens at the
+default unit of 16), which :meth:`SpeculativeCache.hit_tokens` searches first."""
+
+
+class SpeculativeCache:
+    """Short-lived "this engine is about to hold this prefix" entries, as content keys.
+
+    ``record(engine, keys, now)`` after routing a prompt whose content keys (one per ``unit``
+    tokens, chained) are ``keys``; ``hit_tokens(engine, keys, unit, now)`` returns how many
+    leading tokens of another prompt such entries cover. Entries expire ``ttl`` after they
+    were recorded (re-recording refreshes them, never shortens them). Keys are chained, so one
+    key names a whole prefix: the covered run is found by a binary search over every
+    ``SAMPLE_STRIDE``-th position (a record from another replica has those and its deepest
+    key), then the deepest live key within the stride after the last covered one.
+
+    Layout, for the request path: every routed request records one key per 16 tokens (512 for
+    an 8k prompt), so recording is one C-level ``dict.update``. Expiry is incremental: records
+    sit in a heap by expiry time, and each ``record`` first retires the records whose time has
+    passed, deleting their keys unless a later record refreshed them. Why: a periodic sweep of
+    every entry stops the event loop for a time that grows with the number of keys held, once
+    per sweep under load; and records of other replicas may carry another TTL, so expiry times
+    do not arrive in order. Bounded by ``max_keys``: past it, the records closest to expiry are
+    retired early, so at most ``max_keys`` keys are held after every ``record``. The key
+    sequences are kept by reference (the tokenizer's cache holds them anyway) and must not be
+    changed after recording.
+    """
+
+    def __init__(self, ttl_s: float = 2.0, max_keys: int = 1_000_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_keys = max_keys
+        self._entries: dict[Engine, dict[int, float]] = {}
+        # (until, tie-break, engine, keys) per record, a heap: soonest expiry first.
+        self._records: list[tuple[float, int, Engine, Sequence[int]]] = []
+        self._count = itertools.count()
+        self._latest = float("-inf")  # the latest expiry recorded so far
+        self._size = 0  # keys held, over all engines
+
+    def __len__(self) -> int:
+        return self._size
+
+    def record(
+        self, engine: Engine, keys: Sequence[int], now: float, ttl_s: float | None = None
+    ) -> None:
+        ttl = self.ttl_s if ttl_s is None else ttl_s
+        if ttl <= 0 or not keys:
+            return
+        self.expire(now)
+        until = now + ttl
+        entries = self._entries.setdefault(engine, {})
+        before = len(entries)
+        if until >= self._latest:  # the common case: later than every entry, one C-level pass
+            entries.update(dict.fromkeys(keys, until))
+            self._latest = until
+        else:  # a shorter TTL (another replica's): refresh, never shorten
+            get = entries.get
+            for k in keys:
+                if get(k, until) <= until:
+                    entries[k] = until
+        self._size += len(entries) - before
+        heapq.heappush(self._records, (until, next(self._count), engine, keys))
+        while self._size > self.max_keys and self._records:
+            self._retire(*heapq.heappop(self._records))
+
+    def expire(self, now: float) -> None:
+        records = self._records
+        while records and records[0][0] <= now:
+            self._retire(*heapq.heappop(records))
+
+    def _retire(self, until: float, _n: int, engine: Engine, keys: Sequence[int]) -> None:
+        entries = self._entries.get(engine)
+        if entries is None:
+            return
+        before = len(entries)
+        get = entries.get
+        for k in keys:
+            if get(k) == until:  # not refreshed by a later record
+                del entries[k]
+        self._size -= before - len(entries)
+        if not entries:
+            del self._entries[engine]
+
+    def withdraw(self, engine: Engine, keys: Sequence[int]) -> None:
+        """Drop ``keys`` of ``engine`` now: the request that recorded them failed there, and
+        siblings must not follow it to an engine that may not compute the prefix. Its record
+        stays queued; retiring it later deletes nothing (the keys are gone)."""
+        entries = self._entries.get(engine)
+        if entries is None:
+            return
+        before = len(entries)
+        pop = entries.pop
+        for k in keys:
+            pop(k, None)
+        self._size -= before - len(entries)
+        if not entries:
+            del self._entries[engine]
+
+    def hit_tokens(self, engine: Engine, keys: Sequence[int], unit: int, now: float) -> int:
+        entries = self._entries.get(engine)
+        if not entries or not keys:
+            return 0
+
+        def live(i: int) -> bool:
+            t = entries.get(keys[i])
+            return t is not None and t > now
+
+        stride = SAMPLE_STRIDE
+        lo, hi = 0, len(keys) // stride  # invariant: positions stride*j-1 live for j <= lo
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if live(mid * stride - 1):
+                lo = mid
+            else:
+                hi = mid - 1
+        covered = lo * stride
+        # Within the next stride, the deepest live key wins: a key names its whole prefix, and
+        # a record from another replica holds only its own deepest key there.
+        for i in range(min(covered + stride - 1, len(keys) - 1), covered - 1, -1):
+            if live(i):
+                return (i + 1) * unit
+        return covered * unit
