@@ -105,6 +105,26 @@ def test_common_batches_decode_packed_and_read_as_python_objects() -> None:
         assert batch.events[-1:] == decode_payload_py(payload).events[-1:]
 
 
+# Unsigned ints of every msgpack width (fixint, uint8/16/32/64), with the edges of each.
+WIDTHS = [0, 127, 128, 255, 256, 2**16 - 1, 2**16, 2**32 - 1, 2**32, H_BIG, 2**64 - 1]
+
+
+def test_ints_of_every_width_decode_packed_wherever_they_sit() -> None:
+    """Token ids and hashes of mixed widths, also within a few bytes of the payload's end
+    (no rank field after a removal), read the same as through the Python decoder."""
+    require_native()
+    rng = random.Random(7)
+    tokens = [rng.choice(WIDTHS[:8]) for _ in range(16 * 8)]
+    for order in range(40):
+        hashes = [rng.choice(WIDTHS[1:]) for _ in range(8)]
+        last = [rng.choice(WIDTHS[1:]) for _ in range(order % 4)] or [WIDTHS[order % 11] or 1]
+        for tail in ([], [3]):  # without and with the rank field after the last removal
+            payload = enc([1.0, [stored(hashes, None, tokens), removed(last)], *tail])
+            batch = decode_payload(payload)
+            assert type(batch.events) is PackedEvents
+            assert batch == decode_payload_py(payload)
+
+
 @pytest.mark.parametrize(
     "event",
     [
