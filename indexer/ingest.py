@@ -146,6 +146,12 @@ class Ingest:
         records = packed.records
         i, n = 0, len(records)
         while i < n:
+            if records[i][0] == STORED:
+                # The plain stores from here on in one C call; the first one it leaves (if
+                # any) is applied below, and may change the group facts the next run uses.
+                i = self._store_run(e, records, i, reannounce)
+                if i == n:
+                    break
             r = records[i]
             i += 1
             if r[0] == STORED:
@@ -176,6 +182,32 @@ class Ingest:
                 e.counters["cleared"] += 1
         if e.pending:
             self._retry_pending(e)
+
+    def _store_run(
+        self, e: EngineState, records: list[tuple[Any, ...]], i: int, decided: dict[int, bool]
+    ) -> int:
+        """Apply the plain stores from record ``i`` on in C (``_store_packed``'s plainest case
+        for each, with the engine's group facts as they stand); the index of the first record
+        left to the caller."""
+        if len(e.groups) != 1:
+            return i
+        ((g, spec),) = e.groups.items()
+        res = self.residency.tables.get((g, GPU))
+        bs = spec.block_size
+        if res is None or spec.kind != FULL or bs <= 0 or bs % self.unit:
+            return i
+        facts = e.group_facts.get(g)
+        kind = window = None
+        if facts is not None and facts[1] == bs:
+            kind, window = facts[0], facts[2]
+        end, added, reannounced = self.residency.store_run(
+            e, res, records, i, self.root(e.model, None), self.unit, bs, g, kind, window, decided
+        )
+        if reannounced:
+            e.counters["reannounced"] += reannounced
+        if added:
+            self.residency.stored(e, g, GPU, added)
+        return end  # type: ignore[no-any-return]
 
     def _store_packed(self, e: EngineState, r: tuple[Any, ...], decided: dict[int, bool]) -> bool:
         """Apply a packed BlockStored in C when ``_store`` would take its plainest path: a dense
