@@ -14,11 +14,10 @@ keys (indexer/keys.py) and records them. The cases that make this exact:
 * a GPU store from token 0 that the engine would already hit is vLLM's full-report re-announce
   and adds no reference.
 
-Batches decoded by the C decoder (indexer/wire.py ``PackedEvents``) take ``_apply_packed``: the
-common events -- dense full-attention stores on an engine with that one group, and removals --
-are applied in C from their packed hashes and token ids (indexer/residency.py
-``store_packed``); every other event, and every batch of an engine with several groups or an
-export in progress, is applied by the Python code below, the reference, from the decoded event.
+Packed batches (indexer/wire.py ``PackedEvents``) take ``_apply_packed``: dense full-attention
+stores on an engine with that one group, and removals, are applied in C (indexer/residency.py
+``store_run``, ``store_packed``, ``remove_packed``); every other event, and every batch of an
+engine with several groups or an export in progress, by the Python reference below.
 """
 
 from __future__ import annotations
@@ -134,21 +133,16 @@ class Ingest:
             self._retry_pending(e)
 
     def _apply_packed(self, e: EngineState, packed: PackedEvents) -> None:
-        """``apply`` for a batch the C decoder packed, on an engine with at most one group.
-
-        Same order and same result as ``apply``: an event the C path does not take is applied
-        by the Python path from its decoded form, in its place. (With one group at the batch's
-        start there is no re-announce pre-pass to run.)
-        """
+        """``apply`` for a packed batch on an engine with at most one group (so no re-announce
+        pre-pass): same order and result; an event C does not take is applied by the Python
+        path from its decoded form, in its place."""
         e.counters["batches"] += 1
         reannounce: dict[int, bool] = {}
         lookahead: dict[BlockHash, int] | None = None
         records = packed.records
         i, n = 0, len(records)
         while i < n:
-            if records[i][0] == STORED:
-                # The plain stores from here on in one C call; the first one it leaves (if
-                # any) is applied below, and may change the group facts the next run uses.
+            if records[i][0] == STORED:  # plain stores in one C call; the rest below
                 i = self._store_run(e, records, i, reannounce)
                 if i == n:
                     break
@@ -186,9 +180,8 @@ class Ingest:
     def _store_run(
         self, e: EngineState, records: list[tuple[Any, ...]], i: int, decided: dict[int, bool]
     ) -> int:
-        """Apply the plain stores from record ``i`` on in C (``_store_packed``'s plainest case
-        for each, with the engine's group facts as they stand); the index of the first record
-        left to the caller."""
+        """Apply the plain stores from record ``i`` on in C (``_store_packed``'s plainest
+        case); the index of the first record left to the caller."""
         if len(e.groups) != 1:
             return i
         ((g, spec),) = e.groups.items()
@@ -197,9 +190,9 @@ class Ingest:
         if res is None or spec.kind != FULL or bs <= 0 or bs % self.unit:
             return i
         facts = e.group_facts.get(g)
-        kind = window = None
-        if facts is not None and facts[1] == bs:
-            kind, window = facts[0], facts[2]
+        kind, window = (
+            (facts[0], facts[2]) if facts is not None and facts[1] == bs else (None, None)
+        )
         end, added, reannounced = self.residency.store_run(
             e, res, records, i, self.root(e.model, None), self.unit, bs, g, kind, window, decided
         )
