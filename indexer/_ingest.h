@@ -7,6 +7,7 @@
 
 PyObject *ingest_decode_batch(PyObject *module, PyObject *arg);
 PyObject *ingest_store_dense(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *ingest_store_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *ingest_remove_hashes(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

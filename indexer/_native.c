@@ -8,7 +8,7 @@
  *                                                         indexer/_scan.c)
  *   ids_to_json(data)                      -> bytes      (uint32 LE ids as a compact JSON array)
  *   decode_batch: the event plane's decoder (indexer/_ingest.c)
- *   store_dense, remove_hashes: residency in C (indexer/_residency.c)
+ *   store_dense, store_run, remove_hashes: residency in C (indexer/_residency.c)
  *   U64Map: the index's maps (indexer/_u64map.c, _u64map_type.c)
  *
  * indexer/native.py is the public face and holds the pure-Python equivalents; the tests check
@@ -579,6 +579,9 @@ static PyMethodDef native_methods[] = {
     {"store_dense", (PyCFunction)(void (*)(void))ingest_store_dense, METH_FASTCALL,
      "store_dense(res, hmap, bit, seed, parent, hashes, tokens, unit, block_size, decided, /)\n"
      "--\n\nRecord a dense full-attention BlockStored; see indexer/_ingest.c."},
+    {"store_run", (PyCFunction)(void (*)(void))ingest_store_run, METH_FASTCALL,
+     "store_run(res, hmap, bit, records, start, model_seed, unit, block_size, group, kind, "
+     "window, resident, decided, /)\n--\n\nstore_dense over a batch's plain stores."},
     {"remove_hashes", (PyCFunction)(void (*)(void))ingest_remove_hashes, METH_FASTCALL,
      "remove_hashes(res, hmap, bit, hashes, dups, extra_refs, dup_prefix, sink, /)\n--\n\n"
      "Residency.remove over packed uint64 hashes; see indexer/_ingest.c."},

@@ -6,6 +6,11 @@
  *       -> blocks added | BAIL | REANNOUNCED
  *       A dense full-attention BlockStored: chain its content keys and record it
  *       (Residency.add_many), or BAIL before changing anything when a rarer rule applies.
+ *   store_run(res, hmap, bit, records, start, model_seed, unit, block_size, group, kind,
+ *             window, resident, decided) -> (next, blocks added, re-announces)
+ *       store_dense over the batch's records from `start` on, up to the first one that is not
+ *       a plain store of the engine's only group or that store_dense leaves to Python: one
+ *       call per batch instead of one per event.
  *   remove_hashes(res, hmap, bit, hashes, dups, extra_refs, dup_prefix, sink)
  *       -> (removed, unknown, cleared)   (Residency.remove over packed hashes)
  *
@@ -417,6 +422,132 @@ ingest_store_dense(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyMem_Free(keys);
     if (code == ERR) return NULL;
     return PyLong_FromSsize_t(code == 0 ? n : code);
+}
+
+/* ------------------------------------------------------------------ store_run */
+
+typedef struct {
+    Py_ssize_t unit, bs; /* the hash unit; the only group's block size */
+    PyObject *group;     /* its index (an int) */
+    PyObject *kind, *window; /* its learned facts, kind NULL: none learned at this block size */
+    PyObject *model_seed; /* the engine's model namespace root */
+} run_facts;
+
+/* Whether record r is a store Ingest._store_packed hands to store_dense with these facts: a
+ * dense store of whole units on a GPU, of the only group, its facts unchanged, from a parent
+ * or from the model's root (a LoRA's root is Python's to name). */
+static int
+plain_store(PyObject *r, const run_facts *f)
+{
+    if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) < 12) return 0;
+    PyObject *type = PyTuple_GET_ITEM(r, 0), *hashes = PyTuple_GET_ITEM(r, 1);
+    PyObject *tokens = PyTuple_GET_ITEM(r, 3), *medium = PyTuple_GET_ITEM(r, 6);
+    PyObject *g = PyTuple_GET_ITEM(r, 9), *kind = PyTuple_GET_ITEM(r, 10);
+    if (!PyLong_Check(type) || PyLong_AsLong(type) != 0 || !PyBytes_Check(hashes) ||
+        !PyBytes_Check(tokens) || !PyLong_Check(PyTuple_GET_ITEM(r, 4))) {
+        return 0;
+    }
+    Py_ssize_t bs = PyLong_AsSsize_t(PyTuple_GET_ITEM(r, 4)), n = PyBytes_GET_SIZE(hashes) / 8;
+    if (bs == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (bs != f->bs || n == 0 || PyBytes_GET_SIZE(tokens) / 4 / bs != n ||
+        PyBytes_GET_SIZE(hashes) % 8) {
+        return 0;
+    }
+    if (medium != Py_None && (!PyUnicode_Check(medium) ||
+                              PyUnicode_CompareWithASCIIString(medium, "GPU") != 0)) {
+        return 0;
+    }
+    if (g == Py_None) g = NULL; /* group None is group 0 */
+    PyObject *zero = g == NULL ? PyLong_FromLong(0) : NULL;
+    int same = PyObject_RichCompareBool(g != NULL ? g : zero, f->group, Py_EQ);
+    Py_XDECREF(zero);
+    if (same != 1) goto no;
+    if (kind != Py_None) {
+        if (f->kind == NULL || PyObject_RichCompareBool(kind, f->kind, Py_EQ) != 1 ||
+            PyObject_RichCompareBool(PyTuple_GET_ITEM(r, 11), f->window, Py_EQ) != 1) {
+            goto no;
+        }
+    }
+    return PyTuple_GET_ITEM(r, 2) != Py_None || PyTuple_GET_ITEM(r, 7) == Py_None;
+no:
+    if (PyErr_Occurred()) PyErr_Clear();
+    return 0;
+}
+
+/* One plain store (plain_store said so): store_dense's verdict, or the blocks stored. */
+static Py_ssize_t
+run_one(PyObject *res, PyObject *hmap, const engine_bit *b, PyObject *r, const run_facts *f,
+        PyObject *decided)
+{
+    PyObject *hashes = PyTuple_GET_ITEM(r, 1), *tokens = PyTuple_GET_ITEM(r, 3);
+    Py_ssize_t n = PyBytes_GET_SIZE(hashes) / 8;
+    uint64_t seed;
+    int known = event_seed(hmap, PyTuple_GET_ITEM(r, 2), f->model_seed, &seed);
+    if (known <= 0) return known < 0 ? ERR : STORE_BAIL;
+    uint64_t *keys = PyMem_Malloc((size_t)n * sizeof(uint64_t));
+    if (keys == NULL) {
+        PyErr_NoMemory();
+        return ERR;
+    }
+    block_keys(seed, (const unsigned char *)PyBytes_AS_STRING(tokens), n, f->unit,
+               f->bs / f->unit, keys);
+    int code = store_blocks(res, hmap, b, decided, (const unsigned char *)PyBytes_AS_STRING(hashes),
+                            keys, n);
+    PyMem_Free(keys);
+    return code == 0 ? n : code;
+}
+
+PyObject *
+ingest_store_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "store_run() takes exactly 13 arguments");
+        return NULL;
+    }
+    PyObject *res = args[0], *hmap = args[1], *records = args[3], *resident = args[11];
+    PyObject *decided = args[12];
+    engine_bit b;
+    if (check_map(res, "res") < 0 || check_map(hmap, "hmap") < 0 || bit_open(&b, args[2]) < 0) {
+        return NULL;
+    }
+    if (!PyList_Check(records) || !PyDict_Check(resident) || !PyDict_Check(decided) ||
+        !PyLong_Check(args[5]) || !PyLong_Check(args[8])) {
+        PyErr_SetString(PyExc_TypeError, "store_run: bad argument types");
+        return NULL;
+    }
+    run_facts f = {.group = args[8], .model_seed = args[5]};
+    f.unit = PyLong_AsSsize_t(args[6]);
+    f.bs = PyLong_AsSsize_t(args[7]);
+    Py_ssize_t i = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (f.unit <= 0 || f.bs <= 0 || f.bs % f.unit || i < 0) {
+        PyErr_SetString(PyExc_ValueError, "store_run: not whole units");
+        return NULL;
+    }
+    f.kind = args[9] == Py_None ? NULL : args[9];
+    f.window = args[10];
+    Py_ssize_t added = 0, reannounced = 0;
+    for (; i < PyList_GET_SIZE(records); i++) {
+        PyObject *r = PyList_GET_ITEM(records, i);
+        if (!plain_store(r, &f)) break;
+        /* Ingest._store_packed asks for the re-announce verdict of a store from token 0 while
+         * the engine holds blocks (e.resident non-empty, or this run stored some). */
+        int judge = PyTuple_GET_ITEM(r, 2) == Py_None &&
+                    (PyDict_GET_SIZE(resident) > 0 || added > 0);
+        Py_ssize_t code = run_one(res, hmap, &b, r, &f, judge ? decided : Py_None);
+        if (code == ERR) return NULL;
+        if (code == STORE_BAIL) break;
+        if (code == STORE_REANNOUNCED) {
+            reannounced++;
+        } else {
+            added += code;
+        }
+    }
+    return Py_BuildValue("(nnn)", i, added, reannounced);
 }
 
 /* ------------------------------------------------------------------ remove_hashes */

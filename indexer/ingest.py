@@ -14,11 +14,10 @@ keys (indexer/keys.py) and records them. The cases that make this exact:
 * a GPU store from token 0 that the engine would already hit is vLLM's full-report re-announce
   and adds no reference.
 
-Batches decoded by the C decoder (indexer/wire.py ``PackedEvents``) take ``_apply_packed``: the
-common events -- dense full-attention stores on an engine with that one group, and removals --
-are applied in C from their packed hashes and token ids (indexer/residency.py
-``store_packed``); every other event, and every batch of an engine with several groups or an
-export in progress, is applied by the Python code below, the reference, from the decoded event.
+Packed batches (indexer/wire.py ``PackedEvents``) take ``_apply_packed``: dense full-attention
+stores on an engine with that one group, and removals, are applied in C (indexer/residency.py
+``store_run``, ``store_packed``, ``remove_packed``); every other event, and every batch of an
+engine with several groups or an export in progress, by the Python reference below.
 """
 
 from __future__ import annotations
@@ -134,18 +133,19 @@ class Ingest:
             self._retry_pending(e)
 
     def _apply_packed(self, e: EngineState, packed: PackedEvents) -> None:
-        """``apply`` for a batch the C decoder packed, on an engine with at most one group.
-
-        Same order and same result as ``apply``: an event the C path does not take is applied
-        by the Python path from its decoded form, in its place. (With one group at the batch's
-        start there is no re-announce pre-pass to run.)
-        """
+        """``apply`` for a packed batch on an engine with at most one group (so no re-announce
+        pre-pass): same order and result; an event C does not take is applied by the Python
+        path from its decoded form, in its place."""
         e.counters["batches"] += 1
         reannounce: dict[int, bool] = {}
         lookahead: dict[BlockHash, int] | None = None
         records = packed.records
         i, n = 0, len(records)
         while i < n:
+            if records[i][0] == STORED:  # plain stores in one C call; the rest below
+                i = self._store_run(e, records, i, reannounce)
+                if i == n:
+                    break
             r = records[i]
             i += 1
             if r[0] == STORED:
@@ -176,6 +176,31 @@ class Ingest:
                 e.counters["cleared"] += 1
         if e.pending:
             self._retry_pending(e)
+
+    def _store_run(
+        self, e: EngineState, records: list[tuple[Any, ...]], i: int, decided: dict[int, bool]
+    ) -> int:
+        """Apply the plain stores from record ``i`` on in C (``_store_packed``'s plainest
+        case); the index of the first record left to the caller."""
+        if len(e.groups) != 1:
+            return i
+        ((g, spec),) = e.groups.items()
+        res = self.residency.tables.get((g, GPU))
+        bs = spec.block_size
+        if res is None or spec.kind != FULL or bs <= 0 or bs % self.unit:
+            return i
+        facts = e.group_facts.get(g)
+        kind, window = (
+            (facts[0], facts[2]) if facts is not None and facts[1] == bs else (None, None)
+        )
+        end, added, reannounced = self.residency.store_run(
+            e, res, records, i, self.root(e.model, None), self.unit, bs, g, kind, window, decided
+        )
+        if reannounced:
+            e.counters["reannounced"] += reannounced
+        if added:
+            self.residency.stored(e, g, GPU, added)
+        return end  # type: ignore[no-any-return]
 
     def _store_packed(self, e: EngineState, r: tuple[Any, ...], decided: dict[int, bool]) -> bool:
         """Apply a packed BlockStored in C when ``_store`` would take its plainest path: a dense

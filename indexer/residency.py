@@ -222,11 +222,52 @@ class Residency:
             res, e.hashes, e.bit, seed, parent, hashes, tokens, unit, block_size, decided
         )
         if code > 0:
-            gm = (g, medium)
-            e.resident[gm] = e.resident.get(gm, 0) + code
-            self.total += code
-            e.counters["blocks_stored"] += code
+            self.stored(e, g, medium, code)
         return code
+
+    def store_run(
+        self,
+        e: EngineState,
+        res: Table,
+        records: list[tuple[object, ...]],
+        start: int,
+        model_seed: int,
+        unit: int,
+        block_size: int,
+        g: int,
+        kind: str | None,
+        window: int | None,
+        decided: dict[int, bool],
+    ) -> tuple[int, int, int]:
+        """:meth:`store_packed` over the packed stored records from ``start`` on, in one C call,
+        for an engine with the one full-attention group ``g`` of ``block_size`` (``kind`` and
+        ``window``: its learned facts at that size, None: none). It stops at the first record
+        that is not such a store from a parent or from ``model_seed`` (the model's root), or
+        that :meth:`store_packed` would leave to Python; (that record's index, blocks stored,
+        re-announces). The caller counts them (:meth:`stored`); no export may be in progress.
+        """
+        return _native.store_run(  # type: ignore[no-any-return, union-attr]
+            res,
+            e.hashes,
+            e.bit,
+            records,
+            start,
+            model_seed,
+            unit,
+            block_size,
+            g,
+            kind,
+            window,
+            e.resident,
+            decided,
+        )
+
+    def stored(self, e: EngineState, g: int, medium: str, added: int) -> None:
+        """Count ``added`` blocks newly held by ``e`` in (g, medium)."""
+        gm = (g, medium)
+        e.resident[gm] = e.resident.get(gm, 0) + added
+        self.total += added
+        e.counters["blocks_stored"] += added
 
     def remove_packed(
         self,

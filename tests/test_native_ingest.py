@@ -105,6 +105,26 @@ def test_common_batches_decode_packed_and_read_as_python_objects() -> None:
         assert batch.events[-1:] == decode_payload_py(payload).events[-1:]
 
 
+# Unsigned ints of every msgpack width (fixint, uint8/16/32/64), with the edges of each.
+WIDTHS = [0, 127, 128, 255, 256, 2**16 - 1, 2**16, 2**32 - 1, 2**32, H_BIG, 2**64 - 1]
+
+
+def test_ints_of_every_width_decode_packed_wherever_they_sit() -> None:
+    """Token ids and hashes of mixed widths, also within a few bytes of the payload's end
+    (no rank field after a removal), read the same as through the Python decoder."""
+    require_native()
+    rng = random.Random(7)
+    tokens = [rng.choice(WIDTHS[:8]) for _ in range(16 * 8)]
+    for order in range(40):
+        hashes = [rng.choice(WIDTHS[1:]) for _ in range(8)]
+        last = [rng.choice(WIDTHS[1:]) for _ in range(order % 4)] or [WIDTHS[order % 11] or 1]
+        for tail in ([], [3]):  # without and with the rank field after the last removal
+            payload = enc([1.0, [stored(hashes, None, tokens), removed(last)], *tail])
+            batch = decode_payload(payload)
+            assert type(batch.events) is PackedEvents
+            assert batch == decode_payload_py(payload)
+
+
 @pytest.mark.parametrize(
     "event",
     [
@@ -377,3 +397,66 @@ class IndexVsReferenceNative(prop.IndexVsReference):
 
 IndexVsReferenceNative.TestCase.settings = prop.IndexVsReference.TestCase.settings
 TestIndexVsReferenceNative = IndexVsReferenceNative.TestCase
+
+
+# --------------------------------------------------------------------------- store_run
+
+
+def _chain(seed: int, tokens: list[int], start: int, end: int) -> dict[str, Any]:
+    """A plain store of blocks [start, end) of ``tokens``, hashed per engine ``seed``."""
+
+    def h(j: int) -> int:
+        return xxhash.xxh3_64_intdigest(repr(tokens[: (j + 1) * 16]).encode(), seed)
+
+    parent = h(start - 1) if start else None
+    return stored([h(j) for j in range(start, end)], parent, tokens[start * 16 : end * 16])
+
+
+ODD_STORES: dict[str, Any] = {
+    "none": None,
+    "cpu": {"medium": "CPU", "block_size": 64, "kv_cache_spec_kind": None},
+    "lora_from_root": {"lora_name": "adapter", "parent_block_hash": None},
+    "other_group": {
+        "group_idx": 1,
+        "kv_cache_spec_kind": "sliding_window",
+        "kv_cache_spec_sliding_window": 32,
+    },
+    "other_block_size": {"block_size": 32},
+    "unknown_parent": {"parent_block_hash": 12345},
+    "duplicate": "dup",
+    "removal": "rm",
+}
+
+
+@pytest.mark.parametrize("odd", list(ODD_STORES))
+def test_store_run_applies_plain_stores_and_stops_at_the_first_other(odd: str) -> None:
+    """``Residency.store_run`` applies a batch's plain stores in one call, exactly as the
+    reference does, and hands back the first record that is anything else, unapplied."""
+    require_native()
+    rng = random.Random(odd)
+    tokens = [rng.randrange(50_000) for _ in range(16 * 12)]
+    warm = [_chain(0, tokens, 0, 2)]  # creates the table and teaches the group facts
+    batch = [_chain(0, tokens, 2, 4), _chain(0, tokens, 4, 6), _chain(0, tokens, 6, 8)]
+    spec = ODD_STORES[odd]
+    if spec == "dup":
+        batch[2] = dict(batch[0])
+    elif spec == "rm":
+        batch[2] = removed([batch[0]["block_hashes"][0]])
+    elif spec is not None:
+        batch[2] |= spec
+    ref, nat = _index(), _index()
+    eid = ("e0", 0)
+    for index, decode in ((ref, decode_payload_py), (nat, decode_payload)):
+        index.apply(eid, decode(enc([1.0, warm, 0])).events)
+    payload = enc([2.0, batch, 0])
+    records = decode_payload(payload).events.records  # type: ignore[attr-defined]
+    e = nat._engines[eid]
+    stop = nat._ingest._store_run(e, records, 0, {})
+    assert stop == (3 if spec is None else 2)
+    e.counters["batches"] += 1  # the reference's apply counts the batch
+    ref.apply(eid, decode_payload_py(payload).events[:stop])
+    assert engine_state(nat) == engine_state(ref)
+    # The rest of the batch through the whole native path still ends where the reference does.
+    nat.apply(eid, decode_payload(enc([3.0, batch[stop:], 0])).events)
+    ref.apply(eid, decode_payload_py(enc([3.0, batch[stop:], 0])).events)
+    assert engine_state(nat) == engine_state(ref)
