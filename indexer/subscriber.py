@@ -470,9 +470,8 @@ class Subscriber:
             self._applier = self._loop.call_soon(self._apply_turn)
 
     def _resume(self, src: Source) -> None:
-        """The source's replay ended: its queued messages may move again. It is served even
-        with none queued, so that its state hears the queue is dry: a drop during the replay
-        may still be missing, and a source that caught up ends its replay streak."""
+        """The source's replay ended: its queued messages may move again, and even with none
+        its state hears the queue is dry (a drop may be missing, a caught-up streak ends)."""
         if not src.removed and self._running:
             self._ready[src] = None
             self._kick()

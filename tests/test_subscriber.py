@@ -537,6 +537,21 @@ async def test_queue_bytes_bound_is_a_counted_gap(make) -> None:
     assert all(s.queued_bytes == 0 for s in sub._sources.values())
 
 
+async def test_batch_over_queue_bytes_with_nothing_after_it_is_repaired(make) -> None:
+    """A batch larger than ``queue_bytes`` is dropped from an empty queue; the publisher then
+    falls silent, so no later seq would show the gap: the drop itself is repaired by replay."""
+    pub, sub = await _one(make, queue_bytes=6_000)
+    chains = Chains(20)
+    pub.publish(chains.request(2))
+    await _until(lambda: _st(sub, "w").last_seq == 0)
+    pub.publish(chains.request(150))  # ~10 KB
+    await _until(lambda: _st(sub, "w").last_seq == 1, what=lambda: _dump(sub, pub))
+    assert await sub.wait_idle(DEADLINE)
+    st = _st(sub, "w")
+    assert st.queue_overflows == 1 and st.gaps == 1 and st.replays_ok == 1 and not st.degraded
+    _assert_same(sub.index, _reference((("w", 0), pub)), ("w", 0), chains)
+
+
 async def test_queue_overflow_is_a_counted_gap(make) -> None:
     pub, sub = await _one(make, queue_depth=4)
     await _overflow_then_repaired(pub, sub, Chains(18), 1)
