@@ -20,7 +20,8 @@ Rules for a live message:
   twice.
 * Repair impossible (no replay endpoint, replay timed out, first replayed seq > asked, a hole in
   the replay, the replayed batch still undecodable -- a publisher resending the same bad bytes
-  is not retried -- or ``MAX_REPLAY_STREAK`` replays in a row without an in-order live batch):
+  is not retried -- or ``MAX_REPLAY_STREAK`` replays in a row without an in-order live batch
+  and without the queue running dry with nothing missing, i.e. the source never catches up):
   the engine is reset (``resets += 1``, :class:`ResetEngine`), the source is **degraded**, and
   the next batch is accepted as the new base. Reasons read ``"<cause>: <detail>"``, cause in
   gap / undecodable batch / queue overflow, detail in no replay endpoint / replay failed / replay
@@ -86,7 +87,9 @@ __all__ = [
 ]
 
 MAX_REPLAY_STREAK = 3
-"""Consecutive replays of one source without an in-order live batch before it is reset."""
+"""Consecutive replays of one source without catching up (an in-order live batch, or the queue
+running dry with nothing missing) before it is reset: a subscriber that stays behind sheds its
+replay load instead of asking the publisher for ever."""
 
 MID_STREAM = "joined mid-stream"
 INDEX_CAP = "index cap"
@@ -227,7 +230,10 @@ class SourceState:
 
     def queue_emptied(self, now: float) -> list[Action]:
         """The queue ran dry with no replay in flight: messages dropped by a full queue that
-        nothing came after are a gap now."""
+        nothing came after are a gap now. With nothing missing, the source has caught up with
+        everything it received, which ends a replay streak: the losses it repaired are
+        behind it (a batch that showed a gap and arrived already replayed is not an in-order
+        live batch, yet the repair worked)."""
         out = self._begin(now)
         if self.overflow_max is not None and (
             self.last_seq is None or self.overflow_max > self.last_seq
@@ -236,6 +242,8 @@ class SourceState:
             self.overflow_max = None
             self.gaps += 1
             self._lose(start, "queue overflow", None, None)
+        elif self.last_seq is not None and not self.resync:
+            self.replay_streak = 0
         return out
 
     def reconnected(self) -> None:

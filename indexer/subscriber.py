@@ -456,6 +456,8 @@ class Subscriber:
         if len(q) >= self.queue_depth or src.queued_bytes + len(payload) > self.queue_bytes:
             src.queue_overflows += 1
             src.state.dropped(seq)
+            if src.replay_task is None:
+                self._ready[src] = None  # even with an empty queue the drop is a gap to repair
             return
         q.append((seq, payload, batch))
         src.queued_bytes += len(payload)
@@ -468,8 +470,9 @@ class Subscriber:
             self._applier = self._loop.call_soon(self._apply_turn)
 
     def _resume(self, src: Source) -> None:
-        """The source's replay ended: its queued messages may move again."""
-        if src.queue and not src.removed and self._running:
+        """The source's replay ended: its queued messages may move again, and even with none
+        its state hears the queue is dry (a drop may be missing, a caught-up streak ends)."""
+        if not src.removed and self._running:
             self._ready[src] = None
             self._kick()
 
