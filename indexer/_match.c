@@ -94,6 +94,10 @@ bad_tokens(void)
     return -1;
 }
 
+/* How many items ahead pack_ids asks the cache for an int object: the objects lie wherever they
+ * were allocated, and misses issued together overlap (the item pointers are read in order). */
+#define ID_AHEAD 16
+
 /* Items [start, start + count) of a list or tuple as uint32 into out: 0, 1 when an item is not
  * an int (the caller falls back), -1 with ValueError for an int outside [0, 2**32). */
 static int
@@ -102,6 +106,9 @@ pack_ids(PyObject *seq, Py_ssize_t start, Py_ssize_t count, uint32_t *out)
     PyObject **items = PySequence_Fast_ITEMS(seq) + start;
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *it = items[i];
+        if (i + ID_AHEAD < count) {
+            __builtin_prefetch(items[i + ID_AHEAD]);
+        }
         if (!PyLong_Check(it)) {
             return 1;
         }
@@ -350,7 +357,7 @@ walk_key(const walk_keys *k, Py_ssize_t i, uint64_t *low, PyObject **obj)
 
 /* How many blocks ahead the walk asks the cache for a key's place: a lookup misses the cache
  * (the table is far larger than it), and misses issued together overlap instead of queueing. */
-#define WALK_AHEAD 8
+#define WALK_AHEAD 24
 
 /* Ask the cache for block b's place in table, if b is walked and its key is an exact int (a
  * hint only: never an error, never Python code). */
