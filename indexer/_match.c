@@ -330,6 +330,26 @@ walk_keys_close(walk_keys *k)
     Py_XDECREF(k->seq);
 }
 
+/* The low 64 bits of the int `o`, as PyLong_AsUnsignedLongLongMask gives them (never fails for
+ * an int). A key is up to three 30-bit digits in CPython 3.11's layout: read them inline, as
+ * the walk reads one key per block. */
+static inline uint64_t
+int_low64(PyObject *o)
+{
+#if PY_VERSION_HEX < 0x030C0000
+    const Py_ssize_t size = Py_SIZE(o);
+    if (PyLong_CheckExact(o) && size >= 0 && size <= 3) {
+        const digit *d = ((PyLongObject *)o)->ob_digit;
+        uint64_t v = 0;
+        for (Py_ssize_t j = size - 1; j >= 0; j--) {
+            v = (v << PyLong_SHIFT) | d[j];
+        }
+        return v;
+    }
+#endif
+    return (uint64_t)PyLong_AsUnsignedLongLongMask(o);
+}
+
 /* Key i: its low 64 bits in *low, and the int itself in *obj (borrowed; NULL when the keys
  * are a buffer: residency_get makes one if it needs one). -1 with an error set. */
 static inline int
@@ -350,7 +370,7 @@ walk_key(const walk_keys *k, Py_ssize_t i, uint64_t *low, PyObject **obj)
         PyErr_SetString(PyExc_TypeError, "full_runs: keys must be ints");
         return -1;
     }
-    *low = (uint64_t)PyLong_AsUnsignedLongLongMask(item);
+    *low = int_low64(item);
     *obj = item;
     return 0;
 }
@@ -381,7 +401,7 @@ walk_prefetch(const walk_keys *k, PyObject *table, Py_ssize_t b, Py_ssize_t step
         if (!PyLong_CheckExact(item)) {
             return;
         }
-        low = (uint64_t)PyLong_AsUnsignedLongLongMask(item); /* never fails for an int */
+        low = int_low64(item);
     }
     u64map_prefetch(table, low);
 }
