@@ -94,15 +94,21 @@ bad_tokens(void)
     return -1;
 }
 
-/* The items of a list or tuple as uint32 into out: 0, 1 when an item is not an int (the caller
- * falls back), -1 with ValueError for an int outside [0, 2**32). */
+/* How many items ahead pack_ids asks the cache for an int object: the objects lie wherever they
+ * were allocated, and misses issued together overlap (the item pointers are read in order). */
+#define ID_AHEAD 16
+
+/* Items [start, start + count) of a list or tuple as uint32 into out: 0, 1 when an item is not
+ * an int (the caller falls back), -1 with ValueError for an int outside [0, 2**32). */
 static int
-pack_ids(PyObject *seq, uint32_t *out)
+pack_ids(PyObject *seq, Py_ssize_t start, Py_ssize_t count, uint32_t *out)
 {
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject **items = PySequence_Fast_ITEMS(seq) + start;
+    for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *it = items[i];
+        if (i + ID_AHEAD < count) {
+            __builtin_prefetch(items[i + ID_AHEAD]);
+        }
         if (!PyLong_Check(it)) {
             return 1;
         }
@@ -171,38 +177,55 @@ key_count(PyObject *unit_obj, PyObject *limit_obj, Py_ssize_t ntokens, Py_ssize_
     return 0;
 }
 
-static PyObject *
-keys_result(uint64_t seed, const uint32_t *ids, Py_ssize_t unit, Py_ssize_t nkeys, int packed)
+/* Ids packed per pass: a chunk this size stays in the L1 cache between packing and hashing, and
+ * a fresh array for a whole long prompt costs page faults on every call. */
+#define PACK_IDS 4096
+
+/* Where the keys go: a uint64 array (packed) or a list of ints. */
+static int
+put_key(PyObject *out, int packed, Py_ssize_t k, uint64_t key)
 {
-    const size_t ubytes = (size_t)unit * 4u;
-    const unsigned char *p = (const unsigned char *)ids;
-    uint64_t key = seed;
     if (packed) {
-        PyObject *out = PyBytes_FromStringAndSize(NULL, nkeys * 8);
-        if (out == NULL) {
-            return NULL;
-        }
-        uint64_t *w = (uint64_t *)PyBytes_AS_STRING(out);
-        for (Py_ssize_t k = 0; k < nkeys; k++, p += ubytes) {
-            key = XXH3_64bits_withSeed(p, ubytes, (XXH64_hash_t)key);
-            memcpy(w + k, &key, sizeof key);
-        }
-        return out;
+        memcpy(PyBytes_AS_STRING(out) + k * 8, &key, sizeof key);
+        return 0;
     }
-    PyObject *out = PyList_New(nkeys);
-    if (out == NULL) {
-        return NULL;
+    PyObject *item = PyLong_FromUnsignedLongLong((unsigned long long)key);
+    if (item == NULL) {
+        return -1;
     }
-    for (Py_ssize_t k = 0; k < nkeys; k++, p += ubytes) {
-        key = XXH3_64bits_withSeed(p, ubytes, (XXH64_hash_t)key);
-        PyObject *item = PyLong_FromUnsignedLongLong((unsigned long long)key);
-        if (item == NULL) {
-            Py_DECREF(out);
-            return NULL;
+    PyList_SET_ITEM(out, k, item);
+    return 0;
+}
+
+/* The keys of token_keys into out (nkeys slots), packing the ids a chunk of whole units at a
+ * time and hashing each chunk while it is in the cache; every id is checked, also those past
+ * the last key. 0, 1 when an item is not an int, -1 with an error set. */
+static int
+hash_chunks(PyObject *tokens, uint64_t seed, Py_ssize_t unit, Py_ssize_t nkeys, int packed,
+            PyObject *out)
+{
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(tokens);
+    const Py_ssize_t per = (nkeys > 0 && unit > PACK_IDS) ? unit : PACK_IDS - PACK_IDS % unit;
+    const Py_ssize_t chunk = per > 0 ? per : PACK_IDS;
+    uint32_t *ids = PyMem_Malloc((size_t)(chunk < n ? chunk : (n > 0 ? n : 1)) * 4u);
+    if (ids == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint64_t key = seed;
+    Py_ssize_t k = 0;
+    int rc = 0;
+    for (Py_ssize_t start = 0; rc == 0 && start < n; start += chunk) {
+        const Py_ssize_t count = n - start < chunk ? n - start : chunk;
+        rc = pack_ids(tokens, start, count, ids);
+        const unsigned char *p = (const unsigned char *)ids;
+        for (Py_ssize_t u = 0; rc == 0 && k < nkeys && u + unit <= count; u += unit, k++) {
+            key = XXH3_64bits_withSeed(p + u * 4, (size_t)unit * 4u, (XXH64_hash_t)key);
+            rc = put_key(out, packed, k, key);
         }
-        PyList_SET_ITEM(out, k, item);
     }
-    return out;
+    PyMem_Free(ids);
+    return rc;
 }
 
 static PyObject *
@@ -228,21 +251,30 @@ token_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(tokens);
-    uint32_t *ids = PyMem_Malloc(n > 0 ? (size_t)n * 4u : 1u);
-    if (ids == NULL) {
-        return PyErr_NoMemory();
+    Py_ssize_t unit = 1, nkeys = 0;
+    if (key_count(args[2], args[3], n, &unit, &nkeys) < 0) {
+        /* Every id is checked, as tokens_to_bytes does, before unit and limit (its order). */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        const int rc = hash_chunks(tokens, seed, 1, 0, 1, NULL);
+        if (rc == 0) {
+            PyErr_Restore(type, value, tb);
+            return NULL;
+        }
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return rc == 1 ? Py_NewRef(Py_None) : NULL;
     }
-    PyObject *out = NULL;
-    /* Every id is checked, as tokens_to_bytes does, before unit and limit (its order). */
-    const int rc = pack_ids(tokens, ids);
-    Py_ssize_t unit, nkeys;
-    if (rc == 1) {
-        out = Py_NewRef(Py_None);
+    PyObject *out = packed ? PyBytes_FromStringAndSize(NULL, nkeys * 8) : PyList_New(nkeys);
+    if (out == NULL) {
+        return NULL;
     }
-    else if (rc == 0 && key_count(args[2], args[3], n, &unit, &nkeys) == 0) {
-        out = keys_result(seed, ids, unit, nkeys, packed);
+    const int rc = hash_chunks(tokens, seed, unit, nkeys, packed, out);
+    if (rc != 0) {
+        Py_DECREF(out);
+        return rc == 1 ? Py_NewRef(Py_None) : NULL;
     }
-    PyMem_Free(ids);
     return out;
 }
 
@@ -298,6 +330,26 @@ walk_keys_close(walk_keys *k)
     Py_XDECREF(k->seq);
 }
 
+/* The low 64 bits of the int `o`, as PyLong_AsUnsignedLongLongMask gives them (never fails for
+ * an int). A key is up to three 30-bit digits in CPython 3.11's layout: read them inline, as
+ * the walk reads one key per block. */
+static inline uint64_t
+int_low64(PyObject *o)
+{
+#if PY_VERSION_HEX < 0x030C0000
+    const Py_ssize_t size = Py_SIZE(o);
+    if (PyLong_CheckExact(o) && size >= 0 && size <= 3) {
+        const digit *d = ((PyLongObject *)o)->ob_digit;
+        uint64_t v = 0;
+        for (Py_ssize_t j = size - 1; j >= 0; j--) {
+            v = (v << PyLong_SHIFT) | d[j];
+        }
+        return v;
+    }
+#endif
+    return (uint64_t)PyLong_AsUnsignedLongLongMask(o);
+}
+
 /* Key i: its low 64 bits in *low, and the int itself in *obj (borrowed; NULL when the keys
  * are a buffer: residency_get makes one if it needs one). -1 with an error set. */
 static inline int
@@ -318,9 +370,40 @@ walk_key(const walk_keys *k, Py_ssize_t i, uint64_t *low, PyObject **obj)
         PyErr_SetString(PyExc_TypeError, "full_runs: keys must be ints");
         return -1;
     }
-    *low = (uint64_t)PyLong_AsUnsignedLongLongMask(item);
+    *low = int_low64(item);
     *obj = item;
     return 0;
+}
+
+/* How many blocks ahead the walk asks the cache for a key's place: a lookup misses the cache
+ * (the table is far larger than it), and misses issued together overlap instead of queueing. */
+#define WALK_AHEAD 24
+
+/* Ask the cache for block b's place in table, if b is walked and its key is an exact int (a
+ * hint only: never an error, never Python code). */
+static inline void
+walk_prefetch(const walk_keys *k, PyObject *table, Py_ssize_t b, Py_ssize_t step,
+              Py_ssize_t scan)
+{
+    if (b >= scan) {
+        return;
+    }
+    const Py_ssize_t i = (b + 1) * step - 1;
+    uint64_t low;
+    if (k->has_view) {
+        memcpy(&low, (const char *)k->view.buf + i * 8, 8);
+    }
+    else {
+        if (i >= PySequence_Fast_GET_SIZE(k->seq)) {
+            return;
+        }
+        PyObject *item = PySequence_Fast_GET_ITEM(k->seq, i);
+        if (!PyLong_CheckExact(item)) {
+            return;
+        }
+        low = int_low64(item);
+    }
+    u64map_prefetch(table, low);
 }
 
 /* hits[slot] = value for every bit of the 64-bit word `bits` at word `w`. */
@@ -371,7 +454,11 @@ static int
 walk64(PyObject *table, walk_keys *k, Py_ssize_t step, Py_ssize_t scan, Py_ssize_t bs,
        uint64_t alive, PyObject *hits, uint64_t *left)
 {
+    for (Py_ssize_t b = 0; b < WALK_AHEAD; b++) {
+        walk_prefetch(k, table, b, step, scan);
+    }
     for (Py_ssize_t b = 0; b < scan && alive; b++) {
+        walk_prefetch(k, table, b + WALK_AHEAD, step, scan);
         uint64_t low, mask = 0;
         PyObject *key;
         if (walk_key(k, (b + 1) * step - 1, &low, &key) < 0) {
@@ -405,7 +492,11 @@ walk_wide(PyObject *table, walk_keys *k, Py_ssize_t step, Py_ssize_t scan, Py_ss
           PyObject *alive_obj, PyObject *hits)
 {
     PyObject *alive = Py_NewRef(alive_obj);
+    for (Py_ssize_t b = 0; b < WALK_AHEAD; b++) {
+        walk_prefetch(k, table, b, step, scan);
+    }
     for (Py_ssize_t b = 0; b < scan; b++) {
+        walk_prefetch(k, table, b + WALK_AHEAD, step, scan);
         const int any = PyObject_IsTrue(alive);
         if (any <= 0) {
             if (any < 0) {

@@ -147,6 +147,34 @@ def test_keys_from_a_token_list_refuse_what_tokens_to_bytes_refuses(bad: list[ob
         packed_keys(1, bad)  # type: ignore[arg-type]
 
 
+def test_keys_from_a_long_token_list_equal_keys_from_its_bytes() -> None:
+    # Longer than the C loop's packing chunk (4,096 ids): units that divide it, that do not,
+    # and that are longer than it.
+    rng = random.Random(5)
+    tokens = [rng.randrange(2**32) for _ in range(3 * 4096 + 37)]
+    data = tokens_to_bytes(tokens)
+    for unit in (1, 3, 16, 4095, 4097, 5000):
+        for limit in (None, 2, 300):
+            want = _chain_keys_py(11, data, unit, limit)
+            assert chain_keys(11, tokens, unit, limit) == want
+        assert list(packed_keys(11, tokens, unit)) == _chain_keys_py(11, data, unit, None)
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32, 2.5, "a"])
+def test_a_bad_token_past_the_first_chunk_and_the_limit_is_refused(bad: object) -> None:
+    tokens: list[object] = [7] * 9000
+    tokens[8999] = bad
+    with pytest.raises((ValueError, TypeError)) as want:
+        tokens_to_bytes(tokens)  # type: ignore[arg-type]
+    with pytest.raises(want.type):
+        chain_keys(1, tokens, 16, 1)  # type: ignore[arg-type]
+    with pytest.raises(want.type):
+        packed_keys(1, tokens)  # type: ignore[arg-type]
+    # The tokens are checked before the unit, as tokens_to_bytes comes first.
+    with pytest.raises(want.type):
+        chain_keys(1, tokens, 0)  # type: ignore[arg-type]
+
+
 def test_c_match_path_is_built_when_native_is_required() -> None:
     if os.environ.get("KVROUTER_REQUIRE_NATIVE") == "1":
         assert keys_module._match is not None, "KVROUTER_REQUIRE_NATIVE=1: build the extension"
