@@ -12,6 +12,7 @@ setup(
                 "indexer/_native.c",
                 "indexer/_ingest.c",
                 "indexer/_residency.c",
+                "indexer/_removal.c",
                 "indexer/_match.c",
                 "indexer/_scan.c",
                 "indexer/_u64map.c",
@@ -19,6 +20,7 @@ setup(
             ],
             depends=[
                 "indexer/_ingest.h",
+                "indexer/_masks.h",
                 "indexer/_scan.h",
                 "indexer/_u64map.h",
                 "indexer/_u64map_impl.h",

@@ -1,4 +1,4 @@
-/* indexer/_ingest.c's and _residency.c's functions, registered in indexer._native's method
+/* indexer/_ingest.c's, _residency.c's and _removal.c's functions, registered in indexer._native's method
  * table (_native.c). */
 #ifndef KVROUTER_INGEST_H
 #define KVROUTER_INGEST_H

@@ -1,6 +1,6 @@
 /*
- * Residency in C, part of indexer._native (indexer/residency.py is the reference and decides
- * when these apply):
+ * Stores in C, part of indexer._native (indexer/residency.py is the reference and decides
+ * when these apply; removals are in indexer/_removal.c):
  *
  *   store_dense(res, hmap, bit, seed, parent, hashes, tokens, unit, block_size, decided)
  *       -> blocks added | BAIL | REANNOUNCED
@@ -11,12 +11,11 @@
  *       store_dense over the batch's records from `start` on, up to the first one that is not
  *       a plain store of the engine's only group or that store_dense leaves to Python: one
  *       call per batch instead of one per event.
- *   remove_hashes(res, hmap, bit, hashes, dups, extra_refs, dup_prefix, sink)
- *       -> (removed, unknown, cleared)   (Residency.remove over packed hashes)
  *
  * res (content key -> engine mask) and hmap (engine hash -> content key) are U64Maps
  * (indexer/u64map.py): their uint64 entries go through its C API, with no Python object per
- * block; a mask in a side dict (an engine past slot 63) goes through Python ints.
+ * block; a mask in a side dict (an engine past slot 63) goes through Python ints
+ * (indexer/_masks.h).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -28,96 +27,12 @@
 #include "xxhash.h"
 
 #include "_ingest.h"
+#include "_masks.h"
 #include "_u64map.h"
 
 #define STORE_BAIL (-1)
 #define STORE_REANNOUNCED (-2)
 #define ERR (-3)
-
-static int
-check_map(PyObject *m, const char *what)
-{
-    if (!U64Map_Check(m)) {
-        PyErr_Format(PyExc_TypeError, "%s must be a U64Map", what);
-        return -1;
-    }
-    return 0;
-}
-
-typedef struct {
-    PyObject *obj; /* the engine's bit, 1 << slot */
-    uint64_t u;    /* the same when it fits 64 bits */
-    int fits;
-} engine_bit;
-
-static int
-bit_open(engine_bit *b, PyObject *obj)
-{
-    if (!PyLong_Check(obj)) {
-        PyErr_SetString(PyExc_TypeError, "bit must be an int");
-        return -1;
-    }
-    b->obj = obj;
-    b->u = PyLong_AsUnsignedLongLong(obj);
-    b->fits = !(b->u == (uint64_t)-1 && PyErr_Occurred());
-    PyErr_Clear();
-    return 0;
-}
-
-/* m & bit != 0: 1, 0, or -1 with an error. */
-static int
-mask_has(PyObject *m, const engine_bit *b)
-{
-    if (b->fits && PyLong_Check(m)) {
-        /* The low 64 bits in two's complement: enough for a bit below 2**64. */
-        return (PyLong_AsUnsignedLongLongMask(m) & b->u) != 0;
-    }
-    PyObject *r = PyNumber_And(m, b->obj);
-    if (r == NULL) {
-        return -1;
-    }
-    int t = PyObject_IsTrue(r);
-    Py_DECREF(r);
-    return t;
-}
-
-/* m | bit (m NULL: absent), or m & ~bit (clear). A new reference. */
-static PyObject *
-mask_with(PyObject *m, const engine_bit *b, int clear)
-{
-    if (m == NULL) {
-        return Py_NewRef(b->obj);
-    }
-    if (b->fits && PyLong_Check(m)) {
-        uint64_t v = PyLong_AsUnsignedLongLong(m);
-        if (!(v == (uint64_t)-1 && PyErr_Occurred())) {
-            v = clear ? v & ~b->u : v | b->u;
-            /* A block one engine holds shares that engine's bit object: no int per block. */
-            return v == b->u ? Py_NewRef(b->obj) : PyLong_FromUnsignedLongLong(v);
-        }
-        PyErr_Clear(); /* beyond 64 bits: Python's operators */
-    }
-    if (!clear) {
-        return PyNumber_Or(m, b->obj);
-    }
-    PyObject *inv = PyNumber_Invert(b->obj);
-    if (inv == NULL) {
-        return NULL;
-    }
-    PyObject *r = PyNumber_And(m, inv);
-    Py_DECREF(inv);
-    return r;
-}
-
-static inline uint64_t
-load_le(const unsigned char *p, int width)
-{
-    uint64_t v = 0;
-    for (int k = width - 1; k >= 0; k--) {
-        v = (v << 8) | p[k];
-    }
-    return v;
-}
 
 /* Content keys at the end of each block: xxh3 chained per unit (indexer/keys.py). */
 static void
@@ -132,118 +47,6 @@ block_keys(uint64_t seed, const unsigned char *tokens, Py_ssize_t nblocks, Py_ss
         }
         out[b] = key;
     }
-}
-
-/* ------------------------------------------------------------------ masks in a U64Map */
-
-/* Whether the engine holds key k in res: 1, 0, or -1 with an error. */
-static int
-held(PyObject *res, uint64_t k, const engine_bit *b)
-{
-    uint64_t m;
-    int where = u64map_find(res, k, &m);
-    if (where != U64_SIDE) {
-        return where == U64_NATIVE ? b->fits && (m & b->u) != 0 : where;
-    }
-    PyObject *key = PyLong_FromUnsignedLongLong(k);
-    PyObject *v = key == NULL ? NULL : u64map_get_object(res, key);
-    Py_XDECREF(key);
-    if (v == NULL) return PyErr_Occurred() ? -1 : 0;
-    int rc = mask_has(v, b);
-    Py_DECREF(v);
-    return rc;
-}
-
-enum { RES_UNTOUCHED, RES_INSERTED, RES_UPDATED };
-
-typedef struct {
-    int state;     /* what mask_set did */
-    uint64_t old;  /* the mask before (RES_UPDATED), */
-    PyObject *obj; /* or it as an int when it was in a side dict (owned) */
-} mask_change;
-
-/* res[k] |= bit through Python ints: for a mask in a side dict, or a bit past 64. */
-static int
-mask_set_object(PyObject *res, uint64_t k, const engine_bit *b, mask_change *c)
-{
-    PyObject *key = PyLong_FromUnsignedLongLong(k);
-    if (key == NULL) return -1;
-    int rc = -1;
-    PyObject *m = u64map_get_object(res, key), *nm = NULL;
-    if (m == NULL && PyErr_Occurred()) goto out;
-    if (m != NULL && (rc = mask_has(m, b)) != 0) {
-        rc = rc < 0 ? -1 : 0;
-        goto out;
-    }
-    rc = -1;
-    nm = mask_with(m, b, 0);
-    if (nm == NULL || u64map_set_object(res, key, nm) < 0) goto out;
-    c->state = m == NULL ? RES_INSERTED : RES_UPDATED;
-    c->obj = m;
-    m = NULL;
-    rc = 1;
-out:
-    Py_XDECREF(nm);
-    Py_XDECREF(m);
-    Py_DECREF(key);
-    return rc;
-}
-
-/* res[k] |= bit: 1 done (*c says what was there), 0 the engine holds k already, -1 error. */
-static int
-mask_set(PyObject *res, uint64_t k, const engine_bit *b, mask_change *c)
-{
-    if (!b->fits) return mask_set_object(res, k, b, c);
-    uint64_t old;
-    int put = u64map_put_new(res, k, b->u, &old);
-    if (put == 1) {
-        c->state = RES_INSERTED;
-        return 1;
-    }
-    if (put != 0) return put < 0 ? -1 : mask_set_object(res, k, b, c); /* U64_SIDE */
-    if (old & b->u) return 0;
-    if (u64map_put(res, k, old | b->u) < 0) return -1; /* present: never allocates */
-    c->state = RES_UPDATED;
-    c->old = old;
-    return 1;
-}
-
-/* Take back what mask_set did to res[k]. */
-static void
-mask_undo(PyObject *res, uint64_t k, const mask_change *c)
-{
-    if (c->state == RES_INSERTED) {
-        (void)u64map_remove(res, k);
-    } else if (c->state == RES_UPDATED && c->obj == NULL) {
-        (void)u64map_put(res, k, c->old);
-    } else if (c->state == RES_UPDATED) {
-        PyObject *key = PyLong_FromUnsignedLongLong(k);
-        if (key != NULL) (void)u64map_set_object(res, key, c->obj);
-        Py_XDECREF(key);
-    }
-}
-
-/* res[k] &= ~bit, the entry deleted when no engine is left (the engine holds k). 0, -1. */
-static int
-mask_clear(PyObject *res, uint64_t k, const engine_bit *b)
-{
-    uint64_t m;
-    int where = u64map_find(res, k, &m);
-    if (where == U64_NATIVE && b->fits) {
-        m &= ~b->u;
-        return m ? u64map_put(res, k, m) : (u64map_remove(res, k) < 0 ? -1 : 0);
-    }
-    if (where < 0) return -1;
-    PyObject *key = PyLong_FromUnsignedLongLong(k), *nm = NULL;
-    PyObject *v = key == NULL ? NULL : u64map_get_object(res, key);
-    int rc = -1, truth;
-    if (v != NULL && (nm = mask_with(v, b, 1)) != NULL && (truth = PyObject_IsTrue(nm)) >= 0) {
-        rc = truth ? u64map_set_object(res, key, nm) : (u64map_del_object(res, key) < 0 ? -1 : 0);
-    }
-    Py_XDECREF(nm);
-    Py_XDECREF(v);
-    Py_XDECREF(key);
-    return rc;
 }
 
 /* ------------------------------------------------------------------ store_dense */
@@ -272,8 +75,6 @@ reannounce(PyObject *decided, PyObject *res, const engine_bit *b, const uint64_t
     return verdict;
 }
 
-/* Blocks whose places are asked of the cache ahead of their lookups (u64map_prefetch). */
-#define AHEAD 8
 
 /* Ask the cache for block i's places in both maps (a hint only). */
 static inline void
@@ -548,147 +349,4 @@ ingest_store_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     return Py_BuildValue("(nnn)", i, added, reannounced);
-}
-
-/* ------------------------------------------------------------------ remove_hashes */
-
-/* The content key engine hash hu is mapped to, when it is in a side dict (hash 0). 0, -1. */
-static int
-side_key(PyObject *hmap, uint64_t hu, uint64_t *key)
-{
-    PyObject *h = PyLong_FromUnsignedLongLong(hu);
-    PyObject *v = h == NULL ? NULL : u64map_get_object(hmap, h);
-    Py_XDECREF(h);
-    if (v == NULL) return -1; /* present: a NULL is an error */
-    *key = PyLong_AsUnsignedLongLong(v);
-    Py_DECREF(v);
-    return *key == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
-}
-
-/* A duplicate copy of key goes first, if the engine holds one: 1 it did, 0 none, -1 error. */
-static int
-dup_release(PyObject *dups, PyObject *prefix, uint64_t key)
-{
-    if (PyDict_GET_SIZE(dups) == 0) return 0;
-    PyObject *k = PyLong_FromUnsignedLongLong(key);
-    PyObject *dk = k == NULL ? NULL
-                             : PyTuple_Pack(4, PyTuple_GET_ITEM(prefix, 0),
-                                            PyTuple_GET_ITEM(prefix, 1),
-                                            PyTuple_GET_ITEM(prefix, 2), k);
-    Py_XDECREF(k);
-    if (dk == NULL) return -1;
-    int rc = -1;
-    PyObject *extra = PyDict_GetItemWithError(dups, dk), *lo = NULL;
-    int has = extra == NULL ? (PyErr_Occurred() ? -1 : 0) : PyObject_IsTrue(extra);
-    if (has <= 0) {
-        rc = has;
-    } else {
-        long left = PyLong_AsLong(extra) - 1;
-        if (!PyErr_Occurred()) {
-            lo = left ? PyLong_FromLong(left) : NULL;
-            int st = left ? (lo == NULL ? -1 : PyDict_SetItem(dups, dk, lo))
-                          : PyDict_DelItem(dups, dk);
-            rc = st < 0 ? -1 : 1;
-        }
-    }
-    Py_XDECREF(lo);
-    Py_DECREF(dk);
-    return rc;
-}
-
-/* One reference to engine hash hu goes: an extra one if any, else its mapping. 1, -1. */
-static int
-unref_hash(PyObject *hmap, uint64_t hu, PyObject *extra_refs)
-{
-    if (PyDict_GET_SIZE(extra_refs) == 0) {
-        return u64map_remove(hmap, hu) < 0 ? -1 : 1;
-    }
-    PyObject *h = PyLong_FromUnsignedLongLong(hu);
-    if (h == NULL) return -1;
-    int rc = -1;
-    PyObject *refs = PyDict_GetItemWithError(extra_refs, h), *ro = NULL;
-    if (refs == NULL) {
-        rc = PyErr_Occurred() || u64map_remove(hmap, hu) < 0 ? -1 : 1;
-    } else {
-        long r = PyLong_AsLong(refs);
-        if (!(r == -1 && PyErr_Occurred())) {
-            ro = r == 1 ? NULL : PyLong_FromLong(r - 1);
-            int st = r == 1 ? PyDict_DelItem(extra_refs, h)
-                            : ro == NULL ? -1 : PyDict_SetItem(extra_refs, h, ro);
-            rc = st < 0 ? -1 : 1;
-        }
-    }
-    Py_XDECREF(ro);
-    Py_DECREF(h);
-    return rc;
-}
-
-/* One engine hash of a removal; returns 1 removed, 0 unknown, -1 error; *cleared += 1 when
- * the engine's residency entry went (not just a duplicate copy). */
-static int
-remove_one(PyObject *res, PyObject *hmap, const engine_bit *b, uint64_t hu, PyObject *dups,
-           PyObject *extra_refs, PyObject *prefix, int *cleared)
-{
-    uint64_t key;
-    int where = u64map_find(hmap, hu, &key);
-    if (where < 0 || (where == U64_SIDE && side_key(hmap, hu, &key) < 0)) return -1;
-    if (where == U64_ABSENT || res == Py_None) return 0;
-    int h = held(res, key, b);
-    if (h <= 0) return h;
-    int dup = dup_release(dups, prefix, key);
-    if (dup < 0) return -1;
-    if (!dup) {
-        if (mask_clear(res, key, b) < 0) return -1;
-        *cleared += 1;
-    }
-    return unref_hash(hmap, hu, extra_refs);
-}
-
-PyObject *
-ingest_remove_hashes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)module;
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "remove_hashes() takes exactly 8 arguments");
-        return NULL;
-    }
-    PyObject *res = args[0], *hmap = args[1], *hashes = args[3], *dups = args[4];
-    PyObject *extra_refs = args[5], *prefix = args[6], *sink = args[7];
-    engine_bit b;
-    if ((res != Py_None && check_map(res, "res") < 0) || check_map(hmap, "hmap") < 0 ||
-        bit_open(&b, args[2]) < 0) {
-        return NULL;
-    }
-    if (!PyBytes_Check(hashes) || !PyDict_Check(dups) || !PyDict_Check(extra_refs) ||
-        !PyTuple_Check(prefix) || PyTuple_GET_SIZE(prefix) != 3 ||
-        (sink != Py_None && !PySet_Check(sink))) {
-        PyErr_SetString(PyExc_TypeError, "remove_hashes: bad argument types");
-        return NULL;
-    }
-    Py_ssize_t n = PyBytes_GET_SIZE(hashes) / 8, removed = 0, unknown = 0;
-    int cleared = 0;
-    const unsigned char *hp = (const unsigned char *)PyBytes_AS_STRING(hashes);
-    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++) {
-        u64map_prefetch(hmap, load_le(hp + 8 * i, 8));
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + AHEAD < n) u64map_prefetch(hmap, load_le(hp + 8 * (i + AHEAD), 8));
-        if (i + AHEAD / 2 < n && res != Py_None) { /* its key is in the cache by now */
-            uint64_t key;
-            int where = u64map_find(hmap, load_le(hp + 8 * (i + AHEAD / 2), 8), &key);
-            if (where == U64_NATIVE) u64map_prefetch(res, key);
-            if (where < 0) PyErr_Clear(); /* a hint only: the removal meets it again */
-        }
-        uint64_t hu = load_le(hp + 8 * i, 8);
-        int rc = remove_one(res, hmap, &b, hu, dups, extra_refs, prefix, &cleared);
-        if (rc == 0) {
-            unknown++;
-            PyObject *h = sink == Py_None ? NULL : PyLong_FromUnsignedLongLong(hu);
-            if (sink != Py_None && (h == NULL || PySet_Add(sink, h) < 0)) rc = -1;
-            Py_XDECREF(h);
-        }
-        if (rc < 0) return NULL;
-        removed += rc;
-    }
-    return Py_BuildValue("(nni)", removed, unknown, cleared);
 }
