@@ -436,7 +436,7 @@ def _scans(draw: st.DrawFn) -> tuple[Table, list[int], int, int, int, int]:
     return table, keys, first, step, count, alive
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(case=_scans())
 def test_run_scan_c_and_python_agree(case: tuple[Table, list[int], int, int, int, int]) -> None:
     """Same answer (or the same error: IndexError when count runs past the keys) from the
