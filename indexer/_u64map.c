@@ -9,7 +9,8 @@
  * from murmur3's fmix64(k), key 0 meaning empty; deletion shifts the following entries back,
  * so churn leaves no tombstones and probe runs stay as short as the load allows. A segment
  * doubles when it passes 3/4 full: that growth re-inserts only that segment's entries, at most
- * 87/1024 of the map's (the largest share) give or take the chance deviation of its fill.
+ * 87/1024 of the map's (the largest share) give or take the chance deviation of its fill, and
+ * spreads the re-insertion over the insertions that follow (see MIGRATE_STEPS).
  *
  * Entries that are not (uint64 key != 0, uint64 value) -- bytes hashes, negative ints, key 0,
  * masks of engines past slot 63 -- live in the segment's side dict, so the map is a dict for
@@ -25,23 +26,122 @@
 
 /* ------------------------------------------------------------------ native part */
 
-/* The place of k in s, or of the empty place ending its probe run (-1 when cap is 0). */
+/* The place of k in table e of cap places, or of the empty place ending its probe run (-1 when
+ * cap is 0). */
 static inline Py_ssize_t
-probe(const segment *s, uint64_t k)
+probe_in(const entry *e, Py_ssize_t cap, uint64_t k)
 {
-    if (s->cap == 0) {
+    if (cap == 0) {
         return -1;
     }
-    size_t mask = (size_t)s->cap - 1, i = (size_t)fmix64(k) & mask;
-    while (s->e[i].k != 0 && s->e[i].k != k) {
+    size_t mask = (size_t)cap - 1, i = (size_t)fmix64(k) & mask;
+    while (e[i].k != 0 && e[i].k != k) {
         i = (i + 1) & mask;
     }
     return (Py_ssize_t)i;
 }
 
+/* Whether native key k may be in the previous table of a growing segment: not when its home
+ * lies among the places already moved (they are empty, and the move takes whole probe runs, so
+ * no entry left there has a run through them). */
+static inline int
+in_old(const segment *s, uint64_t k)
+{
+    if (s->old == NULL) return 0;
+    size_t mask = (size_t)s->old_cap - 1;
+    return (Py_ssize_t)(((size_t)fmix64(k) - (size_t)s->mig0) & mask) >= s->done;
+}
+
+/* The entry of native key k in s (its table, or the previous one while growing), or NULL. */
+static inline entry *
+lookup(segment *s, uint64_t k)
+{
+    Py_ssize_t i = probe_in(s->e, s->cap, k);
+    if (i >= 0 && s->e[i].k == k) return &s->e[i];
+    if (in_old(s, k)) {
+        i = probe_in(s->old, s->old_cap, k);
+        if (s->old[i].k == k) return &s->old[i];
+    }
+    return NULL;
+}
+
+/* Empty place i of table e, shifting back the entries of its probe run that may move (no
+ * tombstones). */
+static void
+erase_in(entry *e, Py_ssize_t cap, size_t i)
+{
+    size_t mask = (size_t)cap - 1, j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (e[j].k == 0) break;
+        size_t home = (size_t)fmix64(e[j].k) & mask;
+        /* The entry at j stays unless its home lies cyclically outside (i, j]. */
+        int stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
+        if (!stays) {
+            e[i] = e[j];
+            i = j;
+        }
+    }
+    e[i].k = 0;
+}
+
+/* Growth is incremental: doubling a segment allocates the new table and leaves the entries in
+ * the old one, from which every insertion (and removal) moves the next MIGRATE_STEPS places'
+ * worth, in place order from an empty place, a whole probe run at a time (a run moved in part
+ * would leave entries whose runs cross emptied places, which lookups would stop at); lookups
+ * look in both meanwhile. So no operation re-inserts more than MIGRATE_STEPS entries plus the
+ * rest of the run the last one is in (runs at 3/4 load are tens of places), and a growing map
+ * of millions never stops its caller for a whole segment's re-insertion (a stall the event loop
+ * would pay in lag). Every place moves once, in at most old_cap / MIGRATE_STEPS insertions, long
+ * before the new table (3/8 full at the start, 3/4 its growth point) needs to grow again; were
+ * it to, the move is finished at once first.
+ * A segment of fewer than INCREMENTAL_CAP places grows at once: it costs microseconds. */
+#define MIGRATE_STEPS 64
+#define INCREMENTAL_CAP 1024
+
+/* Move the old table's probe run starting at place i (the place before it is empty or moved)
+ * into e and empty its places; the number of places. */
+static Py_ssize_t
+move_run(segment *s, size_t i)
+{
+    size_t mask = (size_t)s->old_cap - 1;
+    Py_ssize_t n = 0;
+    for (; s->old[i].k != 0; i = (i + 1) & mask, n++) {
+        entry *o = &s->old[i];
+        Py_ssize_t at = probe_in(s->e, s->cap, o->k); /* absent there: in one table only */
+        s->e[at] = *o;
+        o->k = 0;
+    }
+    s->used += n;
+    s->old_used -= n;
+    s->moved += n;
+    return n;
+}
+
+/* Move at least steps places of the old table (a run is moved whole) and free it when none is
+ * left. */
+static void
+migrate(segment *s, Py_ssize_t steps)
+{
+    if (s->old == NULL) return;
+    size_t mask = (size_t)s->old_cap - 1;
+    while (steps > 0 && s->old_used > 0 && s->done < s->old_cap) {
+        size_t i = ((size_t)s->mig0 + (size_t)s->done) & mask;
+        Py_ssize_t n = s->old[i].k != 0 ? move_run(s, i) : 0;
+        s->done += n + 1; /* the run and the empty place after it */
+        steps -= n + 1;
+    }
+    if (s->old_used == 0) {
+        PyMem_Free(s->old);
+        s->old = NULL;
+        s->old_cap = s->old_used = s->mig0 = s->done = 0;
+    }
+}
+
 static int
 grow(segment *s)
 {
+    migrate(s, PY_SSIZE_T_MAX); /* a move still under way ends first */
     Py_ssize_t cap = s->cap ? s->cap * 2 : MIN_CAP;
     if ((size_t)cap > PY_SSIZE_T_MAX / 16) {
         PyErr_NoMemory();
@@ -52,19 +152,13 @@ grow(segment *s)
         PyErr_NoMemory();
         return -1;
     }
-    size_t mask = (size_t)cap - 1;
-    for (Py_ssize_t j = 0; j < s->cap; j++) {
-        if (s->e[j].k != 0) {
-            size_t i = (size_t)fmix64(s->e[j].k) & mask;
-            while (e[i].k != 0) {
-                i = (i + 1) & mask;
-            }
-            e[i] = s->e[j];
-        }
+    s->old = s->e, s->old_cap = s->cap, s->old_used = s->used, s->done = 0;
+    s->e = e, s->cap = cap, s->used = 0;
+    s->mig0 = 0; /* the move starts after an empty place (a 3/4 full table has one) */
+    while (s->old_used > 0 && s->old[(s->mig0 - 1) & (s->old_cap - 1)].k != 0) s->mig0++;
+    if (s->old_used == 0 || s->old_cap < INCREMENTAL_CAP) {
+        migrate(s, PY_SSIZE_T_MAX);
     }
-    PyMem_Free(s->e);
-    s->e = e;
-    s->cap = cap;
     return 0;
 }
 
@@ -72,40 +166,48 @@ grow(segment *s)
 static int
 native_set(segment *s, uint64_t k, uint64_t v, uint64_t *old, int keep)
 {
-    Py_ssize_t i = probe(s, k);
-    if (i >= 0 && s->e[i].k == k) {
-        if (old != NULL) *old = s->e[i].v;
-        if (!keep) s->e[i].v = v;
+    Py_ssize_t i = probe_in(s->e, s->cap, k); /* where k is, or goes unless e changes */
+    entry *p = i >= 0 && s->e[i].k == k ? &s->e[i] : NULL;
+    if (p == NULL && in_old(s, k)) {
+        Py_ssize_t j = probe_in(s->old, s->old_cap, k);
+        p = s->old[j].k == k ? &s->old[j] : NULL;
+    }
+    if (p != NULL) {
+        if (old != NULL) *old = p->v;
+        if (!keep) p->v = v;
         return 0;
     }
-    if (s->used + 1 > s->cap - s->cap / 4) {
-        if (grow(s) < 0) return -1;
-        i = probe(s, k);
+    if (s->old != NULL) {
+        migrate(s, MIGRATE_STEPS);
+        i = -1; /* a moved entry may have taken place i */
     }
+    if (s->used + s->old_used + 1 > s->cap - s->cap / 4) {
+        if (grow(s) < 0) return -1;
+        i = -1;
+    }
+    if (i < 0) i = probe_in(s->e, s->cap, k);
     s->e[i].k = k;
     s->e[i].v = v;
     s->used++;
     return 1;
 }
 
-/* Empty place i, shifting back the entries of its probe run that may move (no tombstones). */
-static void
-native_erase(segment *s, size_t i)
+/* Remove native key k from s: 1 removed, 0 absent. */
+static int
+native_remove(segment *s, uint64_t k)
 {
-    size_t mask = (size_t)s->cap - 1, j = i;
-    for (;;) {
-        j = (j + 1) & mask;
-        if (s->e[j].k == 0) break;
-        size_t home = (size_t)fmix64(s->e[j].k) & mask;
-        /* The entry at j stays unless its home lies cyclically outside (i, j]. */
-        int stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
-        if (!stays) {
-            s->e[i] = s->e[j];
-            i = j;
-        }
+    Py_ssize_t i = probe_in(s->e, s->cap, k);
+    if (i >= 0 && s->e[i].k == k) {
+        erase_in(s->e, s->cap, (size_t)i);
+        s->used--;
+    } else if (in_old(s, k) && s->old[i = probe_in(s->old, s->old_cap, k)].k == k) {
+        erase_in(s->old, s->old_cap, (size_t)i);
+        s->old_used--;
+    } else {
+        return 0;
     }
-    s->e[i].k = 0;
-    s->used--;
+    migrate(s, MIGRATE_STEPS);
+    return 1;
 }
 
 /* ------------------------------------------------------------------ keys and values */
@@ -179,9 +281,9 @@ u64map_find(PyObject *o, uint64_t k, uint64_t *v)
 {
     segment *s = seg_of(MAP(o), k);
     if (k != 0) {
-        Py_ssize_t i = probe(s, k);
-        if (i >= 0 && s->e[i].k == k) {
-            *v = s->e[i].v;
+        const entry *p = lookup(s, k);
+        if (p != NULL) {
+            *v = p->v;
             return U64_NATIVE;
         }
     }
@@ -195,11 +297,14 @@ void
 u64map_prefetch(PyObject *o, uint64_t k)
 {
     const segment *s = seg_of(MAP(o), k);
-    if (s->cap != 0) {
 #if defined(__GNUC__) || defined(__clang__)
+    if (s->cap != 0) {
         __builtin_prefetch(&s->e[(size_t)fmix64(k) & ((size_t)s->cap - 1)]);
-#endif
     }
+    if (s->old != NULL) {
+        __builtin_prefetch(&s->old[(size_t)fmix64(k) & ((size_t)s->old_cap - 1)]);
+    }
+#endif
 }
 
 int
@@ -251,14 +356,10 @@ u64map_remove(PyObject *o, uint64_t k)
 {
     U64MapObject *m = MAP(o);
     segment *s = seg_of(m, k);
-    if (k != 0) {
-        Py_ssize_t i = probe(s, k);
-        if (i >= 0 && s->e[i].k == k) {
-            native_erase(s, (size_t)i);
-            m->len--;
-            m->version++;
-            return 1;
-        }
+    if (k != 0 && native_remove(s, k)) {
+        m->len--;
+        m->version++;
+        return 1;
     }
     if (!maybe_side(s, k)) return 0;
     PyObject *key = PyLong_FromUnsignedLongLong(k);
@@ -276,8 +377,8 @@ u64map_get_object(PyObject *o, PyObject *key)
     if (s == NULL) return NULL;
     uint64_t k;
     if (key_u64(key, &k)) {
-        Py_ssize_t i = probe(s, k);
-        if (i >= 0 && s->e[i].k == k) return PyLong_FromUnsignedLongLong(s->e[i].v);
+        const entry *p = lookup(s, k);
+        if (p != NULL) return PyLong_FromUnsignedLongLong(p->v);
         if (s->side_ints == 0) return NULL;
     }
     if (s->side == NULL) return NULL;
@@ -299,12 +400,8 @@ u64map_set_object(PyObject *o, PyObject *key, PyObject *value)
         }
         rc = native_set(s, k, v, NULL, 0);
     } else {
-        if (native_key) {
-            Py_ssize_t i = probe(s, k);
-            if (i >= 0 && s->e[i].k == k) { /* moves to the side dict */
-                native_erase(s, (size_t)i);
-                m->len--, m->version++;
-            }
+        if (native_key && native_remove(s, k)) { /* moves to the side dict */
+            m->len--, m->version++;
         }
         rc = side_set(s, key, value);
         if (rc == 1 && native_key) s->side_ints++;
@@ -322,9 +419,7 @@ u64map_del_object(PyObject *o, PyObject *key)
     uint64_t k;
     int native_key = key_u64(key, &k);
     if (native_key) {
-        Py_ssize_t i = probe(s, k);
-        if (i >= 0 && s->e[i].k == k) {
-            native_erase(s, (size_t)i);
+        if (native_remove(s, k)) {
             m->len--, m->version++;
             return 1;
         }
@@ -344,8 +439,9 @@ u64map_clear_all(U64MapObject *m)
     for (int i = 0; i < SEGMENTS; i++) {
         segment *s = &m->seg[i];
         PyMem_Free(s->e);
-        s->e = NULL;
-        s->cap = s->used = s->side_ints = 0;
+        PyMem_Free(s->old);
+        s->e = s->old = NULL;
+        s->cap = s->used = s->side_ints = s->old_cap = s->old_used = s->mig0 = s->done = 0;
         Py_CLEAR(s->side);
     }
     m->len = 0;

@@ -16,8 +16,8 @@ typedef struct {
     PyObject_HEAD
     U64MapObject *map;
     uint64_t version;
-    int kind, seg, in_side; /* segment, and whether its native part is done */
-    Py_ssize_t pos;         /* place in the native part, or PyDict_Next's position */
+    int kind, seg, part;   /* segment, and its part: 0 table, 1 previous table, 2 side dict */
+    Py_ssize_t pos;        /* place in the table, or PyDict_Next's position */
     Py_ssize_t only;        /* one segment (segment_keys), or -1: all */
 } U64IterObject;
 
@@ -32,7 +32,7 @@ make_iter(U64MapObject *m, int kind, Py_ssize_t only)
     it->version = m->version;
     it->kind = kind;
     it->seg = only < 0 ? 0 : (int)only;
-    it->in_side = 0;
+    it->part = 0;
     it->pos = 0;
     it->only = only;
     return (PyObject *)it;
@@ -62,19 +62,19 @@ iter_entry(int kind, PyObject *k, PyObject *v) /* steals k and v */
 static PyObject *
 seg_next(U64IterObject *it, segment *s)
 {
-    if (!it->in_side) {
-        for (; it->pos < s->cap; it->pos++) {
-            if (s->e[it->pos].k != 0) {
-                Py_ssize_t i = it->pos++;
+    for (; it->part < 2; it->part++, it->pos = 0) {
+        const entry *e = it->part == 0 ? s->e : s->old;
+        Py_ssize_t cap = it->part == 0 ? s->cap : s->old_cap;
+        for (; it->pos < cap; it->pos++) {
+            if (e[it->pos].k != 0) {
+                const entry *p = &e[it->pos++];
                 PyObject *k = it->kind == IT_VALUES ? Py_NewRef(Py_None)
-                                                    : PyLong_FromUnsignedLongLong(s->e[i].k);
+                                                    : PyLong_FromUnsignedLongLong(p->k);
                 PyObject *v = it->kind == IT_KEYS ? Py_NewRef(Py_None)
-                                                  : PyLong_FromUnsignedLongLong(s->e[i].v);
+                                                  : PyLong_FromUnsignedLongLong(p->v);
                 return iter_entry(it->kind, k, v);
             }
         }
-        it->in_side = 1;
-        it->pos = 0;
     }
     PyObject *k, *v;
     if (s->side != NULL && PyDict_Next(s->side, &it->pos, &k, &v)) {
@@ -96,7 +96,7 @@ iter_next(U64IterObject *it)
         PyObject *out = seg_next(it, &m->seg[it->seg]);
         if (out != NULL || PyErr_Occurred()) return out;
         if (it->only >= 0) break;
-        it->seg++, it->in_side = 0, it->pos = 0;
+        it->seg++, it->part = 0, it->pos = 0;
     }
     Py_CLEAR(it->map);
     return NULL;
@@ -352,11 +352,22 @@ map_segment_sizes(PyObject *self, PyObject *unused)
     for (int i = 0; out != NULL && i < SEGMENTS; i++) {
         segment *s = &MAP(self)->seg[i];
         Py_ssize_t side = s->side ? PyDict_GET_SIZE(s->side) : 0;
-        PyObject *t = Py_BuildValue("(nn)", s->used + side, s->cap * 16);
+        Py_ssize_t bytes = (s->cap + s->old_cap) * 16; /* both tables while growing */
+        PyObject *t = Py_BuildValue("(nn)", s->used + s->old_used + side, bytes);
         if (t == NULL) Py_CLEAR(out);
         else PyList_SET_ITEM(out, i, t);
     }
     return out;
+}
+
+/* Entries re-inserted by growth so far: tests bound how many one insertion moves. */
+static PyObject *
+map_growth_moves(PyObject *self, PyObject *unused)
+{
+    (void)unused;
+    Py_ssize_t n = 0;
+    for (int i = 0; i < SEGMENTS; i++) n += MAP(self)->seg[i].moved;
+    return PyLong_FromSsize_t(n);
 }
 
 static PyObject *
@@ -364,7 +375,9 @@ map_sizeof(PyObject *self, PyObject *unused)
 {
     (void)unused;
     Py_ssize_t n = Py_TYPE(self)->tp_basicsize;
-    for (int i = 0; i < SEGMENTS; i++) n += MAP(self)->seg[i].cap * 16;
+    for (int i = 0; i < SEGMENTS; i++) {
+        n += (MAP(self)->seg[i].cap + MAP(self)->seg[i].old_cap) * 16;
+    }
     return PyLong_FromSsize_t(n);
 }
 
@@ -387,6 +400,8 @@ static PyMethodDef map_methods[] = {
     {"items", map_items, METH_NOARGS, "An iterator over (key, value) pairs."},
     {"segment_of", map_segment_of, METH_O, "The segment (0..15) a key belongs to."},
     {"segment_keys", map_segment_keys, METH_O, "The keys of one segment, as a list."},
+    {"growth_moves", map_growth_moves, METH_NOARGS,
+     "Entries re-inserted by growth so far (at most MIGRATE_STEPS per insertion or removal)."},
     {"segment_sizes", map_segment_sizes, METH_NOARGS,
      "Per segment: (entries, bytes of its native part)."},
     {"__sizeof__", map_sizeof, METH_NOARGS, NULL},

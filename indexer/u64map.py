@@ -24,6 +24,10 @@ and one hash map per engine (engine block hash -> content key). Two things shape
   Maps filled at the same rate (the hash maps of 16 engines under the same load) still grow
   their segment ``i`` at about the same moment; but that is 1/12 of their entries, where unsplit
   maps would all re-insert every entry within the same few milliseconds.
+  The C map goes further: a growing segment of 1,024 places or more keeps its old table and
+  moves 64 places of it (finishing the probe run it is in) per insertion or removal, lookups
+  looking in both meanwhile, so no single operation re-inserts a segment (indexer/_u64map.c,
+  ``MIGRATE_STEPS``); ``growth_moves()`` counts the entries moved so far.
 
 :class:`PyU64Map` is the pure-Python reference with the same API and the same segments (one
 dict each), used when the extension is not built; ``U64Map`` is whichever is in use. Both have

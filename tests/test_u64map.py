@@ -178,3 +178,48 @@ def test_no_growth_step_reinserts_more_than_the_largest_segment(impl: type[Any])
         if step >= 100:  # small maps grow cheaply anyway
             worst = max(worst, moved / sum(map(len, maps)))
     assert worst <= 0.13
+
+
+@pytest.mark.skipif(_native is None, reason="indexer._native is not built")
+def test_growth_moves_a_few_entries_per_operation_and_loses_none() -> None:
+    """A growing segment keeps its old table and moves 64 places of it per insertion or removal,
+    finishing the probe run the 64th is in (runs at 3/4 load are tens of places): no operation
+    re-inserts a whole segment, a stall of tens of milliseconds at millions of entries (a segment
+    of at most 768 entries grows at once, microseconds); meanwhile lookups, removals, updates and
+    iteration see both tables, so the map equals a dict at every point, checked in full while
+    segments are mid-move."""
+    rng = random.Random(11)
+    m, ref = _native.U64Map(), {}
+    live: list[int] = []
+    worst = worst_small = checked_mid_move = 0
+    for step in range(150_000):
+        before = m.growth_moves()
+        r = rng.random()
+        if live and r < 0.3:
+            k = live.pop(rng.randrange(len(live)))
+            assert m.pop(k) == ref.pop(k)
+        elif live and r < 0.4:
+            k = live[rng.randrange(len(live))]
+            m[k] = ref[k] = step  # an update in whichever table holds it
+        else:
+            k = rng.getrandbits(64) or 1
+            m[k] = ref[k] = step
+            live.append(k)
+        moves = m.growth_moves() - before
+        if len(m) >= 40_000:  # every segment past 1,700 entries: it grows incrementally
+            worst = max(worst, moves)
+        else:
+            worst_small = max(worst_small, moves)
+        if step % 50 == 0 and checked_mid_move < 8:
+            sizes = m.segment_sizes()  # bytes of both tables: 1.5 powers of two while moving
+            mid_move = [i for i, (_n, b) in enumerate(sizes) if (b // 16) & (b // 16 - 1)]
+            if not mid_move or len(m) < 20_000:
+                continue
+            checked_mid_move += 1
+            assert len(m) == len(ref) and dict(m.items()) == ref
+            assert m.get_many(live[:5000]) == [ref[k] for k in live[:5000]]
+            for i in mid_move:
+                assert sorted(m.segment_keys(i)) == sorted(k for k in ref if m.segment_of(k) == i)
+    assert 0 < worst <= 160 and worst_small <= 768
+    assert m.growth_moves() >= len(ref)  # every segment grew, and its entries were moved
+    assert checked_mid_move == 8  # the full checks above did see old tables in use
