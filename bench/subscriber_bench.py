@@ -54,7 +54,7 @@ import zmq
 from index_bench import stored_event  # the same vLLM 0.33 BlockStored map (bench/ is on path)
 
 from indexer.index import PrefixIndex
-from indexer.subscriber import Subscriber
+from indexer.subscriber import READ_INTERVAL_S, Subscriber
 from indexer.wire import STORED, BlockStored, DecodedBatch, PackedEvents
 
 MODEL = "bench-model"
@@ -291,7 +291,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     index = PrefixIndex(max_entries=20_000_000)
     applied = Applied()
-    sub = Subscriber(index, on_batch=applied.on_batch, queue_depth=args.queue_depth)
+    sub = Subscriber(
+        index,
+        on_batch=applied.on_batch,
+        queue_depth=args.queue_depth,
+        read_interval_s=args.read_interval_ms / 1000,
+    )
     for i, ep in endpoints.items():
         sub.add_worker(f"pub{i}", ep, model=MODEL)
     await sub.start()
@@ -336,6 +341,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         while not results.empty():
             reports.append(results.get())
     status = sub.status()
+    pacer = sub.pacer
+    paced = {
+        "read_interval_ms": pacer.interval_s * 1000,
+        "ticks": pacer.ticks,
+        "times_paced": pacer.entered,
+    }
     await sub.stop()
     for p in procs:
         p.join(timeout=5)
@@ -343,6 +354,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     out = summary(args, pubs, applied, drained, status, checked, ok, index.total_entries)
     out["load_avg_1m_before"] = load_before
     out["wall_s"] = round(wall, 2)
+    out["paced_reads"] = paced
     applied_blocks = max(applied.blocks + applied.removed, 1)
     # Headroom: the subscriber's CPU per applied block (stored + removed), and its CPU share
     # over the run. Near 1.0 the single-threaded applier is saturated and lag tails grow.
@@ -504,6 +516,12 @@ def main() -> None:
         help="run a busy-looping process at this nice level beside the subscriber",
     )
     ap.add_argument("--queue-depth", type=int, default=10_000)
+    ap.add_argument(
+        "--read-interval-ms",
+        type=float,
+        default=READ_INTERVAL_S * 1000,
+        help="the subscriber's paced-read interval (0: a read per message)",
+    )
     ap.add_argument(
         "--gpu-blocks", type=int, default=400_000, help="per publisher; small = evictions"
     )

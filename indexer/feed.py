@@ -30,6 +30,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from indexer.pacer import Pacer
+
 __all__ = ["Feed", "FeedOptions"]
 
 log = logging.getLogger("indexer.subscriber")  # a feed logs as part of its subscriber
@@ -67,8 +69,10 @@ class Feed:
         on_message: Callable[[list[bytes]], None],
         on_read: Callable[[], None],
         on_reconnect: Callable[[], None] | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         self.options = options
+        self.pacer = pacer
         self.on_message = on_message
         self.on_read = on_read
         self.on_reconnect = on_reconnect
@@ -108,15 +112,39 @@ class Feed:
         loop.add_reader(self.raw.FD, self._on_readable)
         loop.call_soon(self._poll_monitor)  # anything queued before the readers were added
         loop.call_soon(self._on_readable)
+        if pacer is not None:
+            pacer.add(self)
 
     def has_input(self) -> bool:
         """A message is waiting on the socket."""
         raw = self.raw
         return not raw.closed and bool(raw.get(zmq.EVENTS) & zmq.POLLIN)
 
+    def pause(self) -> None:
+        """Stop reading on FD wakeups: a :class:`~indexer.pacer.Pacer` polls instead."""
+        if not (self.closed or self.raw.closed):
+            asyncio.get_running_loop().remove_reader(self.raw.FD)
+
+    def resume(self) -> None:
+        """Read on FD wakeups again; read now if a message waits (its edge may be gone)."""
+        if self.closed or self.raw.closed:
+            return
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.raw.FD, self._on_readable)
+        if self.has_input():
+            loop.call_soon(self._on_readable)
+
+    def poll(self) -> int:
+        """Read what waits (as an FD wakeup would); the number of messages read."""
+        if self.closed or not self.has_input():
+            return 0
+        return self._read()
+
     def close(self) -> None:
         """Close the sockets and stop reading them."""
         self.closed = True
+        if self.pacer is not None:
+            self.pacer.discard(self)
         for raw in (self.raw, self.monitor):
             if not raw.closed:
                 with contextlib.suppress(Exception):
@@ -154,7 +182,12 @@ class Feed:
                 self.peers = max(self.peers - 1, 0)
 
     def _on_readable(self) -> None:
-        """Drain up to ``recv_batch`` messages without blocking; reschedule if more remain.
+        if self._read() and self.pacer is not None:
+            self.pacer.woke()
+
+    def _read(self) -> int:
+        """Drain up to ``recv_batch`` messages without blocking; reschedule if more remain;
+        return the number read.
 
         Called by the loop when the socket's ZMQ_FD fires (a message is almost always there),
         and by itself via ``call_soon`` when it stopped at the budget. After each message it
@@ -164,7 +197,7 @@ class Feed:
         """
         raw = self.raw
         if raw.closed or self.closed:
-            return
+            return 0
         route = self.on_message
         events = raw.get
         recv = raw.recv
@@ -200,9 +233,10 @@ class Feed:
             more = bool(events(_EVENTS) & _POLLIN)
         except zmq.ZMQError as exc:
             if raw.closed or self.closed:
-                return
+                return n
             log.warning("recv on %s: %s", self.endpoint, exc)
         if n:
             self.on_read()
         if more:
             asyncio.get_running_loop().call_soon(self._on_readable)
+        return n

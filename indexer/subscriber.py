@@ -51,6 +51,7 @@ import zmq.asyncio
 from indexer.endpoints import concrete_endpoint, offset_endpoint, resolve_endpoint
 from indexer.feed import Feed, FeedOptions
 from indexer.index import EngineId, PrefixIndex
+from indexer.pacer import Pacer
 from indexer.resync import Resync
 from indexer.source import Source, SourceStatus
 from indexer.source_state import (
@@ -74,6 +75,9 @@ RECV_BUDGET_S = 0.0005
 """...or this much time, whichever comes first (checked after every message): a flood of junk
 on a socket costs every HTTP request at most this plus one message per loop turn
 (tests/faults/test_garbage.py)."""
+READ_INTERVAL_S = 0.002
+"""While messages come faster than one per this, the sockets are read on a timer of this period
+instead of per message (indexer.pacer): the most a message waits longer to be applied."""
 APPLY_BATCH = 64
 """Messages the applier takes from one source before moving to the next."""
 APPLY_BUDGET_S = 0.004
@@ -118,6 +122,7 @@ class Subscriber:
         rebuild_s: float = 30.0,
         on_batch: Callable[[EngineId, int, DecodedBatch], None] | None = None,
         heartbeat_s: float = 5.0,
+        read_interval_s: float = READ_INTERVAL_S,
     ) -> None:
         if queue_depth < 1 or replay_concurrency < 1 or queue_bytes < 1:
             raise ValueError("queue_depth, queue_bytes and replay_concurrency must be >= 1")
@@ -135,6 +140,8 @@ class Subscriber:
         self.rebuild_s = rebuild_s
         self.on_batch = on_batch
         self.heartbeat_s = heartbeat_s
+        self.pacer = Pacer(read_interval_s)
+        """Reads the sockets on a timer while messages come faster than it (indexer.pacer)."""
         self.unrouted_frames = 0
         self.bound_endpoint: str | None = None
         self._sources: dict[EngineId, Source] = {}
@@ -178,6 +185,7 @@ class Subscriber:
         if self._applier is not None:
             self._applier.cancel()
             self._applier = None
+        self.pacer.close()
         tasks = [s.replay_task for s in self._sources.values() if s.replay_task is not None]
         feeds = self._all_feeds()
         for t in tasks:
@@ -392,6 +400,7 @@ class Subscriber:
                 bind=True,
                 on_message=self._route_bound,
                 on_read=self._kick,
+                pacer=self.pacer,
             )
             self.bound_endpoint = feed.endpoint
             for bw in self._bound.values():
@@ -406,6 +415,7 @@ class Subscriber:
                 on_message=functools.partial(self._route_connect, src),
                 on_read=functools.partial(self._read_done, src),
                 on_reconnect=functools.partial(self._reconnected, src),
+                pacer=self.pacer,
             )
             src.feed = feed
         return feed
