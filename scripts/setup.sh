@@ -7,6 +7,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -m pip install --quiet --disable-pip-version-check -e ".[test,tracing]"
+# xds-protos (the EPP's Envoy messages) ships its own, older copy of opentelemetry/proto/*, and
+# whichever of it and opentelemetry-proto installs last owns those files: with xds-protos' copy
+# the OTLP exporter fails to import (no InstrumentationScope). Put opentelemetry-proto's back;
+# Envoy's messages only use types both copies define.
+if ! "$PY" -c "import opentelemetry.exporter.otlp.proto.http.trace_exporter" 2>/dev/null; then
+  otel_proto=$("$PY" -c "import importlib.metadata as m; print(m.version('opentelemetry-proto'))")
+  "$PY" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps \
+    "opentelemetry-proto==$otel_proto"
+  "$PY" -c "import opentelemetry.exporter.otlp.proto.http.trace_exporter"
+fi
 
 apt_install() {  # apt_install COMMAND PACKAGE: install PACKAGE unless COMMAND is on the PATH
   command -v "$1" >/dev/null 2>&1 && return 0
