@@ -15,14 +15,16 @@ typedef struct {
 } entry;
 
 typedef struct {
+    /* What every lookup reads, first: a segment that is not growing costs one cache line. */
     entry *e; /* cap places: a hit reads one cache line */
     Py_ssize_t cap, used;
+    PyObject *side;       /* dict, or NULL */
+    Py_ssize_t side_ints; /* side keys that are uint64 (a value there is no uint64) */
     entry *old; /* while growing: the previous places, moved into e a few per insertion */
+    /* Read only while growing. */
     Py_ssize_t old_cap, old_used;
     Py_ssize_t mig0, done; /* old's places mig0 .. mig0 + done - 1 (cyclic) are moved: empty */
     Py_ssize_t moved; /* entries re-inserted by growth so far (tests bound it per insertion) */
-    PyObject *side;       /* dict, or NULL */
-    Py_ssize_t side_ints; /* side keys that are uint64 (a value there is no uint64) */
 } segment;
 
 typedef struct {
