@@ -247,6 +247,20 @@ def start_publishers(
     return procs, dict(ready.get(timeout=120) for _ in range(n))
 
 
+class ReadStampingSubscriber(Subscriber):
+    """``--attribute-lag``: notes when each message is read off its socket, so that a batch's
+    lag splits into before the read (publisher, its ZMQ queue, TCP, the socket's queue and the
+    read interval) and after it (the subscriber's own queue, decode and apply)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.read_at: dict[tuple[Any, int], float] = {}
+
+    def _enqueue(self, src: Any, seq: int, payload: bytes, batch: DecodedBatch | None) -> None:
+        self.read_at[(src.engine, seq)] = time.time()
+        super()._enqueue(src, seq, payload, batch)
+
+
 class Applied:
     """What the subscriber applied, counted in its ``on_batch`` callback: blocks from the
     packed records (no events built), and each batch's lag (applied minus published ``ts``)."""
@@ -255,10 +269,15 @@ class Applied:
         self.blocks = self.removed = self.events = 0
         self.first = self.last = 0.0
         self.lags: list[float] = []
+        self.read_at: dict[tuple[Any, int], float] | None = None
+        self.split: list[tuple[float, float]] = []
+        """``--attribute-lag``: (published -> read, read -> applied) per batch."""
 
     def on_batch(self, engine: Any, seq: int, batch: DecodedBatch) -> None:
         now = time.time()
         self.lags.append(now - batch.ts)
+        if self.read_at is not None and (t := self.read_at.pop((engine, seq), None)) is not None:
+            self.split.append((t - batch.ts, now - t))
         blocks = removed = 0
         events = batch.events
         if type(events) is PackedEvents:
@@ -291,12 +310,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     index = PrefixIndex(max_entries=20_000_000)
     applied = Applied()
-    sub = Subscriber(
+    sub = (ReadStampingSubscriber if args.attribute_lag else Subscriber)(
         index,
         on_batch=applied.on_batch,
         queue_depth=args.queue_depth,
         read_interval_s=args.read_interval_ms / 1000,
     )
+    applied.read_at = getattr(sub, "read_at", None)
     for i, ep in endpoints.items():
         sub.add_worker(f"pub{i}", ep, model=MODEL)
     await sub.start()
@@ -355,6 +375,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     out["load_avg_1m_before"] = load_before
     out["wall_s"] = round(wall, 2)
     out["paced_reads"] = paced
+    if applied.split:
+        out["lag_split"] = lag_split(applied.split)
     applied_blocks = max(applied.blocks + applied.removed, 1)
     # Headroom: the subscriber's CPU per applied block (stored + removed), and its CPU share
     # over the run. Near 1.0 the single-threaded applier is saturated and lag tails grow.
@@ -440,6 +462,17 @@ def summary(
     }
 
 
+def lag_split(split: list[tuple[float, float]]) -> dict[str, float]:
+    """p50 / p99 / max in ms of each part of the lag (``--attribute-lag``)."""
+    out = {}
+    for i, part in enumerate(("published_to_read", "read_to_applied")):
+        ms = sorted(x[i] * 1000 for x in split)
+        for name, q in (("p50", 0.5), ("p99", 0.99)):
+            out[f"{part}_{name}_ms"] = round(ms[min(int(q * len(ms)), len(ms) - 1)], 2)
+        out[f"{part}_max_ms"] = round(ms[-1], 2)
+    return out
+
+
 def capacity(out: dict[str, Any]) -> dict[str, Any]:
     """What this box can carry, from this run's figures: the cores the publishers and the
     neighbour leave, divided by the subscriber's CPU per block; its loop thread can use one
@@ -521,6 +554,11 @@ def main() -> None:
         type=float,
         default=READ_INTERVAL_S * 1000,
         help="the subscriber's paced-read interval (0: a read per message)",
+    )
+    ap.add_argument(
+        "--attribute-lag",
+        action="store_true",
+        help="split each batch's lag at the moment it is read off its socket (lag_split)",
     )
     ap.add_argument(
         "--gpu-blocks", type=int, default=400_000, help="per publisher; small = evictions"
