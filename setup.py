@@ -19,6 +19,7 @@ setup(
                 "indexer/_u64map_type.c",
             ],
             depends=[
+                "indexer/_buffers.h",
                 "indexer/_ingest.h",
                 "indexer/_masks.h",
                 "indexer/_scan.h",

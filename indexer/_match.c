@@ -23,6 +23,7 @@
 #define XXH_INLINE_ALL
 #include "xxhash.h"
 
+#include "_buffers.h"
 #include "_u64map.h"
 
 /* ------------------------------------------------------------------ residency access */
@@ -298,12 +299,7 @@ walk_keys_open(walk_keys *k, PyObject *obj)
         if (PyObject_GetBuffer(obj, &k->view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
             return -1;
         }
-        const char *f = k->view.format == NULL ? "B" : k->view.format;
-        if (f[0] == '@') {
-            f++;
-        }
-        if (k->view.ndim == 1 && k->view.itemsize == 8 && (f[0] == 'Q' || f[0] == 'L') &&
-            f[1] == '\0') {
+        if (is_u64_vector(&k->view)) {
             k->has_view = 1;
             k->len = k->view.shape[0];
             return 0;

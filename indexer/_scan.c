@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_buffers.h"
 #include "_scan.h"
 #include "_u64map.h"
 
@@ -30,12 +31,7 @@ scan_keys_open(scan_keys *k, PyObject *obj)
         if (PyObject_GetBuffer(obj, &k->view, PyBUF_FORMAT | PyBUF_STRIDES) < 0) {
             return -1;
         }
-        const char *f = k->view.format == NULL ? "B" : k->view.format;
-        if (f[0] == '@') {
-            f++;
-        }
-        if (k->view.ndim == 1 && k->view.itemsize == 8 && (f[0] == 'Q' || f[0] == 'L') &&
-            f[1] == '\0') {
+        if (is_u64_vector(&k->view)) {
             k->has_view = 1; /* the exporter cannot resize while the view is held */
             return 0;
         }
