@@ -7,7 +7,7 @@ and one hash map per engine (engine block hash -> content key). Two things shape
   and often one for its value costs several times the 16 bytes of the C type
   ``indexer._native.U64Map`` (indexer/_u64map.c), which keeps a uint64 key and a uint64 value in
   an open-addressing table (linear probing, deletion by backward shift: churn leaves no
-  tombstones), at most 3/4 full. Entries that are not two uint64 -- bytes hashes from vLLM's
+  tombstones), at most 5/8 full. Entries that are not two uint64 -- bytes hashes from vLLM's
   sha256 modes, negative ints, key 0, masks of engines past slot 63 -- go to a side dict inside
   the map, so it answers exactly as a dict does for any key and value.
 * **Growth stalls.** Growing an open-addressing table (or a dict) re-inserts every entry at once,

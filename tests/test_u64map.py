@@ -183,7 +183,7 @@ def test_no_growth_step_reinserts_more_than_the_largest_segment(impl: type[Any])
 @pytest.mark.skipif(_native is None, reason="indexer._native is not built")
 def test_growth_moves_a_few_entries_per_operation_and_loses_none() -> None:
     """A growing segment keeps its old table and moves 64 places of it per insertion or removal,
-    finishing the probe run the 64th is in (runs at 3/4 load are tens of places): no operation
+    finishing the probe run the 64th is in (runs at 5/8 load are tens of places): no operation
     re-inserts a whole segment, a stall of tens of milliseconds at millions of entries (a segment
     of at most 768 entries grows at once, microseconds); meanwhile lookups, removals, updates and
     iteration see both tables, so the map equals a dict at every point, checked in full while
