@@ -13,9 +13,10 @@ reader is removed and one timer reads all the sockets that have input every ``in
 message waits at most ``interval_s`` longer before it is read (the bound is the interval; nothing
 is dropped, the sockets' queues hold it).
 
-A tick's cost grows with the number of sockets (one ``ZMQ_EVENTS`` read each, well under a
-microsecond): the interval grows with them, ``max(interval_s, sockets * per_socket_s)``, so
-the ticks of a large idle-but-paced fleet stay a small share of a core.
+A tick's cost grows with the number of sockets (one ``ZMQ_EVENTS`` read each, 1.8 us for an
+idle socket through pyzmq): the interval grows with them, ``max(interval_s, sockets *
+per_socket_s)`` with 20 us per socket, ten times that cost, so polling a large fleet's quiet
+sockets takes at most about a tenth of a core while paced.
 """
 
 from __future__ import annotations
