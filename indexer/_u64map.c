@@ -10,9 +10,9 @@
  * so churn leaves no tombstones and probe runs stay as short as the load allows. A segment
  * doubles when it passes 5/8 full (a lower load shortens the runs a deletion shifts back: under
  * vLLM's churn of single-block removals, 5/8 rather than 3/4 takes a tenth off the event plane's
- * CPU for a fifth more memory, docs/benchmarks.md): that growth re-inserts only that segment's entries, at most
- * 87/1024 of the map's (the largest share) give or take the chance deviation of its fill, and
- * spreads the re-insertion over the insertions that follow (see MIGRATE_STEPS).
+ * CPU for a fifth more memory, docs/benchmarks.md): that growth re-inserts only that segment's
+ * entries, at most 87/1024 of the map's (the largest share) give or take the chance deviation
+ * of its fill, and spreads the re-insertion over the insertions that follow (MIGRATE_STEPS).
  *
  * Entries that are not (uint64 key != 0, uint64 value) -- bytes hashes, negative ints, key 0,
  * masks of engines past slot 63 -- live in the segment's side dict, so the map is a dict for
@@ -54,11 +54,13 @@ in_old(const segment *s, uint64_t k)
     return (Py_ssize_t)(((size_t)fmix64(k) - (size_t)s->mig0) & mask) >= s->done;
 }
 
-/* The entry of native key k in s (its table, or the previous one while growing), or NULL. */
+/* The entry of native key k in s (its table, or the previous one while growing), or NULL;
+ * *at, when given, is set to k's place in the table or the empty place where it would go. */
 static inline entry *
-lookup(segment *s, uint64_t k)
+lookup(segment *s, uint64_t k, Py_ssize_t *at)
 {
     Py_ssize_t i = probe_in(s->e, s->cap, k);
+    if (at != NULL) *at = i;
     if (i >= 0 && s->e[i].k == k) return &s->e[i];
     if (in_old(s, k)) {
         i = probe_in(s->old, s->old_cap, k);
@@ -168,12 +170,8 @@ grow(segment *s)
 static int
 native_set(segment *s, uint64_t k, uint64_t v, uint64_t *old, int keep)
 {
-    Py_ssize_t i = probe_in(s->e, s->cap, k); /* where k is, or goes unless e changes */
-    entry *p = i >= 0 && s->e[i].k == k ? &s->e[i] : NULL;
-    if (p == NULL && in_old(s, k)) {
-        Py_ssize_t j = probe_in(s->old, s->old_cap, k);
-        p = s->old[j].k == k ? &s->old[j] : NULL;
-    }
+    Py_ssize_t i; /* where k goes in e, unless e changes below */
+    entry *p = lookup(s, k, &i);
     if (p != NULL) {
         if (old != NULL) *old = p->v;
         if (!keep) p->v = v;
@@ -283,7 +281,7 @@ u64map_find(PyObject *o, uint64_t k, uint64_t *v)
 {
     segment *s = seg_of(MAP(o), k);
     if (k != 0) {
-        const entry *p = lookup(s, k);
+        const entry *p = lookup(s, k, NULL);
         if (p != NULL) {
             *v = p->v;
             return U64_NATIVE;
@@ -379,7 +377,7 @@ u64map_get_object(PyObject *o, PyObject *key)
     if (s == NULL) return NULL;
     uint64_t k;
     if (key_u64(key, &k)) {
-        const entry *p = lookup(s, k);
+        const entry *p = lookup(s, k, NULL);
         if (p != NULL) return PyLong_FromUnsignedLongLong(p->v);
         if (s->side_ints == 0) return NULL;
     }

@@ -3,8 +3,9 @@
 A socket read per message costs a loop wakeup per message: an ``epoll_wait`` return, a loop
 turn, the reader callback, and in the ZMQ I/O thread an eventfd write to wake us. At a few
 thousand messages a second over tens of sockets that is a large share of the subscriber's CPU
-(docs/benchmarks.md, "Subscriber: paced reads"). Network cards solve the same problem the same
-way (interrupt coalescing, Linux NAPI): wake on the first packet, then poll while busy.
+(docs/benchmarks.md, "A/B: paced reads and growth spread over insertions"). Network cards
+solve the same problem the same way (interrupt coalescing, Linux NAPI): wake on the first
+packet, then poll while busy.
 
 The :class:`Pacer` starts *event-driven*: each socket's reader runs when its FD fires. When
 ``enter_after`` reader wakeups fall inside one ``interval_s``, it goes *paced*: every socket's
