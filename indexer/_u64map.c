@@ -23,6 +23,7 @@
 
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "_u64map_impl.h"
 
@@ -43,6 +44,82 @@ probe_in(const entry *e, Py_ssize_t cap, uint64_t k)
     return (Py_ssize_t)i;
 }
 
+/* Write before read on a grown table's new pages. A new table of FRESH_MIN bytes or more
+ * comes from the kernel untouched; the first access to each of its pages is a fault, and when
+ * that access is a read (a probe), the kernel maps its shared zero page, so the insertion that
+ * then writes there faults a second time and, to replace the zero page, flushes the TLB of every
+ * CPU the process runs on (an inter-processor interrupt: ZMQ's I/O thread is on the other core).
+ * At 1M insertions a second into a growing index that was most of the subscriber's system time
+ * and the source of its slowest loop turns (docs/benchmarks.md). So while e has pages no one
+ * wrote, a probe that enters such a page first writes it (an atomic add of 0: a write that
+ * changes nothing), one fault per page, and marks it in s->written. Bound: one bit per page of
+ * the growing segment's new table (1 KiB for a 32 MiB table), freed once every page is
+ * written, at the latest when the move ends. */
+#define FRESH_MIN (256 * 1024)
+static size_t page_size = 4096; /* the system's, read by mark_fresh */
+
+static inline void
+write_page(segment *s, size_t i)
+{
+    uintptr_t base = (uintptr_t)s->e / page_size;
+    size_t pg = (size_t)((uintptr_t)&s->e[i] / page_size - base);
+    if (s->written[pg >> 3] & (1u << (pg & 7))) return;
+    __atomic_fetch_add(&s->e[i].k, 0, __ATOMIC_RELAXED);
+    s->written[pg >> 3] |= (unsigned char)(1u << (pg & 7));
+    if (--s->unwritten == 0) {
+        PyMem_Free(s->written);
+        s->written = NULL;
+    }
+}
+
+/* Whether place i of e starts a page. */
+static inline int
+page_start(const segment *s, size_t i)
+{
+    return (uintptr_t)&s->e[i] % page_size < sizeof(entry);
+}
+
+/* probe_in on s->e, writing each page it enters that no one wrote yet. */
+static inline Py_ssize_t
+probe_e(segment *s, uint64_t k)
+{
+    if (s->written == NULL) return probe_in(s->e, s->cap, k);
+    size_t mask = (size_t)s->cap - 1, i = (size_t)fmix64(k) & mask;
+    write_page(s, i);
+    while (s->e[i].k != 0 && s->e[i].k != k) {
+        i = (i + 1) & mask;
+        if (s->written != NULL && page_start(s, i)) write_page(s, i);
+    }
+    return (Py_ssize_t)i;
+}
+
+/* Write every page of s->e no one wrote yet, and drop the marks. */
+static void
+write_all_pages(segment *s)
+{
+    for (size_t i = 0; s->written != NULL && i < (size_t)s->cap; i++) {
+        if (i == 0 || page_start(s, i)) write_page(s, i);
+    }
+}
+
+/* Start marking the pages of the new table e (cap places) written; without memory for the
+ * marks, the table is used as it is. */
+static void
+mark_fresh(segment *s)
+{
+    PyMem_Free(s->written);
+    s->written = NULL;
+    size_t bytes = (size_t)s->cap * sizeof(entry);
+    if (bytes < FRESH_MIN) return;
+    long ps = sysconf(_SC_PAGESIZE);
+    if (ps >= (long)sizeof(entry) && (ps & (ps - 1)) == 0) page_size = (size_t)ps;
+    uintptr_t first = (uintptr_t)s->e / page_size;
+    uintptr_t last = ((uintptr_t)s->e + bytes - 1) / page_size;
+    size_t pages = (size_t)(last - first + 1);
+    s->written = PyMem_Calloc((pages + 7) / 8, 1);
+    s->unwritten = s->written != NULL ? (Py_ssize_t)pages : 0;
+}
+
 /* Whether native key k may be in the previous table of a growing segment: not when its home
  * lies among the places already moved (they are empty, and the move takes whole probe runs, so
  * no entry left there has a run through them). */
@@ -59,7 +136,7 @@ in_old(const segment *s, uint64_t k)
 static inline entry *
 lookup(segment *s, uint64_t k, Py_ssize_t *at)
 {
-    Py_ssize_t i = probe_in(s->e, s->cap, k);
+    Py_ssize_t i = probe_e(s, k);
     if (at != NULL) *at = i;
     if (i >= 0 && s->e[i].k == k) return &s->e[i];
     if (in_old(s, k)) {
@@ -72,11 +149,12 @@ lookup(segment *s, uint64_t k, Py_ssize_t *at)
 /* Empty place i of table e, shifting back the entries of its probe run that may move (no
  * tombstones). */
 static void
-erase_in(entry *e, Py_ssize_t cap, size_t i)
+erase_in(entry *e, Py_ssize_t cap, size_t i, segment *fresh)
 {
     size_t mask = (size_t)cap - 1, j = i;
     for (;;) {
         j = (j + 1) & mask;
+        if (fresh != NULL && fresh->written != NULL && page_start(fresh, j)) write_page(fresh, j);
         if (e[j].k == 0) break;
         size_t home = (size_t)fmix64(e[j].k) & mask;
         /* The entry at j stays unless its home lies cyclically outside (i, j]. */
@@ -112,7 +190,7 @@ move_run(segment *s, size_t i)
     Py_ssize_t n = 0;
     for (; s->old[i].k != 0; i = (i + 1) & mask, n++) {
         entry *o = &s->old[i];
-        Py_ssize_t at = probe_in(s->e, s->cap, o->k); /* absent there: in one table only */
+        Py_ssize_t at = probe_e(s, o->k); /* absent there: in one table only */
         s->e[at] = *o;
         o->k = 0;
     }
@@ -136,6 +214,7 @@ migrate(segment *s, Py_ssize_t steps)
         steps -= n + 1;
     }
     if (s->old_used == 0) {
+        write_all_pages(s);
         PyMem_Free(s->old);
         s->old = NULL;
         s->old_cap = s->old_used = s->mig0 = s->done = 0;
@@ -158,6 +237,7 @@ grow(segment *s)
     }
     s->old = s->e, s->old_cap = s->cap, s->old_used = s->used, s->done = 0;
     s->e = e, s->cap = cap, s->used = 0;
+    mark_fresh(s);
     s->mig0 = 0; /* the move starts after an empty place (a 5/8 full table has one) */
     while (s->old_used > 0 && s->old[(s->mig0 - 1) & (s->old_cap - 1)].k != 0) s->mig0++;
     if (s->old_used == 0 || s->old_cap < INCREMENTAL_CAP) {
@@ -185,7 +265,7 @@ native_set(segment *s, uint64_t k, uint64_t v, uint64_t *old, int keep)
         if (grow(s) < 0) return -1;
         i = -1;
     }
-    if (i < 0) i = probe_in(s->e, s->cap, k);
+    if (i < 0) i = probe_e(s, k);
     s->e[i].k = k;
     s->e[i].v = v;
     s->used++;
@@ -196,12 +276,12 @@ native_set(segment *s, uint64_t k, uint64_t v, uint64_t *old, int keep)
 static int
 native_remove(segment *s, uint64_t k)
 {
-    Py_ssize_t i = probe_in(s->e, s->cap, k);
+    Py_ssize_t i = probe_e(s, k);
     if (i >= 0 && s->e[i].k == k) {
-        erase_in(s->e, s->cap, (size_t)i);
+        erase_in(s->e, s->cap, (size_t)i, s);
         s->used--;
     } else if (in_old(s, k) && s->old[i = probe_in(s->old, s->old_cap, k)].k == k) {
-        erase_in(s->old, s->old_cap, (size_t)i);
+        erase_in(s->old, s->old_cap, (size_t)i, NULL);
         s->old_used--;
     } else {
         return 0;
@@ -440,7 +520,10 @@ u64map_clear_all(U64MapObject *m)
         segment *s = &m->seg[i];
         PyMem_Free(s->e);
         PyMem_Free(s->old);
+        PyMem_Free(s->written);
         s->e = s->old = NULL;
+        s->written = NULL;
+        s->unwritten = 0;
         s->cap = s->used = s->side_ints = s->old_cap = s->old_used = s->mig0 = s->done = 0;
         Py_CLEAR(s->side);
     }

@@ -21,10 +21,13 @@ typedef struct {
     PyObject *side;       /* dict, or NULL */
     Py_ssize_t side_ints; /* side keys that are uint64 (a value there is no uint64) */
     entry *old; /* while growing: the previous places, moved into e a few per insertion */
+    /* While e has pages never written: bit p set once page p of e is (FRESH_MIN, _u64map.c). */
+    unsigned char *written;
     /* Read only while growing. */
     Py_ssize_t old_cap, old_used;
     Py_ssize_t mig0, done; /* old's places mig0 .. mig0 + done - 1 (cyclic) are moved: empty */
     Py_ssize_t moved; /* entries re-inserted by growth so far (tests bound it per insertion) */
+    Py_ssize_t unwritten; /* pages of e whose bit in written is still clear */
 } segment;
 
 typedef struct {
