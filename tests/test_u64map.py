@@ -5,8 +5,8 @@ negative ints, key 0, ints past 2**64, masks past 2**64), with deletes while seg
 from __future__ import annotations
 
 import os
-import resource
 import random
+import resource
 from typing import Any
 
 import pytest
