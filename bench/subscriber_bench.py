@@ -284,14 +284,14 @@ class Applied:
             for r in events.records:
                 if r[0] == STORED:
                     blocks += len(r[1]) >> 3
-                else:
-                    removed += 1
+                else:  # a removal record may stand for a run of one-hash events
+                    removed += len(r[1]) >> 3
         else:
             for ev in events:
                 if type(ev) is BlockStored:
                     blocks += len(ev.block_hashes)
                 else:
-                    removed += 1
+                    removed += len(ev.block_hashes)
         self.blocks += blocks
         self.removed += removed
         self.events += len(events)

@@ -410,18 +410,179 @@ event_record(cursor *c)
     static const int REMOVED[] = {F_HASHES, F_MEDIUM, F_GROUP, F_LOCALITY, F_OWNERSHIP};
     const int *order = kind == KIND_STORED ? STORED : REMOVED;
     Py_ssize_t n = kind == KIND_STORED ? 14 : kind == KIND_REMOVED ? 5 : 0;
-    out = PyTuple_New(n + 1);
+    out = PyTuple_New(n + 1 + (kind == KIND_REMOVED));
     if (out == NULL) goto done;
     PyTuple_SET_ITEM(out, 0, PyLong_FromLong(kind));
     for (Py_ssize_t j = 0; j < n; j++) {
         PyObject *v = vals[order[j]];
         PyTuple_SET_ITEM(out, j + 1, v == NULL ? Py_NewRef(Py_None) : Py_NewRef(v));
     }
+    if (kind == KIND_REMOVED) PyTuple_SET_ITEM(out, n + 1, PyLong_FromLong(1)); /* events */
 done:
     for (int f = 0; f < F_COUNT; f++) {
         Py_XDECREF(vals[f]);
     }
     return out;
+}
+
+/* vLLM sends every block its GPU pool evicts as its own one-hash BlockRemoved, about one per
+ * block stored once caches are full. A run of such events with the same medium, group,
+ * locality and ownership becomes one record, (REMOVED, hashes, medium, group_idx, locality,
+ * ownership, n): n events of one hash each, in order, without a tuple and a bytes object per
+ * evicted block (a removal record of any other event has n = 1 and all its hashes). */
+typedef struct {
+    PyObject *first; /* the run's first record (its fields), or NULL: no run */
+    uint64_t inline_buf[16];
+    uint64_t *hashes; /* inline_buf, or PyMem while the run is longer */
+    Py_ssize_t n, cap;
+    /* The first event's bytes in the payload, [p0, end), its hash at [h0, h1); p0 NULL: the
+     * run is extended only through records. */
+    const unsigned char *p0, *h0, *h1, *end;
+} removal_run;
+
+/* The event at c when it is a map whose "block_hashes" is an array of one unsigned int and
+ * whose other values are scalars: 1, c past it, *h0 / *h1 the hash's bytes, *hash its value.
+ * 0 otherwise (c where it was). Only shapes, no objects: a candidate for extends_run. */
+static int
+scan_single(cursor *c, const unsigned char **h0, const unsigned char **h1, uint64_t *hash)
+{
+    cursor at = *c;
+    item m;
+    int found = 0;
+    if (next_item(&at, &m) < 0 || m.t != T_MAP || m.n > F_COUNT) return 0;
+    for (size_t i = 0; i < m.n; i++) {
+        item key, v;
+        if (next_item(&at, &key) < 0 || key.t != T_STR) return 0;
+        if (key.n == 12 && memcmp(key.s, "block_hashes", 12) == 0) {
+            size_t n;
+            if (found || next_array(&at, &n) < 0 || n != 1) return 0;
+            *h0 = at.p;
+            if (next_item(&at, &v) < 0 || v.t != T_UINT) return 0;
+            *h1 = at.p, *hash = v.u, found = 1;
+        } else if (next_item(&at, &v) < 0 || v.t == T_ARR || v.t == T_MAP || v.t == T_EXT) {
+            return 0;
+        }
+    }
+    if (!found) return 0;
+    *c = at;
+    return 1;
+}
+
+static int
+same_fields(PyObject *a, PyObject *b)
+{
+    for (Py_ssize_t j = 2; j <= 5; j++) {
+        PyObject *x = PyTuple_GET_ITEM(a, j), *y = PyTuple_GET_ITEM(b, j);
+        if (x == y) continue;
+        int eq = PyObject_RichCompareBool(x, y, Py_EQ);
+        if (eq != 1) return eq; /* 0, or -1 with an error set */
+    }
+    return 1;
+}
+
+/* Append the run as a record (records NULL: just drop it) and reset it. */
+static int
+end_run(removal_run *run, PyObject *records)
+{
+    int rc = 0;
+    if (run->first != NULL && records != NULL) {
+        PyObject *rec = run->first;
+        Py_INCREF(rec);
+        if (run->n > 1) {
+            Py_DECREF(rec);
+            rec = PyTuple_New(7);
+            PyObject *hashes = PyBytes_FromStringAndSize((const char *)run->hashes,
+                                                         run->n * (Py_ssize_t)sizeof(uint64_t));
+            PyObject *n = PyLong_FromSsize_t(run->n);
+            if (rec == NULL || hashes == NULL || n == NULL) {
+                Py_XDECREF(rec), Py_XDECREF(hashes), Py_XDECREF(n);
+                rc = -1;
+                goto out;
+            }
+            PyTuple_SET_ITEM(rec, 0, Py_NewRef(PyTuple_GET_ITEM(run->first, 0)));
+            PyTuple_SET_ITEM(rec, 1, hashes);
+            for (Py_ssize_t j = 2; j <= 5; j++) {
+                PyTuple_SET_ITEM(rec, j, Py_NewRef(PyTuple_GET_ITEM(run->first, j)));
+            }
+            PyTuple_SET_ITEM(rec, 6, n);
+        }
+        rc = PyList_Append(records, rec);
+        Py_DECREF(rec);
+    }
+out:
+    Py_CLEAR(run->first);
+    if (run->hashes != run->inline_buf) PyMem_Free(run->hashes);
+    run->hashes = NULL;
+    run->n = run->cap = 0;
+    run->p0 = NULL;
+    return rc;
+}
+
+/* Add hash h (packed little-endian, as a record holds it) to the run. */
+static int
+run_append(removal_run *run, uint64_t h)
+{
+    if (run->n == run->cap) {
+        Py_ssize_t cap = run->cap * 2;
+        uint64_t *grown = PyMem_Malloc((size_t)cap * sizeof(uint64_t));
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memcpy(grown, run->hashes, (size_t)run->n * sizeof(uint64_t));
+        if (run->hashes != run->inline_buf) PyMem_Free(run->hashes);
+        run->hashes = grown, run->cap = cap;
+    }
+    run->hashes[run->n++] = h;
+    return 0;
+}
+
+/* Whether the event at c is a one-hash removal whose bytes but the hash's equal the run's first
+ * event's (so its fields are that event's, already checked): then its hash joins the run and c
+ * moves past it, with no object made. */
+static int
+extends_run(removal_run *run, cursor *c)
+{
+    const unsigned char *p0 = c->p, *h0, *h1;
+    uint64_t hash;
+    if (run->p0 == NULL) return 0;
+    cursor at = *c;
+    if (!scan_single(&at, &h0, &h1, &hash)) return 0;
+    size_t head = (size_t)(h0 - p0), tail = (size_t)(at.p - h1);
+    if (head != (size_t)(run->h0 - run->p0) || tail != (size_t)(run->end - run->h1) ||
+        memcmp(p0, run->p0, head) != 0 || memcmp(h1, run->h1, tail) != 0) {
+        return 0;
+    }
+    unsigned char le[8];
+    store_le(le, hash, 8);
+    uint64_t h;
+    memcpy(&h, le, sizeof h);
+    if (run_append(run, h) < 0) return -1;
+    *c = at;
+    return 1;
+}
+
+/* Add one decoded record (borrowed) to records, through the run of one-hash removals. */
+static int
+add_record(removal_run *run, PyObject *records, PyObject *rec)
+{
+    int single = PyLong_AsLong(PyTuple_GET_ITEM(rec, 0)) == KIND_REMOVED &&
+                 PyBytes_GET_SIZE(PyTuple_GET_ITEM(rec, 1)) == (Py_ssize_t)sizeof(uint64_t);
+    if (single && run->first != NULL) {
+        int same = same_fields(run->first, rec);
+        if (same < 0) return -1;
+        if (same) {
+            uint64_t h;
+            memcpy(&h, PyBytes_AS_STRING(PyTuple_GET_ITEM(rec, 1)), sizeof h);
+            return run_append(run, h);
+        }
+    }
+    if (end_run(run, records) < 0) return -1;
+    if (!single) return PyList_Append(records, rec);
+    run->first = Py_NewRef(rec);
+    run->hashes = run->inline_buf, run->cap = 16, run->n = 1;
+    memcpy(run->hashes, PyBytes_AS_STRING(PyTuple_GET_ITEM(rec, 1)), sizeof(uint64_t));
+    return 0;
 }
 
 PyObject *
@@ -434,21 +595,37 @@ ingest_decode_batch(PyObject *module, PyObject *arg)
     }
     cursor c = {(const unsigned char *)view.buf, (const unsigned char *)view.buf + view.len};
     PyObject *records = NULL, *dp = NULL, *out = NULL;
+    removal_run run = {NULL, {0}, NULL, 0, 0, NULL, NULL, NULL, NULL};
     size_t top, nev;
     item ts, rank = {.t = T_NIL};
     if (next_array(&c, &top) < 0 || top < 2 || top > 3) goto bail;
     if (next_item(&c, &ts) < 0 || ts.t != T_FLOAT) goto bail;
     if (next_array(&c, &nev) < 0) goto bail;
-    records = PyList_New((Py_ssize_t)nev);
+    records = PyList_New(0);
     if (records == NULL) goto fail;
     for (size_t i = 0; i < nev; i++) {
+        const unsigned char *p0 = c.p;
+        int ext = extends_run(&run, &c);
+        if (ext < 0) goto fail;
+        if (ext) continue;
         PyObject *rec = event_record(&c);
         if (rec == NULL) {
             if (PyErr_Occurred()) goto fail;
             goto bail;
         }
-        PyList_SET_ITEM(records, (Py_ssize_t)i, rec);
+        PyObject *was = run.first;
+        int r = add_record(&run, records, rec);
+        Py_DECREF(rec);
+        if (r < 0) goto fail;
+        if (run.first != NULL && run.first != was) { /* rec starts a run: note its bytes */
+            cursor ev = {p0, c.p};
+            uint64_t hash;
+            if (scan_single(&ev, &run.h0, &run.h1, &hash) && ev.p == c.p) {
+                run.p0 = p0, run.end = c.p;
+            }
+        }
     }
+    if (end_run(&run, records) < 0) goto fail;
     if (top == 3 && (next_item(&c, &rank) < 0 ||
                      (rank.t != T_NIL && rank.t != T_UINT && rank.t != T_NEG))) {
         goto bail;
@@ -456,11 +633,12 @@ ingest_decode_batch(PyObject *module, PyObject *arg)
     if (c.p != c.end) goto bail; /* trailing bytes */
     dp = rank.t == T_NIL ? Py_NewRef(Py_None) : int_object(&rank);
     if (dp == NULL) goto fail;
-    out = Py_BuildValue("(dOO)", ts.f, dp, records);
+    out = Py_BuildValue("(dOOn)", ts.f, dp, records, (Py_ssize_t)nev);
     goto fail; /* releases what `out` does not own */
 bail:
     out = Py_NewRef(Py_None);
 fail:
+    end_run(&run, NULL);
     Py_XDECREF(records);
     Py_XDECREF(dp);
     PyBuffer_Release(&view);

@@ -574,8 +574,9 @@ static PyMethodDef native_methods[] = {
      "array, the inverse of ids_from_json."},
     {"decode_batch", (PyCFunction)ingest_decode_batch, METH_O,
      "decode_batch(payload, /)\n--\n\n"
-     "A vLLM msgpack EventBatch of the common shape as (ts, dp_rank, records), hashes and\n"
-     "token ids as packed bytes; None for any other payload. See indexer/_ingest.c."},
+     "A vLLM msgpack EventBatch of the common shape as (ts, dp_rank, records, events), hashes\n"
+     "and token ids as packed bytes, a run of one-hash removals one record; None for any\n"
+     "other payload. See indexer/_ingest.c."},
     {"store_dense", (PyCFunction)(void (*)(void))ingest_store_dense, METH_FASTCALL,
      "store_dense(res, hmap, bit, seed, parent, hashes, tokens, unit, block_size, decided, /)\n"
      "--\n\nRecord a dense full-attention BlockStored; see indexer/_ingest.c."},

@@ -151,11 +151,11 @@ class Ingest:
             if r[0] == STORED:
                 if self._store_packed(e, r, reannounce):
                     continue
-                ev: BlockStored = packed[i - 1]  # type: ignore[assignment]
+                ev: BlockStored = packed.event_of(i - 1)  # type: ignore[assignment]
                 if not self._store(e, ev, reannounce):
                     continue
                 if lookahead is None:
-                    lookahead = self._learn_ahead(e, packed, i)
+                    lookahead = self._learn_ahead(e, packed.events_from(i), 0)
                 self._store_sparse(e, ev, lookahead)
             elif r[0] == REMOVED:
                 # Runs of single-hash removals in one pass, as in ``apply``.

@@ -160,35 +160,55 @@ def _event(r: tuple[Any, ...]) -> Event:
         extra = None if r[8] is None else [None] * r[8]
         return BlockStored(_u64s(r[1]), r[2], _u32s(r[3]), r[4], r[5], r[6], r[7], extra, *r[9:])
     if r[0] == REMOVED:
-        return BlockRemoved(_u64s(r[1]), *r[2:])
+        return BlockRemoved(_u64s(r[1]), *r[2:6])
     return AllBlocksCleared()
 
 
+def _events(r: tuple[Any, ...]) -> list[Event]:
+    """The events a record stands for: one, or a removed record's run of one-hash events."""
+    if r[0] == REMOVED and r[6] > 1:
+        return [BlockRemoved([h], *r[2:6]) for h in _u64s(r[1])]
+    return [_event(r)]
+
+
 class PackedEvents(Sequence[Event]):
-    """A batch's events as decoded by ``indexer._native.decode_batch``: one record per event.
+    """A batch's events as decoded by ``indexer._native.decode_batch``: a record per event, but
+    one for each run of one-hash removals.
 
     A stored record is ``(STORED, hashes, parent, tokens, block_size, lora_id, medium,
     lora_name, extra_count, group_idx, kv_cache_spec_kind, window, locality, ownership,
-    session_id)``, a removed one ``(REMOVED, hashes, medium, group_idx, locality, ownership)``,
-    with ``hashes`` packed uint64 and ``tokens`` packed uint32, little-endian (the byte order
-    every supported platform reads them in), ``extra_count`` the number of nil extra keys (None:
-    no list).
-    As a sequence it holds the decoded events, built once on first access.
+    session_id)``, a removed one ``(REMOVED, hashes, medium, group_idx, locality, ownership,
+    n)``, with ``hashes`` packed uint64 and ``tokens`` packed uint32, little-endian (the byte
+    order every supported platform reads them in), ``extra_count`` the number of nil extra keys
+    (None: no list). A removed record with ``n`` > 1 stands for ``n`` consecutive BlockRemoved
+    events of one hash each (vLLM sends one per evicted block; a record each would cost a tuple
+    and a bytes object per block).
+    As a sequence it holds the decoded events (``count`` of them), built once on first access;
+    :meth:`event_of` and :meth:`events_from` address them by record.
     """
 
-    __slots__ = ("_events", "records")
+    __slots__ = ("_events", "count", "records")
 
-    def __init__(self, records: list[tuple[Any, ...]]) -> None:
+    def __init__(self, records: list[tuple[Any, ...]], count: int | None = None) -> None:
         self.records = records
+        self.count = len(records) if count is None else count
         self._events: list[Event] | None = None
 
     def events(self) -> list[Event]:
         if self._events is None:
-            self._events = [_event(r) for r in self.records]
+            self._events = [ev for r in self.records for ev in _events(r)]
         return self._events
 
+    def event_of(self, i: int) -> Event:
+        """The event of record ``i`` (a stored or cleared one, or a removal of one event)."""
+        return _event(self.records[i])
+
+    def events_from(self, i: int) -> list[Event]:
+        """The events of records ``i`` onwards."""
+        return [ev for r in self.records[i:] for ev in _events(r)]
+
     def __len__(self) -> int:
-        return len(self.records)
+        return self.count
 
     @overload
     def __getitem__(self, i: int) -> Event: ...
@@ -222,8 +242,8 @@ def decode_payload(payload: bytes | memoryview) -> DecodedBatch:
         except (BufferError, TypeError):  # not a contiguous buffer: the Python decoder judges
             packed = None
         if packed is not None:
-            ts, rank, records = packed
-            return DecodedBatch(ts, PackedEvents(records), rank)  # type: ignore[arg-type]
+            ts, rank, records, count = packed
+            return DecodedBatch(ts, PackedEvents(records, count), rank)  # type: ignore[arg-type]
     return decode_payload_py(payload)
 
 

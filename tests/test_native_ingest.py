@@ -460,3 +460,43 @@ def test_store_run_applies_plain_stores_and_stops_at_the_first_other(odd: str) -
     nat.apply(eid, decode_payload(enc([3.0, batch[stop:], 0])).events)
     ref.apply(eid, decode_payload_py(enc([3.0, batch[stop:], 0])).events)
     assert engine_state(nat) == engine_state(ref)
+
+
+def test_a_run_of_one_hash_removals_is_one_record() -> None:
+    """vLLM evicts block by block, a one-hash BlockRemoved each: a run of them with the same
+    medium, group, locality and ownership decodes into one record (no tuple and bytes object
+    per evicted block); the batch still reads as every event in order, as the Python decoder
+    reads it, and leaves the index as those events do."""
+    require_native()
+    tokens = list(range(96))
+    events = [
+        stored([1, 2, 3, 4, 5, 6], None, tokens),
+        removed([1]),
+        removed([2**40]),  # a run of two (GPU, group 0), the hashes of different widths
+        removed([3], medium="CPU"),
+        removed([9], medium="CPU"),  # another medium: a second run
+        removed([4, 5]),  # an event of two hashes stays its own record
+        removed([6]),  # a run of one
+        removed([7], group_idx=1),
+        removed([8], group_idx=1),
+        {"type": "AllBlocksCleared"},
+        removed([11]),
+    ]
+    payload = enc([4.0, events, 0])
+    batch = decode_payload(payload)
+    assert type(batch.events) is PackedEvents
+    shape = [(r[0], len(r[1]) // 8, r[6]) if r[0] == 1 else r[0] for r in batch.events.records]
+    assert shape == [0, (1, 2, 2), (1, 2, 2), (1, 2, 1), (1, 1, 1), (1, 2, 2), 2, (1, 1, 1)]
+    want = decode_payload_py(payload)
+    assert len(batch.events) == len(events) and batch == want
+    assert batch.events.events_from(3) == want.events[5:]
+    ref, nat = _index(), _index()
+    eid = ("e0", 0)
+    ref.apply(eid, want.events[:-2])
+    nat.apply(eid, decode_payload(enc([4.0, events[:-2], 0])).events)
+    assert engine_state(nat) == engine_state(ref)
+    # A run's later events are compared with its first byte for byte: any change decodes as
+    # the Python decoder reads it.
+    for i in range(len(payload)):
+        for flip in (0x01, 0x20, 0xFF):
+            same_outcome(payload[:i] + bytes([payload[i] ^ flip]) + payload[i + 1 :])
