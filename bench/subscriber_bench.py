@@ -5,8 +5,9 @@ protocol (PUB bind, ``[topic, seq8, payload]``, payload ``[ts, [event maps], dp_
 loopback into one :class:`Subscriber` + :class:`PrefixIndex` in this process. Each publisher runs a
 scheduler-like loop at a fixed offered load: every step (one batch) carries the next 32-block
 chunk (16-token blocks) of each of its 4 in-flight requests, chained to the previous chunk by
-``parent_block_hash``; a request is 4 chunks (2048 tokens). When a publisher's simulated GPU
-(``--gpu-blocks``, 32k) is full it evicts the oldest request with one-hash ``BlockRemoved``
+``parent_block_hash``; a request is 4 chunks (2048 tokens). By default nothing is evicted (the
+index grows all run). With ``--gpu-blocks`` (32768: a realistic GPU), a publisher whose
+simulated GPU is full evicts the oldest request with one-hash ``BlockRemoved``
 events, as vLLM's GPU block pool does: once full, every stored block is matched by a removed one
 (steady state). Each publisher encodes all its batches before the clock starts (``_plan``) and
 only stamps ``ts`` into each one as it sends it, so lag = applied - published (same host clock).
@@ -27,7 +28,7 @@ JSON object.
 
     python bench/subscriber_bench.py [--rate 300000] [--seconds 12] [--publishers 16]
                                      [--publisher-procs 4] [--neighbour-nice 10]
-                                     [--gpu-blocks 400000]   # 32768: steady-state eviction
+                                     [--gpu-blocks 0]   # 32768: steady-state eviction
 """
 
 from __future__ import annotations
@@ -236,7 +237,7 @@ def start_publishers(
                 synced,
                 go,
                 results,
-                args.gpu_blocks,
+                args.gpu_blocks or sys.maxsize,  # 0: nothing is ever evicted
             ),
             daemon=True,
         )
@@ -439,6 +440,7 @@ def summary(
         "publishers": args.publishers,
         "seconds": args.seconds,
         "rate": args.blocks_per_s,
+        "gpu_blocks": args.gpu_blocks or None,  # None: no eviction
         "offered_blocks_per_s": round(offered),
         "blocks_per_s": round(applied.blocks / span),
         "removed_blocks_per_s": round(applied.removed / span),
@@ -531,9 +533,10 @@ def targets(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    # Defaults are the target scenario: 300k blocks/s offered, no evictions, so every
-    # published chain must be queryable at the end. `--gpu-blocks 32768` adds vLLM-like
-    # steady-state eviction (one single-hash BlockRemoved per stored block once full).
+    # Defaults are the target scenario: 300k blocks/s offered, no evictions at any rate or
+    # publisher count, so every published chain must be queryable at the end and the index
+    # grows all run. `--gpu-blocks 32768` adds vLLM-like steady-state eviction (one
+    # single-hash BlockRemoved per stored block once full).
     ap.add_argument(
         "--blocks-per-s", "--rate", type=float, default=300_000, help="offered load, all pubs"
     )
@@ -561,7 +564,10 @@ def main() -> None:
         help="split each batch's lag at the moment it is read off its socket (lag_split)",
     )
     ap.add_argument(
-        "--gpu-blocks", type=int, default=400_000, help="per publisher; small = evictions"
+        "--gpu-blocks",
+        type=int,
+        default=0,
+        help="KV blocks per publisher's GPU; 0: room for all it publishes (no eviction)",
     )
     args = ap.parse_args()
     result = asyncio.run(run(args))
