@@ -97,8 +97,12 @@ probe_e(segment *s, uint64_t k)
 static void
 write_all_pages(segment *s)
 {
-    for (size_t i = 0; s->written != NULL && i < (size_t)s->cap; i++) {
-        if (i == 0 || page_start(s, i)) write_page(s, i);
+    if (s->written == NULL) return;
+    size_t per = page_size / sizeof(entry);
+    size_t first = (page_size - (uintptr_t)s->e % page_size) % page_size / sizeof(entry);
+    write_page(s, 0);
+    for (size_t i = first; s->written != NULL && i < (size_t)s->cap; i += per) {
+        write_page(s, i);
     }
 }
 
