@@ -28,7 +28,11 @@ typedef struct {
     Py_ssize_t mig0, done; /* old's places mig0 .. mig0 + done - 1 (cyclic) are moved: empty */
     Py_ssize_t moved; /* entries re-inserted by growth so far (tests bound it per insertion) */
     Py_ssize_t unwritten; /* pages of e whose bit in written is still clear */
+    int recycled;         /* e's unwritten pages may hold an earlier table's bytes */
 } segment;
+
+/* Zero or write every page of s's table not yet entered: before reading it place by place. */
+void u64map_settle(segment *s);
 
 typedef struct {
     PyObject_HEAD

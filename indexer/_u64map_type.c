@@ -63,6 +63,7 @@ static PyObject *
 seg_next(U64IterObject *it, segment *s)
 {
     for (; it->part < 2; it->part++, it->pos = 0) {
+        if (it->part == 0 && s->written != NULL) u64map_settle(s); /* pages never entered */
         const entry *e = it->part == 0 ? s->e : s->old;
         Py_ssize_t cap = it->part == 0 ? s->cap : s->old_cap;
         for (; it->pos < cap; it->pos++) {

@@ -229,9 +229,10 @@ def test_growth_moves_a_few_entries_per_operation_and_loses_none() -> None:
 def test_a_grown_table_is_written_before_it_is_read() -> None:
     """A grown segment's new table comes untouched from the kernel; a probe that read one of
     its pages first would map the zero page, and the write that follows would fault again and
-    flush the other CPU's TLB. So each page is written first: a fill of 1.5M keys takes about
-    one fault per table page it ends with (the tables it outgrew are as many again; read
-    first, it was 3.9 here). Removals and updates over half-written tables keep every entry."""
+    flush the other CPU's TLB. So each page is written first, and the tables growth leaves
+    behind are kept and grown into the next ones: a fill of 1.5M keys takes about one fault per
+    table page it ends with (twice that with every table new, 3.2-3.9 with pages read first).
+    Removals and updates over half-written tables keep every entry."""
     rng = random.Random(5)
     keys = [rng.getrandbits(64) | 1 for _ in range(1_500_000)]
     m = _native.U64Map()
@@ -240,7 +241,7 @@ def test_a_grown_table_is_written_before_it_is_read() -> None:
         m[k] = 7
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     pages = sum(b for _n, b in m.segment_sizes()) / os.sysconf("SC_PAGESIZE")
-    assert faults <= 2.5 * pages, (faults, pages)
+    assert faults <= 1.5 * pages, (faults, pages)  # read first: 3.2-3.9; not reused: 2
 
     ref = dict.fromkeys(keys, 7)
     more = [rng.getrandbits(64) | 1 for _ in range(1_500_000)]
@@ -252,3 +253,40 @@ def test_a_grown_table_is_written_before_it_is_read() -> None:
         elif i % 3 == 1:
             m[keys[i]] = ref[keys[i]] = -1 & 0xFFFF
     assert len(m) == len(ref) and dict(m.items()) == ref
+
+
+def test_tables_kept_from_a_cleared_map_serve_another_exactly() -> None:
+    """Tables a cleared map gives back still hold its entries; a map growing into them zeroes
+    each page before it reads it, and iterates, looks up, updates and removes as a dict does
+    while its segments are mid-move."""
+    rng = random.Random(17)
+    donor = _native.U64Map()
+    for _ in range(150_000):  # tables smaller than the ones m grows through: m takes them
+        donor[rng.getrandbits(64) | 1] = 2**64 - 1  # every table page holds non-zero bytes
+    donor.clear()
+    m, ref = _native.U64Map(), {}
+    live: list[int] = []
+    checked = 0
+    for step in range(400_000):
+        r = rng.random()
+        if live and r < 0.2:
+            k = live.pop(rng.randrange(len(live)))
+            assert m.pop(k) == ref.pop(k)
+        elif live and r < 0.3:
+            k = live[rng.randrange(len(live))]
+            m[k] = ref[k] = step
+        else:
+            k = rng.getrandbits(64) | 1
+            m[k] = ref[k] = step
+            live.append(k)
+        if step % 10_000 == 9_999:
+            mid_move = [
+                i for i, (_n, b) in enumerate(m.segment_sizes()) if (b // 16) & (b // 16 - 1)
+            ]
+            checked += bool(mid_move)
+            probe = [rng.getrandbits(64) | 1 for _ in range(2000)] + live[:2000]
+            assert m.get_many(probe) == [ref.get(k) for k in probe]
+            for i in mid_move:
+                assert sorted(m.segment_keys(i)) == sorted(k for k in ref if m.segment_of(k) == i)
+    assert dict(m.items()) == ref and len(m) == len(ref)
+    assert checked >= 3
