@@ -5,8 +5,9 @@
  *
  * Layout: SEGMENTS segments; key k belongs to segment SLOT_SEG[k & 1023] (any other key:
  * hash(key) & 1023), the slot shares of u64map.py, so segments reach their growth points at
- * different moments. A segment is one PyMem block of cap (key, value) places, linear probing
- * from murmur3's fmix64(k), key 0 meaning empty; deletion shifts the following entries back,
+ * different moments. A segment is a table of cap (key, value) places (a PyMem block; from
+ * 256 KiB a mapping of its own, table_new), linear probing from murmur3's fmix64(k), key 0
+ * meaning empty; deletion shifts the following entries back,
  * so churn leaves no tombstones and probe runs stay as short as the load allows. A segment
  * doubles when it passes 5/8 full (a lower load shortens the runs a deletion shifts back: under
  * vLLM's churn of single-block removals, 5/8 rather than 3/4 takes a tenth off the event plane's
@@ -55,9 +56,11 @@ probe_in(const entry *e, Py_ssize_t cap, uint64_t k)
  * At 1M insertions a second into a growing index that was most of the subscriber's system time
  * and the source of its slowest loop turns (docs/benchmarks.md). So while e has pages no one
  * wrote, a probe that enters such a page first writes it (an atomic add of 0: a write that
- * changes nothing), one fault per page, and marks it in s->written. Bound: one bit per page of
- * the growing segment's new table (1 KiB for a 32 MiB table), freed once every page is
- * written, at the latest when the move ends. */
+ * changes nothing; or, in a table kept from an earlier one (table_new), zeroes it), one fault at
+ * most per page, and marks it in s->written. Every write to e goes to a place a probe entered,
+ * so no page holds an entry before it is marked; iteration writes every unmarked page first
+ * (u64map_settle). Bound: one bit per page of the growing segment's new table (1 KiB for a 32
+ * MiB table), freed once every page is written, at the latest when the move ends. */
 #define FRESH_MIN (256 * 1024)
 static size_t page_size = 4096; /* the system's, read by mark_fresh */
 static void table_free(entry *t, Py_ssize_t cap);
