@@ -72,7 +72,9 @@ async def test_a_session_bound_on_one_replica_stays_on_its_engine_through_the_ot
     redis: RedisServer,
 ) -> None:
     """KV events off and no speculative entries: neither replica's index knows where the
-    conversation's prefix is, so only the shared binding keeps its turns on one engine."""
+    conversation's prefix is, so only the shared binding keeps its turns on one engine. A
+    binding is written to Redis off the request path, so each turn waits for its replica's
+    write, as a client waits for a whole answer between turns (here one token long)."""
     with running_fleet(4, **FAST) as ws:
         async with (
             replicas(
@@ -95,9 +97,14 @@ async def test_a_session_bound_on_one_replica_stays_on_its_engine_through_the_ot
                 for turn in range(4):  # A, B, A, B
                     prompt += " " + words(40, f"conv{conv}-turn{turn}")
                     body = {"model": "sim-model", "prompt": prompt, "max_tokens": 1}
+                    written = routers[turn % 2].sessions.counters  # type: ignore[attr-defined]
+                    before = written["written"]
                     r = await c.post((a, b)[turn % 2] + "/v1/completions", json=body, headers=hdr)
                     assert r.status_code == 200, r.text
                     turns.append(r.headers["x-kvrouter-worker"])
+                    await until(
+                        lambda w=written, n=before: w["written"] > n, 10, "the binding written"
+                    )
                 assert len(set(turns)) == 1, (conv, turns)
             assert rb.sessions.counters["read"] >= 3  # type: ignore[attr-defined]
             assert await metric(c, b, 'kvrouter_redis_fallbacks_total{state="sessions"}') == 0
