@@ -8,7 +8,7 @@ demo:  ## the router in front of a simulated 4-worker fleet, kvrouter vs round-r
 	kvrouter demo
 
 test:  ## the whole test suite (installs Python deps, redis-server, chromium, kubectl; tests start their own servers)
-	./scripts/setup.sh --with-redis --with-browser --with-kubectl
+	KVROUTER_REQUIRE_NATIVE=1 ./scripts/setup.sh --with-redis --with-browser --with-kubectl
 	ruff check . && ruff format --check .
 	KVROUTER_REQUIRE_NATIVE=1 $(PYTHON) -m pytest -q -p no:cacheprovider -m "not real_vllm"
 

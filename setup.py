@@ -1,6 +1,9 @@
 """Builds the optional C extension indexer._native (see indexer/native.py); all else is in
-pyproject.toml. ``optional=True``: without a C compiler the install succeeds and the pure-Python
-code is used."""
+pyproject.toml. Optional: without a C compiler the install succeeds and the pure-Python code is
+used. With ``KVROUTER_REQUIRE_NATIVE=1`` (as the tests run) a failed build fails the install
+instead, so a rebuild in place never leaves the previous extension to be imported unnoticed."""
+
+import os
 
 from setuptools import Extension, setup
 
@@ -27,7 +30,7 @@ setup(
                 "indexer/_u64map_impl.h",
             ],
             include_dirs=["third_party/xxhash"],
-            optional=True,
+            optional=os.environ.get("KVROUTER_REQUIRE_NATIVE") != "1",
             extra_compile_args=["-O2"],
         ),
     ]
