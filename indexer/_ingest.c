@@ -480,36 +480,39 @@ same_fields(PyObject *a, PyObject *b)
     return 1;
 }
 
+/* The run as one record (a new reference): its first event's record when it holds one event,
+ * else that record's fields with every hash and n; NULL with an error set. */
+static PyObject *
+run_record(const removal_run *run)
+{
+    if (run->n == 1) return Py_NewRef(run->first);
+    PyObject *rec = PyTuple_New(7);
+    PyObject *hashes = PyBytes_FromStringAndSize((const char *)run->hashes,
+                                                 run->n * (Py_ssize_t)sizeof(uint64_t));
+    PyObject *n = PyLong_FromSsize_t(run->n);
+    if (rec == NULL || hashes == NULL || n == NULL) {
+        Py_XDECREF(rec), Py_XDECREF(hashes), Py_XDECREF(n);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(rec, 0, Py_NewRef(PyTuple_GET_ITEM(run->first, 0)));
+    PyTuple_SET_ITEM(rec, 1, hashes);
+    for (Py_ssize_t j = 2; j <= 5; j++) {
+        PyTuple_SET_ITEM(rec, j, Py_NewRef(PyTuple_GET_ITEM(run->first, j)));
+    }
+    PyTuple_SET_ITEM(rec, 6, n);
+    return rec;
+}
+
 /* Append the run as a record (records NULL: just drop it) and reset it. */
 static int
 end_run(removal_run *run, PyObject *records)
 {
     int rc = 0;
     if (run->first != NULL && records != NULL) {
-        PyObject *rec = run->first;
-        Py_INCREF(rec);
-        if (run->n > 1) {
-            Py_DECREF(rec);
-            rec = PyTuple_New(7);
-            PyObject *hashes = PyBytes_FromStringAndSize((const char *)run->hashes,
-                                                         run->n * (Py_ssize_t)sizeof(uint64_t));
-            PyObject *n = PyLong_FromSsize_t(run->n);
-            if (rec == NULL || hashes == NULL || n == NULL) {
-                Py_XDECREF(rec), Py_XDECREF(hashes), Py_XDECREF(n);
-                rc = -1;
-                goto out;
-            }
-            PyTuple_SET_ITEM(rec, 0, Py_NewRef(PyTuple_GET_ITEM(run->first, 0)));
-            PyTuple_SET_ITEM(rec, 1, hashes);
-            for (Py_ssize_t j = 2; j <= 5; j++) {
-                PyTuple_SET_ITEM(rec, j, Py_NewRef(PyTuple_GET_ITEM(run->first, j)));
-            }
-            PyTuple_SET_ITEM(rec, 6, n);
-        }
-        rc = PyList_Append(records, rec);
-        Py_DECREF(rec);
+        PyObject *rec = run_record(run);
+        rc = rec == NULL ? -1 : PyList_Append(records, rec);
+        Py_XDECREF(rec);
     }
-out:
     Py_CLEAR(run->first);
     if (run->hashes != run->inline_buf) PyMem_Free(run->hashes);
     run->hashes = NULL;

@@ -68,11 +68,11 @@ static void table_free(entry *t, Py_ssize_t cap);
 static inline void
 write_page(segment *s, size_t i)
 {
-    uintptr_t base = (uintptr_t)s->e / page_size;
-    size_t pg = (size_t)((uintptr_t)&s->e[i] / page_size - base);
+    uintptr_t page = (uintptr_t)&s->e[i] / page_size;
+    size_t pg = (size_t)(page - (uintptr_t)s->e / page_size);
     if (s->written[pg >> 3] & (1u << (pg & 7))) return;
     if (s->recycled) {
-        memset((void *)(((uintptr_t)&s->e[i] / page_size) * page_size), 0, page_size);
+        memset((void *)(page * page_size), 0, page_size);
     } else {
         __atomic_fetch_add(&s->e[i].k, 0, __ATOMIC_RELAXED);
     }
@@ -104,9 +104,9 @@ probe_e(segment *s, uint64_t k)
     return (Py_ssize_t)i;
 }
 
-/* Write every page of s->e no one wrote yet, and drop the marks. */
-static void
-write_all_pages(segment *s)
+/* Write every page of s->e no one wrote yet, and drop the marks (_u64map_impl.h). */
+void
+u64map_settle(segment *s)
 {
     if (s->written == NULL) return;
     size_t per = page_size / sizeof(entry);
@@ -115,12 +115,6 @@ write_all_pages(segment *s)
     for (size_t i = first; s->written != NULL && i < (size_t)s->cap; i += per) {
         write_page(s, i);
     }
-}
-
-void
-u64map_settle(segment *s)
-{
-    write_all_pages(s);
 }
 
 /* Start marking the pages of the new table e (cap places) written; without memory for the
@@ -235,7 +229,7 @@ migrate(segment *s, Py_ssize_t steps)
         steps -= n + 1;
     }
     if (s->old_used == 0) {
-        write_all_pages(s);
+        u64map_settle(s);
         table_free(s->old, s->old_cap);
         s->old = NULL;
         s->old_cap = s->old_used = s->mig0 = s->done = 0;

@@ -189,9 +189,9 @@ class PackedEvents(Sequence[Event]):
 
     __slots__ = ("_events", "count", "records")
 
-    def __init__(self, records: list[tuple[Any, ...]], count: int | None = None) -> None:
+    def __init__(self, records: list[tuple[Any, ...]], count: int) -> None:
         self.records = records
-        self.count = len(records) if count is None else count
+        self.count = count
         self._events: list[Event] | None = None
 
     def events(self) -> list[Event]:
