@@ -182,6 +182,37 @@ def test_no_growth_step_reinserts_more_than_the_largest_segment(impl: type[Any])
 
 
 @pytest.mark.skipif(_native is None, reason="indexer._native is not built")
+def _random_op(
+    rng: random.Random,
+    m: Any,
+    ref: dict[int, int],
+    live: list[int],
+    step: int,
+    *,
+    remove: float,
+    update: float,
+) -> None:
+    """One operation on ``m`` and its reference dict: a removal of a live key (probability
+    ``remove``), an update of one (``update - remove``, in whichever table holds it), else an
+    insertion of a random key."""
+    r = rng.random()
+    if live and r < remove:
+        k = live.pop(rng.randrange(len(live)))
+        assert m.pop(k) == ref.pop(k)
+    elif live and r < update:
+        k = live[rng.randrange(len(live))]
+        m[k] = ref[k] = step
+    else:
+        k = rng.getrandbits(64) | 1
+        m[k] = ref[k] = step
+        live.append(k)
+
+
+def _mid_move(m: Any) -> list[int]:
+    """The segments whose tables are moving: both tables' bytes, 1.5 powers of two."""
+    return [i for i, (_n, b) in enumerate(m.segment_sizes()) if (b // 16) & (b // 16 - 1)]
+
+
 def test_growth_moves_a_few_entries_per_operation_and_loses_none() -> None:
     """A growing segment keeps its old table and moves 64 places of it per insertion or removal,
     finishing the probe run the 64th is in (runs at 5/8 load are tens of places): no operation
@@ -195,25 +226,14 @@ def test_growth_moves_a_few_entries_per_operation_and_loses_none() -> None:
     worst = worst_small = checked_mid_move = 0
     for step in range(150_000):
         before = m.growth_moves()
-        r = rng.random()
-        if live and r < 0.3:
-            k = live.pop(rng.randrange(len(live)))
-            assert m.pop(k) == ref.pop(k)
-        elif live and r < 0.4:
-            k = live[rng.randrange(len(live))]
-            m[k] = ref[k] = step  # an update in whichever table holds it
-        else:
-            k = rng.getrandbits(64) or 1
-            m[k] = ref[k] = step
-            live.append(k)
+        _random_op(rng, m, ref, live, step, remove=0.3, update=0.4)
         moves = m.growth_moves() - before
         if len(m) >= 40_000:  # every segment past 1,700 entries: it grows incrementally
             worst = max(worst, moves)
         else:
             worst_small = max(worst_small, moves)
         if step % 50 == 0 and checked_mid_move < 8:
-            sizes = m.segment_sizes()  # bytes of both tables: 1.5 powers of two while moving
-            mid_move = [i for i, (_n, b) in enumerate(sizes) if (b // 16) & (b // 16 - 1)]
+            mid_move = _mid_move(m)
             if not mid_move or len(m) < 20_000:
                 continue
             checked_mid_move += 1
@@ -268,21 +288,9 @@ def test_tables_kept_from_a_cleared_map_serve_another_exactly() -> None:
     live: list[int] = []
     checked = 0
     for step in range(400_000):
-        r = rng.random()
-        if live and r < 0.2:
-            k = live.pop(rng.randrange(len(live)))
-            assert m.pop(k) == ref.pop(k)
-        elif live and r < 0.3:
-            k = live[rng.randrange(len(live))]
-            m[k] = ref[k] = step
-        else:
-            k = rng.getrandbits(64) | 1
-            m[k] = ref[k] = step
-            live.append(k)
+        _random_op(rng, m, ref, live, step, remove=0.2, update=0.3)
         if step % 10_000 == 9_999:
-            mid_move = [
-                i for i, (_n, b) in enumerate(m.segment_sizes()) if (b // 16) & (b // 16 - 1)
-            ]
+            mid_move = _mid_move(m)
             checked += bool(mid_move)
             probe = [rng.getrandbits(64) | 1 for _ in range(2000)] + live[:2000]
             assert m.get_many(probe) == [ref.get(k) for k in probe]
