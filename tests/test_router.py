@@ -166,6 +166,8 @@ async def test_eviction_changes_routing():
             assert (await c.post(a + "/v1/completions", json=body)).status_code == 200
             r = await c.post(b + "/v1/completions", json={**body, "prompt": half})
             assert r.status_code == 200
+            # Each worker's events come on its own socket: wait for b's too, not only a's.
+            await wait_indexed(c, base, body, b, 224)
             e = await wait_indexed(c, base, body, a, 464)
             assert e["chosen"] == a and hit_of(e, b) >= 224
             # Fill a's 64-block cache with other prompts: the LRU evicts the 480-token one.
