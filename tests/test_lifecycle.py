@@ -108,8 +108,12 @@ def test_sigterm_drains_a_long_stream(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_demo_serve_ends_its_fleet_on_a_signal(sig: signal.Signals) -> None:
+def test_demo_serve_ends_its_fleet_on_a_signal(sig: signal.Signals, tmp_path: Path) -> None:
     port = find_port_block(1)
+    # stderr to a file, with faulthandler on: if the demo outlives the signal, SIGABRT makes it
+    # print every thread's stack there, and the failure shows where it was stuck.
+    err_path = tmp_path / "demo.err"
+    err = err_path.open("wb")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -123,8 +127,9 @@ def test_demo_serve_ends_its_fleet_on_a_signal(sig: signal.Signals) -> None:
             "2",
         ],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=err,
         text=True,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
     )
     try:
         assert wait_http_ok(f"http://127.0.0.1:{port}/ready", timeout=60, proc=proc)
@@ -135,10 +140,19 @@ def test_demo_serve_ends_its_fleet_on_a_signal(sig: signal.Signals) -> None:
         workers = [int(p) for p in re.findall(r"simulated worker http://127\.0\.0\.1:(\d+)", out)]
         assert len(workers) == 2 and all(_listening(p) for p in workers)
         proc.send_signal(sig)
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGABRT)
+            proc.wait(10)
+            stacks = err_path.read_text(errors="replace")[-6000:]
+            raise AssertionError(
+                f"the demo outlived {sig.name} by 30 s; its stacks:\n{stacks}"
+            ) from None
         _wait(lambda: not any(_listening(p) for p in workers), 15, "the fleet to end")
         assert not _listening(port)
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+        err.close()
