@@ -327,6 +327,7 @@ def run_policy(
             ld = fleet.load(w)
             el = workers[w].load(0)
             el.waiting, el.running, el.kv_usage = ld.waiting, ld.running, ld.kv_usage
+            el.prefilling_at_poll = el.prefilling_requests
 
     def advance(t: float) -> None:
         nonlocal next_poll

@@ -29,6 +29,18 @@ class EngineLoad(msgspec.Struct):
     """``vllm:num_requests_waiting`` (last poll)."""
     kv_usage: float = 0.0
     """``vllm:kv_cache_usage_perc``, a fraction 0..1 (last poll)."""
+    prefilling_at_poll: int = 0
+    """``prefilling_requests`` when ``waiting`` was read: how many of those waiting requests
+    could be this router's own (see :meth:`foreign_waiting`)."""
+
+    def foreign_waiting(self) -> int:
+        """Waiting requests the router did not send (other routers', direct clients').
+
+        Counted against the router's own requests *at the poll*, not now: ``waiting`` is up to a
+        poll interval old, and subtracting today's count from it reads the router's own
+        requests that have since started as foreign ones, each priced as a whole unknown
+        prompt until the next poll."""
+        return max(self.waiting - self.prefilling_at_poll, 0)
 
     def plus(self, other: EngineLoad | None) -> EngineLoad:
         """A new record: this one with ``other``'s router-side counters added.
@@ -45,6 +57,7 @@ class EngineLoad(msgspec.Struct):
                 self.running,
                 self.waiting,
                 self.kv_usage,
+                self.prefilling_at_poll,
             )
         return EngineLoad(
             self.inflight_requests + other.inflight_requests,
@@ -53,6 +66,9 @@ class EngineLoad(msgspec.Struct):
             self.running,
             self.waiting,
             self.kv_usage,
+            # Other replicas' requests at this router's poll are not known; their count now is
+            # the nearest figure (shared state is refreshed more often than workers are polled).
+            self.prefilling_at_poll + other.prefilling_requests,
         )
 
     def is_idle(self) -> bool:

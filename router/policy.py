@@ -256,7 +256,7 @@ class KvRouterPolicy(Policy):
         busy = sum(
             1
             for c in candidates
-            if c.load.queued_prefill_tokens > 0 or c.load.waiting > c.load.prefilling_requests
+            if c.load.queued_prefill_tokens > 0 or c.load.foreign_waiting() > 0
         )
         self._decisions += 1
         alpha = 1.0 / min(self._decisions, UTILIZATION_DECISIONS)
@@ -326,8 +326,8 @@ class KvRouterPolicy(Policy):
         cpu = min(c.cpu_hit_tokens, max(max_hit - hit, 0)) if not spec else 0
         uncached = max(prompt_tokens - hit - cpu, 0)
         ld = c.load
-        foreign_waiting = max(ld.waiting - ld.prefilling_requests, 0)
-        metrics = foreign_waiting * p.mean_prompt_tokens + ld.running * p.running_request_tokens
+        metrics = ld.foreign_waiting() * p.mean_prompt_tokens
+        metrics += ld.running * p.running_request_tokens
         metrics += c.adapter_tokens
         if ld.kv_usage > p.kv_pressure_threshold < 1.0:
             frac = (ld.kv_usage - p.kv_pressure_threshold) / (1.0 - p.kv_pressure_threshold)
@@ -458,7 +458,7 @@ class LeastLoadedPolicy(Policy):
             raise ValueError("no candidates")
         keyed = sorted(
             (
-                (c.load.inflight_requests + max(c.load.waiting - c.load.prefilling_requests, 0)),
+                (c.load.inflight_requests + c.load.foreign_waiting()),
                 self._rng.random(),
                 i,
             )

@@ -353,6 +353,7 @@ class WorkerRegistry:
                 for rank, vals in parsed.items():
                     ld = w.load(rank)
                     ld.waiting = int(vals.get("waiting", 0))
+                    ld.prefilling_at_poll = ld.prefilling_requests
                     ld.running = int(vals.get("running", 0))
                     ld.kv_usage = float(vals.get("kv_usage", 0.0))
                 w.lora_slots = parse_lora_info(r.text)

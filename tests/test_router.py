@@ -14,7 +14,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from test_router_support import config_for, serve_app, serve_router, until, words
 
 from indexer.index import PrefixIndex
+from router.config import WorkerSpec
 from router.tokenize import PromptTokenizer
+from router.workers import WorkerRegistry
 from simulator.testing import running_fleet
 
 pytestmark = pytest.mark.timeout(120)
@@ -93,6 +95,24 @@ async def test_siblings_sent_together_follow_the_first_ones_speculative_entry():
                 assert all(r.status_code == 200 for r in rs)
                 chosen = {r.headers["x-kvrouter-worker"] for r in rs}
                 assert (len(chosen) == 1) == together, (ttl, chosen)
+
+
+async def test_a_poll_records_the_routers_own_requests_beside_the_waiting_gauge(fleet):
+    """The waiting gauge is read once a poll; the router's own requests are counted at the
+    same moment, so one of them that starts after the poll is never taken for a foreign one."""
+    reg = WorkerRegistry([WorkerSpec(url=fleet[0].url)])
+    try:
+        w = next(iter(reg.workers.values()))
+        ld = w.load(0)
+        ld.prefilling_requests = 2  # two of this router's requests are before their first token
+        await reg.check(w)
+        assert w.healthy and w.metrics_ts > 0
+        assert (ld.waiting, ld.prefilling_at_poll) == (0, 2)
+        ld.waiting = 2  # as if both were still waiting when the gauge was read
+        ld.prefilling_requests = 0  # and both started since
+        assert ld.foreign_waiting() == 0
+    finally:
+        await reg.stop()
 
 
 async def test_shared_system_prompt_goes_to_its_worker_and_debug_route_explains(fleet):

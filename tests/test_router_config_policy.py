@@ -163,15 +163,21 @@ def test_worker_metrics_correct_the_estimate():
     d = p.choose([cand("a", gpu=0), cand("b", gpu=512, waiting=3)], 1000, 0.0)
     assert d.engine == "a"
     # Waiting requests this router sent itself are already in queued_prefill_tokens.
-    d = p.choose(
-        [
-            cand("a"),
-            cand("b", gpu=512, waiting=1, prefilling_requests=1, queued_prefill_tokens=100),
-        ],
-        1000,
-        0.0,
-    )
+    own = {"waiting": 1, "prefilling_at_poll": 1, "prefilling_requests": 1}
+    d = p.choose([cand("a"), cand("b", gpu=512, queued_prefill_tokens=100, **own)], 1000, 0.0)
     assert d.engine == "b"
+
+
+def test_own_requests_started_since_the_poll_are_not_foreign():
+    """The gauge is a poll old: two of this router's requests were waiting then and have
+    started since. They are not waiting requests of another router's."""
+    p = KvRouterPolicy(PolicyParams(near_tie_tokens=0, mean_prompt_tokens=1000), seed=1)
+    stale = cand("b", gpu=512, waiting=2, prefilling_at_poll=2, prefilling_requests=0)
+    d = p.choose([cand("a"), stale], 1000, 0.0)
+    assert d.engine == "b" and d.costs[1].metrics_tokens == 0
+    assert stale.load.foreign_waiting() == 0
+    # One more waiting at the poll than this router had there: one foreign request.
+    assert EngineLoad(waiting=3, prefilling_at_poll=2).foreign_waiting() == 1
 
 
 def test_near_ties_spread_by_inflight_then_random():
