@@ -16,6 +16,11 @@ pooled engine's own TTFT is lower (it prefills one request 8 workers fast), whic
 limit on the fleet relative to ``pooled_ideal`` can lie below this bound. Goodput has no
 bound here: it is flagged ``censored`` when the tested loads do not bracket it.
 
+``over_seeds``: the same targets from runs that differ only in ``--seed`` (the policies' random
+tie-breaks; for the synthetic workloads, the trace), so a target met or missed by less than the
+spread between seeds reads as such: per target, on how many seeds it was met and each seed's
+value and limit.
+
 A mean-TTFT target that is missed also carries ``queueing``: kvrouter's mean TTFT split into
 its no-queueing floor at the hits it got (``ttft_floor_s``) and the rest, the queueing its
 placement left; ``allowed_s`` is the queueing the limit leaves at that floor, and every peer's
@@ -29,7 +34,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-__all__ = ["TARGET_LOAD", "chart_p90", "goodput", "sweep", "targets"]
+__all__ = ["TARGET_LOAD", "chart_p90", "goodput", "over_seeds", "sweep", "targets"]
 
 TARGET_LOAD = 0.8
 MEAN_RATIO = 0.85
@@ -173,6 +178,19 @@ def targets(
             None,
             floor("ttft_floor_one_worker_s"),
         )
+    return out
+
+
+def over_seeds(by_seed: dict[str, dict[str, dict]]) -> dict[str, dict]:
+    """``{target: {"met_on", "seeds", "values", "limits"}}`` from each seed's ``targets``."""
+    out: dict[str, dict] = {}
+    for seed, targets_ in by_seed.items():
+        for name, t in targets_.items():
+            o = out.setdefault(name, {"met_on": 0, "seeds": 0, "values": {}, "limits": {}})
+            o["seeds"] += 1
+            o["met_on"] += bool(t["met"])
+            o["values"][seed] = t["value"]
+            o["limits"][seed] = t["limit"]
     return out
 
 

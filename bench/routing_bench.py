@@ -728,10 +728,38 @@ def main(argv: list[str] | None = None) -> dict:
         help="vary each PolicyParams knob (or a comma list of knobs) for kvrouter",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--seeds",
+        default=None,
+        help="comma list: the whole run once per seed; targets met on how many (overrides --seed)",
+    )
     ap.add_argument("--jobs", type=int, default=1, help="policies run in parallel processes")
     ap.add_argument("--out", default=None, help="chart path (PNG)")
     ap.add_argument("--json", action="store_true", help="no progress on stderr, only the JSON")
     args = ap.parse_args(argv)
+    if args.seeds is None:
+        return _run(args)
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--seeds: a comma list of integers, not {args.seeds!r}") from None
+    if not seeds:
+        raise SystemExit("--seeds: no seed given")
+    per_seed = {
+        str(s): _run(argparse.Namespace(**{**vars(args), "seed": s}), emit=False) for s in seeds
+    }
+    result = {
+        "seeds": per_seed,
+        "targets_over_seeds": peer_report.over_seeds(
+            {s: r["targets"] for s, r in per_seed.items()}
+        ),
+    }
+    print(json.dumps(result, separators=(",", ":")))
+    return result
+
+
+def _run(args: argparse.Namespace, emit: bool = True) -> dict:
+    """One run at ``args.seed``; prints its JSON when ``emit``."""
     if args.trace:
         args.workload = "mooncake"
     trace = args.trace or DEFAULT_TRACE
@@ -845,13 +873,16 @@ def main(argv: list[str] | None = None) -> dict:
     result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     name = result["workload"].replace(":", "_").replace(".jsonl", "")
     out = Path(args.out) if args.out else OUT_DIR / f"routing_{name}.png"
+    if args.seeds is not None:  # one chart per seed
+        out = out.with_name(f"{out.stem}_seed{args.seed}{out.suffix}")
     if os.environ.get("ROUTING_BENCH_NO_CHART") != "1":
         chart(result, out)
         result["chart"] = str(out)
         p90 = out.with_name(out.stem + "_p90_by_load.png")
         peer_report.chart_p90(result["sweep"], args.slo_p90_s, p90, f"p90 TTFT: {name}")
         result["chart_p90"] = str(p90)
-    print(json.dumps(result, separators=(",", ":")))
+    if emit:
+        print(json.dumps(result, separators=(",", ":")))
     return result
 
 

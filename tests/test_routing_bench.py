@@ -284,6 +284,36 @@ def test_peers_sweep_goodput_and_rejected_prompts(tmp_path, capsys):
     assert Path(out["chart_p90"]).stat().st_size > 10_000
 
 
+def test_seeds_run_the_whole_bench_once_each_and_count_targets_met(tmp_path, capsys):
+    """--seeds S1,S2 is --seed S1 and --seed S2, each run whole; every target says on how many
+    of them it was met, with each seed's value and limit."""
+    trace = tmp_path / "t.jsonl"
+    _conversation_trace(trace)
+    base = ["--trace", str(trace), "--workers", "3", "--gpu-blocks", "3000", "--speed", "2"]
+    base += ["--policies", "kvrouter,dynamo,llm_d", "--out", str(tmp_path / "c.png")]
+    routing_bench.main([*base, "--seeds", "0,1"])
+    out = _last_json(capsys)
+    assert set(out["seeds"]) == {"0", "1"}
+    assert [out["seeds"][s]["config"]["seed"] for s in ("0", "1")] == [0, 1]
+    assert (tmp_path / "c_seed0.png").exists() and (tmp_path / "c_seed1.png").exists()
+    routing_bench.main([*base, "--seed", "1"])
+    alone = _last_json(capsys)
+
+    def simulated(pol: dict) -> dict:  # what the simulated clock decides; decision_ms is wall time
+        return {n: {k: v for k, v in m.items() if "decision_ms" not in k} for n, m in pol.items()}
+
+    assert simulated(out["seeds"]["1"]["policies"]) == simulated(alone["policies"])
+    over = out["targets_over_seeds"]
+    assert set(over) == set(alone["targets"])
+    for name, t in over.items():
+        assert t["seeds"] == 2 and set(t["values"]) == {"0", "1"}
+        met = [out["seeds"][s]["targets"][name]["met"] for s in ("0", "1")]
+        assert t["met_on"] == sum(met), name
+        assert t["limits"]["1"] == alone["targets"][name]["limit"]
+    with pytest.raises(SystemExit, match="--seeds"):
+        routing_bench.main([*base, "--seeds", "0,x"])
+
+
 def test_targets_carry_bounds_from_the_pooled_engine():
     """Each target names the best any placement can do, computed from the run: the pooled
     engine's hit rate (an upper bound), and the no-queueing TTFT at its hits with one worker
