@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
         # The simulated fleet runs in its own process session (a terminal's Ctrl-C must not
         # reach it before the demo stops it): SIGTERM unwinds like Ctrl-C, so the demo's
-        # clean-up ends it too.
+        # clean-up ends it too. While a router runs, the demo turns SIGTERM into a cancellation
+        # of its own instead (kvrouter/demo.py, _with_router, says why).
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
         return run_demo(ns)
     return run_serve(ns)

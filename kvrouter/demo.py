@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -161,11 +162,15 @@ async def _with_router(
     port: int,
     workers: list[WorkerInfo],
     body: Callable[[str, Any], Awaitable[Any]],
-    *,
-    serve_forever: bool = False,
 ) -> Any:
     """Run ``body(url, router)`` against a router over ``workers``, served as `kvrouter serve`
-    serves it, once that router is ready."""
+    serves it, once that router is ready; the router stops when ``body`` returns or the process
+    is told to stop.
+
+    SIGTERM ends it the way asyncio.run ends on Ctrl-C: this task is cancelled, so the stop
+    unwinds from an ``await`` here. A handler that raised where the signal lands could raise
+    inside a request the router is answering, where the ASGI server logs it as that request's
+    error and serves on."""
     cfg = Config(workers=[WorkerSpec(url=w.url) for w in workers])
     cfg.server.host = "127.0.0.1"
     cfg.server.port = port
@@ -173,6 +178,18 @@ async def _with_router(
     cfg.policy.name = policy
     app, _admin, router = create_apps(cfg, seed=0)
     (server,) = build_servers(cfg, app, None)
+    loop = asyncio.get_running_loop()
+    this = asyncio.current_task()
+    assert this is not None
+    terminated = False
+
+    def on_sigterm() -> None:
+        nonlocal terminated
+        terminated = True
+        this.cancel()
+
+    previous = signal.getsignal(signal.SIGTERM)
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     task = asyncio.create_task(server.serve())
     try:
         try:
@@ -187,10 +204,15 @@ async def _with_router(
         if not await asyncio.to_thread(wait_http_ok, url + "/ready", timeout=20):
             raise RuntimeError("router not ready within 20 s")
         return await body(url, router)
+    except asyncio.CancelledError:
+        if terminated:
+            raise SystemExit(128 + signal.SIGTERM) from None
+        raise
     finally:
-        if not serve_forever:
-            server.should_exit = True
-            await asyncio.wait_for(task, 15)
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, previous)  # the fleet's clean-up still answers SIGTERM
+        server.should_exit = True
+        await asyncio.wait_for(task, 15)
 
 
 def run_demo(ns: argparse.Namespace) -> int:
@@ -259,7 +281,7 @@ def _serve(ns: argparse.Namespace) -> int:
             await asyncio.Event().wait()
 
         try:
-            asyncio.run(_with_router("kvrouter", ns.port, workers, body, serve_forever=True))
+            asyncio.run(_with_router("kvrouter", ns.port, workers, body))
         except KeyboardInterrupt:
             pass
     return 0
