@@ -37,7 +37,7 @@ class EngineLoad(msgspec.Struct):
         """Waiting requests the router did not send (other routers', direct clients').
 
         Counted against the router's own requests *at the poll*, not now: ``waiting`` is up to a
-        poll interval old, and subtracting today's count from it reads the router's own
+        poll interval old, and subtracting the count as it is now reads the router's own
         requests that have since started as foreign ones, each priced as a whole unknown
         prompt until the next poll."""
         return max(self.waiting - self.prefilling_at_poll, 0)
