@@ -19,7 +19,8 @@ Ranking adds ``(weight - 1) * uncached``: recomputing a prefix elsewhere also de
 request that queues behind it there and evicts cached prefixes to store the copy
 (``recompute_weight``: learned by default as ``1 / (1 - u) + k / (1 - k)`` from the fleet's
 utilization ``u``, the share of engines busy when requests arrive, and its mean KV usage ``k``;
-any value >= 1 fixes it).
+any value >= 1 fixes it; an engine unused for a window weighs it at the floor, see
+``KvRouterPolicy.unused``).
 
 Hits are the larger of what the index shows and what a short-lived speculative entry predicts
 (a prefix this router just sent there, before the worker's events arrive). Herd protection:
@@ -229,6 +230,8 @@ class KvRouterPolicy(Policy):
         """Per-engine queue-drain state; fed ``now``."""
         self._busy = 0.0  # see utilization()
         self._decisions = 0
+        self._last_sent: dict[Engine, int] = {}
+        """Per engine, the decision that last chose it (see ``unused``)."""
 
     def utilization(self) -> float:
         """The share of engines with prefill queued (this router's, or waiting requests it did
@@ -251,6 +254,26 @@ class KvRouterPolicy(Policy):
         queueing = 1.0 / max(1.0 - self._busy, 1e-9)
         learned = max(queueing, LEARNED_WEIGHT_FLOOR) + kv_weight(kv_usage)
         return min(learned, MAX_RECOMPUTE_WEIGHT)
+
+    def unused(self, c: Candidate) -> bool:
+        """True for an engine this router has sent nothing to over its last
+        ``UTILIZATION_DECISIONS`` decisions that runs, queues and holds nothing now.
+
+        Its uncached tokens are weighed at ``LEARNED_WEIGHT_FLOOR``: the recompute weight prices
+        the requests a recompute delays, and there are none on such an engine. With the fleet's
+        weight, a fleet whose every prefix already has a holder leaves an engine that holds
+        none unused while the holders queue (each session starts where its shared prompt is
+        cached and grows there); at the floor it takes a request once waiting on the holder
+        costs more than recomputing the whole prompt. Once chosen, the engine is not unused for
+        another window, so a burst sends it one request."""
+        ld = c.load
+        return (
+            self._decisions > UTILIZATION_DECISIONS
+            and self._decisions - self._last_sent.get(c.engine, -UTILIZATION_DECISIONS - 1)
+            > UTILIZATION_DECISIONS
+            and ld.is_idle()
+            and not (ld.running or ld.waiting)
+        )
 
     def _observe_busy(self, candidates: Sequence[Candidate]) -> None:
         busy = sum(
@@ -363,6 +386,7 @@ class KvRouterPolicy(Policy):
         if not dry_run and len(self._drain) > 2 * len(candidates) + 16:  # engines left: forget
             live = {c.engine for c in candidates}
             self._drain = {e: st for e, st in self._drain.items() if e in live}
+            self._last_sent = {e: d for e, d in self._last_sent.items() if e in live}
         weight = self.recompute_weight(sum(c.load.kv_usage for c in candidates) / len(candidates))
         if not dry_run:
             self._observe_busy(candidates)
@@ -372,7 +396,7 @@ class KvRouterPolicy(Policy):
                 prompt_tokens,
                 self.queued_estimate(c, now, commit=not dry_run),
                 self.prefill_rate(c.engine),
-                weight,
+                min(weight, LEARNED_WEIGHT_FLOOR) if self.unused(c) else weight,
             )
             for c in candidates
         ]
@@ -391,6 +415,8 @@ class KvRouterPolicy(Policy):
         keyed.sort()
         order = [i for _, i in keyed]
         chosen = costs[order[0]]
+        if not dry_run:
+            self._last_sent[chosen.engine] = self._decisions
         near_count = sum(1 for x in costs if x.rank_tokens <= best + tie)
         if chosen.hit_tokens or chosen.cpu_hit_tokens:
             reason = (

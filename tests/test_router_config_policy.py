@@ -12,6 +12,7 @@ from router.config import ConfigError, load_config, parse_config, parse_worker_a
 from router.load import EngineLoad
 from router.policy import (
     LEARNED_WEIGHT_FLOOR,
+    UTILIZATION_DECISIONS,
     Candidate,
     KvRouterPolicy,
     PolicyParams,
@@ -178,6 +179,33 @@ def test_own_requests_started_since_the_poll_are_not_foreign():
     assert stale.load.foreign_waiting() == 0
     # One more waiting at the poll than this router had there: one foreign request.
     assert EngineLoad(waiting=3, prefilling_at_poll=2).foreign_waiting() == 1
+
+
+def test_an_engine_unused_for_a_window_weighs_a_recompute_at_the_floor():
+    """An engine nothing was sent to for UTILIZATION_DECISIONS decisions, idle now, delays
+    nobody by recomputing there: its uncached tokens weigh the floor, not the fleet's weight.
+    One that was sent a request within the window keeps the fleet's weight."""
+
+    def warmed(b_sent_at: int | None) -> KvRouterPolicy:
+        p = KvRouterPolicy(PolicyParams(near_tie_tokens=0), seed=1)
+        for i in range(UTILIZATION_DECISIONS + 50):
+            a = cand("a", gpu=999, queued_prefill_tokens=500)  # a busy holder takes everything
+            b = cand("b", gpu=999 if i == b_sent_at else 0)
+            p.choose([a, b] if i != b_sent_at else [b, a], 1000, float(i))
+        return p
+
+    turn = [cand("a", gpu=4000, queued_prefill_tokens=6000), cand("b")]
+    p = warmed(None)
+    w = p.recompute_weight()
+    assert w == pytest.approx(2.0, abs=0.05)  # half the engines busy at every arrival
+    assert p.unused(turn[1]) and not p.unused(turn[0])
+    d = p.choose(turn, 5000, 400.0, dry_run=True)
+    assert d.engine == "b"  # 5000 * 1.1 against 6000 + 1000 * w: recompute where nobody waits
+    assert p.choose(turn, 5000, 400.0).engine == "b"
+    assert not p.unused(cand("b"))  # chosen: not unused for another window
+    recently = warmed(UTILIZATION_DECISIONS + 10)  # b was sent one request 40 decisions ago
+    assert not recently.unused(turn[1])
+    assert recently.choose(turn, 5000, 400.0).engine == "a"  # 6000 + 1000 w < 5000 w
 
 
 def test_near_ties_spread_by_inflight_then_random():
