@@ -181,7 +181,6 @@ def test_no_growth_step_reinserts_more_than_the_largest_segment(impl: type[Any])
     assert worst <= 0.13
 
 
-@pytest.mark.skipif(_native is None, reason="indexer._native is not built")
 def _random_op(
     rng: random.Random,
     m: Any,
@@ -213,6 +212,7 @@ def _mid_move(m: Any) -> list[int]:
     return [i for i, (_n, b) in enumerate(m.segment_sizes()) if (b // 16) & (b // 16 - 1)]
 
 
+@pytest.mark.skipif(_native is None, reason="indexer._native is not built")
 def test_growth_moves_a_few_entries_per_operation_and_loses_none() -> None:
     """A growing segment keeps its old table and moves 64 places of it per insertion or removal,
     finishing the probe run the 64th is in (runs at 5/8 load are tens of places): no operation
