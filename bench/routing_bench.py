@@ -325,9 +325,7 @@ def run_policy(
         # router.workers.WorkerRegistry._check: the gauges of vLLM's /metrics.
         for w in range(n):
             ld = fleet.load(w)
-            el = workers[w].load(0)
-            el.waiting, el.running, el.kv_usage = ld.waiting, ld.running, ld.kv_usage
-            el.prefilling_at_poll = el.prefilling_requests
+            workers[w].load(0).set_gauges(ld.waiting, ld.running, ld.kv_usage)
 
     def advance(t: float) -> None:
         nonlocal next_poll

@@ -33,6 +33,12 @@ class EngineLoad(msgspec.Struct):
     """``prefilling_requests`` when ``waiting`` was read: how many of those waiting requests
     could be this router's own (see :meth:`foreign_waiting`)."""
 
+    def set_gauges(self, waiting: int, running: int, kv_usage: float) -> None:
+        """A poll of the worker's /metrics: its gauges, and this router's own requests there at
+        that moment beside ``waiting``."""
+        self.waiting, self.running, self.kv_usage = waiting, running, kv_usage
+        self.prefilling_at_poll = self.prefilling_requests
+
     def foreign_waiting(self) -> int:
         """Waiting requests the router did not send (other routers', direct clients').
 

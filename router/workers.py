@@ -351,11 +351,11 @@ class WorkerRegistry:
             if r.status_code == 200:
                 parsed = parse_vllm_metrics(r.text)
                 for rank, vals in parsed.items():
-                    ld = w.load(rank)
-                    ld.waiting = int(vals.get("waiting", 0))
-                    ld.prefilling_at_poll = ld.prefilling_requests
-                    ld.running = int(vals.get("running", 0))
-                    ld.kv_usage = float(vals.get("kv_usage", 0.0))
+                    w.load(rank).set_gauges(
+                        int(vals.get("waiting", 0)),
+                        int(vals.get("running", 0)),
+                        float(vals.get("kv_usage", 0.0)),
+                    )
                 w.lora_slots = parse_lora_info(r.text)
                 w.metrics_ts = time.monotonic()
                 if self.on_metrics is not None:
