@@ -141,14 +141,7 @@ def test_demo_serve_ends_its_fleet_on_a_signal(sig: signal.Signals, tmp_path: Pa
         workers = [int(p) for p in re.findall(r"simulated worker http://127\.0\.0\.1:(\d+)", out)]
         assert len(workers) == 2 and all(_listening(p) for p in workers)
         proc.send_signal(sig)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            _abort(proc)
-            stacks = err_path.read_text(errors="replace")[-6000:]
-            raise AssertionError(
-                f"the demo outlived {sig.name} by 30 s; its stacks:\n{stacks}"
-            ) from None
+        _exit_code(proc, 30, err_path, sig.name)
         _wait(lambda: not any(_listening(p) for p in workers), 15, "the fleet to end")
         assert not _listening(port)
     finally:
@@ -170,12 +163,21 @@ def _kill(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _abort(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
-    """SIGABRT (faulthandler prints every thread's stack), then the fleet left behind."""
-    children = _children(proc)
-    os.kill(proc.pid, signal.SIGABRT)
-    proc.wait(10)
-    _kill(children)
+def _exit_code(proc: subprocess.Popen, timeout: float, err_path: Path, sig: str) -> int:  # type: ignore[type-arg]
+    """The demo's exit code once it ends after ``sig``. If it outlives ``timeout``: SIGABRT
+    (faulthandler prints every thread's stack to ``err_path``), the fleet it leaves behind
+    killed, and a failure carrying those stacks."""
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        children = _children(proc)
+        os.kill(proc.pid, signal.SIGABRT)
+        proc.wait(10)
+        _kill(children)
+        stacks = err_path.read_text(errors="replace")[-6000:]
+        raise AssertionError(
+            f"the demo outlived {sig} by {timeout} s; its stacks:\n{stacks}"
+        ) from None
 
 
 def _kill_with_children(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
@@ -216,12 +218,7 @@ def test_demo_serve_ends_on_sigterm_while_answering_requests(tmp_path: Path) -> 
                 t.start()
             _wait(lambda: len(served) >= 20, 20, "clients to be served")  # noqa: B023
             proc.send_signal(signal.SIGTERM)
-            try:
-                assert proc.wait(20) == 128 + signal.SIGTERM
-            except subprocess.TimeoutExpired:
-                _abort(proc)
-                stacks = err_path.read_text(errors="replace")[-6000:]
-                raise AssertionError(f"the demo outlived SIGTERM by 20 s:\n{stacks}") from None
+            assert _exit_code(proc, 20, err_path, "SIGTERM") == 128 + signal.SIGTERM
         finally:
             stop.set()
             for t in clients:
