@@ -20,7 +20,9 @@ request that queues behind it there and evicts cached prefixes to store the copy
 (``recompute_weight``: learned by default as ``1 / (1 - u) + k / (1 - k)`` from the fleet's
 utilization ``u``, the share of engines busy when requests arrive, and its mean KV usage ``k``;
 any value >= 1 fixes it; an engine unused for a window weighs it at the floor, see
-``KvRouterPolicy.unused``).
+``KvRouterPolicy.unused``). Ranking also adds what the engine's mean queue costs the requests
+expected to continue this prompt there (``KvRouterPolicy.follow_on_tokens``): a prompt placed
+on an engine pins its continuations to that engine's cache.
 
 Hits are the larger of what the index shows and what a short-lived speculative entry predicts
 (a prefix this router just sent there, before the worker's events arrive). Herd protection:
@@ -117,6 +119,11 @@ class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
     recomputing it elsewhere spends that prefill a second time, and every request that queues
     behind it on that engine waits for it too. ``near_tie_tokens`` is scaled by it.
     ``cost_tokens`` and ``expected_ttft_s`` stay unweighted (they are the TTFT estimate)."""
+    follow_on_weight: float = 0.5
+    """Share of the expected continuations of a prompt whose wait in the engine's mean queue
+    its placement is charged (:meth:`KvRouterPolicy.follow_on_tokens`; 0 = none). Moving a
+    session to a quieter engine closes about half the gap between the two queues (the one
+    loses its load, the other gains it), hence a half."""
 
 
 @dataclass(slots=True)
@@ -132,12 +139,16 @@ class EngineCost:
     expected_ttft_s: float
     """``cost_tokens`` at ``prefill_tokens_per_s``: an estimate for reading, not for ranking."""
     rank_tokens: float
-    """What the ranking compares: ``cost_tokens`` plus ``(recompute_weight - 1) * uncached``."""
+    """What the ranking compares: ``cost_tokens`` plus ``(recompute_weight - 1) * uncached``
+    plus ``follow_on_tokens``."""
     speculative: bool
     """True when the speculative entry supplied the hit."""
     prefill_tokens_per_s: float = 0.0
     """The engine's learned prefill rate, else the configured ``prefill_tokens_per_s``."""
     rate_learned: bool = False
+    follow_on_tokens: float = 0.0
+    """The engine's mean queue charged for the requests expected to continue this prompt
+    there (:meth:`KvRouterPolicy.follow_on_tokens`)."""
 
 
 @dataclass(slots=True)
@@ -232,6 +243,11 @@ class KvRouterPolicy(Policy):
         self._decisions = 0
         self._last_sent: dict[Engine, int] = {}
         """Per engine, the decision that last chose it (see ``unused``)."""
+        self._mean_queue: dict[Engine, float] = {}
+        """Per engine, the prefill tokens ahead of a request arriving there (queued and
+        foreign waiting), averaged over decisions like the utilization."""
+        self._hit = 0.0  # chosen engines' predicted hit tokens, averaged over decisions
+        self._prompt = 0.0  # prompt tokens, averaged alike: see reuse()
 
     def utilization(self) -> float:
         """The share of engines with prefill queued (this router's, or waiting requests it did
@@ -254,6 +270,31 @@ class KvRouterPolicy(Policy):
         queueing = 1.0 / max(1.0 - self._busy, 1e-9)
         learned = max(queueing, LEARNED_WEIGHT_FLOOR) + kv_weight(kv_usage)
         return min(learned, MAX_RECOMPUTE_WEIGHT)
+
+    def reuse(self) -> float:
+        """How many times a prompt token computed on the fleet is read from cache afterwards, on
+        average: ``h / (1 - h)`` at the predicted hit rate ``h`` of this router's decisions
+        (every token is computed once and hit ``h / (1 - h)`` times)."""
+        h = self._hit / self._prompt if self._prompt > 0 else 0.0
+        return min(h, 0.999) / (1.0 - min(h, 0.999))
+
+    def follow_on_tokens(self, engine: Engine) -> float:
+        """What placing a prompt on ``engine`` costs the requests expected to continue it.
+
+        Each continuation goes where the prompt's cache is, so it waits in that engine's queue:
+        its mean over decisions, not the queue of this instant. ``reuse()`` estimates how many
+        continuations a prompt has; the charge is ``follow_on_weight * reuse * mean queue``.
+        The current request's own wait is the cost's queued term; this prices the session's.
+        Without it, every new session of a shared prompt starts on the one engine caching it
+        (the best for that request) and stays there while other engines idle. It is off while
+        ``reuse() < 1``: where most computed tokens are never read again, a prompt's placement
+        does not decide where later requests go. Capped at ``MAX_RECOMPUTE_WEIGHT`` mean queues.
+        """
+        r = self.reuse()
+        k = self.params.follow_on_weight
+        if r < 1.0 or k <= 0:
+            return 0.0
+        return min(k * r, MAX_RECOMPUTE_WEIGHT) * self._mean_queue.get(engine, 0.0)
 
     def unused(self, c: Candidate) -> bool:
         """True for an engine this router has sent nothing to over its last
@@ -282,8 +323,20 @@ class KvRouterPolicy(Policy):
             if c.load.queued_prefill_tokens > 0 or c.load.foreign_waiting() > 0
         )
         self._decisions += 1
-        alpha = 1.0 / min(self._decisions, UTILIZATION_DECISIONS)
-        self._busy += alpha * (busy / len(candidates) - self._busy)
+        self._busy += self._alpha() * (busy / len(candidates) - self._busy)
+
+    def _alpha(self) -> float:
+        return 1.0 / min(max(self._decisions, 1), UTILIZATION_DECISIONS)
+
+    def _observe_decision(
+        self, costs: Sequence[EngineCost], chosen: EngineCost, prompt: int
+    ) -> None:
+        a = self._alpha()
+        for x in costs:
+            q = self._mean_queue.get(x.engine, 0.0)
+            self._mean_queue[x.engine] = q + a * (x.queued_tokens + x.metrics_tokens - q)
+        self._hit += a * (chosen.hit_tokens + chosen.cpu_hit_tokens - self._hit)
+        self._prompt += a * (prompt - self._prompt)
 
     def queued_estimate(self, c: Candidate, now: float, commit: bool = True) -> float:
         """Prefill tokens still queued on ``c.engine``, decayed in time.
@@ -387,6 +440,7 @@ class KvRouterPolicy(Policy):
             live = {c.engine for c in candidates}
             self._drain = {e: st for e, st in self._drain.items() if e in live}
             self._last_sent = {e: d for e, d in self._last_sent.items() if e in live}
+            self._mean_queue = {e: q for e, q in self._mean_queue.items() if e in live}
         weight = self.recompute_weight(sum(c.load.kv_usage for c in candidates) / len(candidates))
         if not dry_run:
             self._observe_busy(candidates)
@@ -400,6 +454,9 @@ class KvRouterPolicy(Policy):
             )
             for c in candidates
         ]
+        for x in costs:
+            x.follow_on_tokens = self.follow_on_tokens(x.engine)
+            x.rank_tokens += x.follow_on_tokens
         best = min(x.rank_tokens for x in costs)
         tie = self.params.near_tie_tokens * max(weight, 1.0)
         # Rank: near-ties of the best by in-flight requests, then a random tie-break; everything
@@ -417,6 +474,7 @@ class KvRouterPolicy(Policy):
         chosen = costs[order[0]]
         if not dry_run:
             self._last_sent[chosen.engine] = self._decisions
+            self._observe_decision(costs, chosen, prompt_tokens)
         near_count = sum(1 for x in costs if x.rank_tokens <= best + tie)
         if chosen.hit_tokens or chosen.cpu_hit_tokens:
             reason = (

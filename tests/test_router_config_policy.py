@@ -108,6 +108,8 @@ def test_policy_knobs_reach_the_policy_and_default_to_its_own_defaults():
     assert params.kv_pressure_tokens == 512.0
     with pytest.raises(ConfigError, match=r"policy\.recompute_weight"):
         parse_config({"workers": [{"url": "http://a:1"}], "policy": {"recompute_weight": 0.5}})
+    with pytest.raises(ConfigError, match=r"policy\.follow_on_weight"):
+        parse_config({"workers": [{"url": "http://a:1"}], "policy": {"follow_on_weight": -1}})
     learned = parse_config({"workers": [{"url": "http://a:1"}], "policy": {"recompute_weight": 0}})
     assert learned.policy.recompute_weight == 0.0 and PolicyParams().recompute_weight == 0.0
 
@@ -187,7 +189,8 @@ def test_an_engine_unused_for_a_window_weighs_a_recompute_at_the_floor():
     One that was sent a request within the window keeps the fleet's weight."""
 
     def warmed(b_sent_at: int | None) -> KvRouterPolicy:
-        p = KvRouterPolicy(PolicyParams(near_tie_tokens=0), seed=1)
+        # follow_on_weight=0: a's queue at every arrival would otherwise charge its sessions
+        p = KvRouterPolicy(PolicyParams(near_tie_tokens=0, follow_on_weight=0.0), seed=1)
         for i in range(UTILIZATION_DECISIONS + 50):
             a = cand("a", gpu=999, queued_prefill_tokens=500)  # a busy holder takes everything
             b = cand("b", gpu=999 if i == b_sent_at else 0)
@@ -206,6 +209,34 @@ def test_an_engine_unused_for_a_window_weighs_a_recompute_at_the_floor():
     recently = warmed(UTILIZATION_DECISIONS + 10)  # b was sent one request 40 decisions ago
     assert not recently.unused(turn[1])
     assert recently.choose(turn, 5000, 400.0).engine == "a"  # 6000 + 1000 w < 5000 w
+
+
+def test_a_new_session_leaves_the_holder_whose_queue_its_continuations_would_share():
+    """Where each computed token is read again many times (sessions), placing a prompt pins its
+    continuations to that engine: they wait in its mean queue, not its queue of this instant.
+    The holder of a shared prefix, idle right now but queued 1,000 tokens on average, loses a
+    new session to an engine without the prefix; where tokens are rarely reused, or with
+    ``follow_on_weight: 0``, the request takes the cached prefix."""
+
+    def warmed(hit: int, follow_on_weight: float = 0.5) -> KvRouterPolicy:
+        params = PolicyParams(near_tie_tokens=0, recompute_weight=2.0)
+        params.follow_on_weight = follow_on_weight
+        p = KvRouterPolicy(params, seed=0)
+        for i in range(200):  # every request goes to a, 1,000 tokens queued there each time
+            p.choose([cand("a", gpu=hit, queued_prefill_tokens=1000)], 1000, i * 0.1)
+        return p
+
+    new_session = [cand("a", gpu=1500), cand("b")]  # 1,500 of 2,000 tokens cached on a
+    sessions = warmed(hit=900)
+    assert sessions.reuse() == pytest.approx(9.0)  # 0.9 of prompt tokens hit: 9 reads each
+    d = sessions.choose(new_session, 2000, 30.0)
+    charged = {c.engine: c.follow_on_tokens for c in d.costs}
+    assert charged == pytest.approx({"a": 4.5 * 1000, "b": 0.0})
+    assert d.engine == "b"  # 2,000 * 2 against 500 * 2 + 4,500
+    one_off = warmed(hit=100)
+    assert one_off.reuse() < 1 and one_off.follow_on_tokens("a") == 0.0
+    assert one_off.choose(new_session, 2000, 30.0).engine == "a"
+    assert warmed(hit=900, follow_on_weight=0.0).choose(new_session, 2000, 30.0).engine == "a"
 
 
 def test_near_ties_spread_by_inflight_then_random():
@@ -254,7 +285,10 @@ def test_herd_spills_over_once_queue_outweighs_recompute(weight: float) -> None:
     """Siblings follow the first request's speculative entry until the queue there outweighs
     recomputing the shared prefix elsewhere, with recompute counted ``weight`` times (a prefix
     computed twice costs fleet capacity and moves the conversation's later hits)."""
-    p = KvRouterPolicy(PolicyParams(near_tie_tokens=64, recompute_weight=weight), seed=0)
+    # follow_on_weight=0: the siblings hit 93 % of their prompts, so their sessions would also
+    # be charged the holder's mean queue; this is the one request's trade-off
+    params = PolicyParams(near_tie_tokens=64, recompute_weight=weight, follow_on_weight=0.0)
+    p = KvRouterPolicy(params, seed=0)
     spec = SpeculativeCache(ttl_s=2.0)
     keys = list(range(64))  # 1024-token shared prefix
     queued = {"a": 0, "b": 0, "c": 0}
