@@ -575,6 +575,7 @@ KNOB_GRID: dict[str, list[float]] = {
     "running_request_tokens": [0.0, 16.0, 128.0],
     "kv_pressure_tokens": [0.0, 2048.0, 16384.0],
     "recompute_weight": [1.0, 2.0, 4.0, 8.0],
+    "follow_on_weight": [0.0, 0.25, 0.5, 1.0],
 }
 
 

@@ -136,6 +136,7 @@ async def test_shared_system_prompt_goes_to_its_worker_and_debug_route_explains(
             assert w["groups"][0]["hit_tokens"] == w["gpu_hit_tokens"]
             assert set(w["load"]) >= {"inflight_requests", "queued_prefill_tokens", "kv_usage"}
             assert w["cost"]["uncached_tokens"] == e["prompt_tokens"] - w["gpu_hit_tokens"]
+            assert w["cost"]["follow_on_tokens"] == 0  # no decision yet: no mean queue anywhere
             others = [x for x in e["workers"] if x["url"] != target]
             assert all(x["cost"]["tokens"] > w["cost"]["tokens"] for x in others)
             # /debug/route sent no generation request anywhere.
