@@ -219,8 +219,9 @@ def test_a_new_session_leaves_the_holder_whose_queue_its_continuations_would_sha
     ``follow_on_weight: 0``, the request takes the cached prefix."""
 
     def warmed(hit: int, follow_on_weight: float = 0.5) -> KvRouterPolicy:
-        params = PolicyParams(near_tie_tokens=0, recompute_weight=2.0)
-        params.follow_on_weight = follow_on_weight
+        params = PolicyParams(
+            near_tie_tokens=0, recompute_weight=2.0, follow_on_weight=follow_on_weight
+        )
         p = KvRouterPolicy(params, seed=0)
         for i in range(200):  # every request goes to a, 1,000 tokens queued there each time
             p.choose([cand("a", gpu=hit, queued_prefill_tokens=1000)], 1000, i * 0.1)
