@@ -275,8 +275,8 @@ class KvRouterPolicy(Policy):
         """How many times a prompt token computed on the fleet is read from cache afterwards, on
         average: ``h / (1 - h)`` at the predicted hit rate ``h`` of this router's decisions
         (every token is computed once and hit ``h / (1 - h)`` times)."""
-        h = self._hit / self._prompt if self._prompt > 0 else 0.0
-        return min(h, 0.999) / (1.0 - min(h, 0.999))
+        h = min(self._hit / self._prompt, 0.999) if self._prompt > 0 else 0.0
+        return h / (1.0 - h)
 
     def follow_on_tokens(self, engine: Engine) -> float:
         """What placing a prompt on ``engine`` costs the requests expected to continue it.
@@ -290,11 +290,16 @@ class KvRouterPolicy(Policy):
         ``reuse() < 1``: where most computed tokens are never read again, a prompt's placement
         does not decide where later requests go. Capped at ``MAX_RECOMPUTE_WEIGHT`` mean queues.
         """
+        return self._follow_on_queues() * self._mean_queue.get(engine, 0.0)
+
+    def _follow_on_queues(self) -> float:
+        """How many mean queues a placement is charged: the same for every engine of a
+        decision (see ``follow_on_tokens``)."""
         r = self.reuse()
         k = self.params.follow_on_weight
         if r < 1.0 or k <= 0:
             return 0.0
-        return min(k * r, MAX_RECOMPUTE_WEIGHT) * self._mean_queue.get(engine, 0.0)
+        return min(k * r, MAX_RECOMPUTE_WEIGHT)
 
     def unused(self, c: Candidate) -> bool:
         """True for an engine this router has sent nothing to over its last
@@ -392,6 +397,7 @@ class KvRouterPolicy(Policy):
         queued: float | None = None,
         rate: float | None = None,
         weight: float | None = None,
+        follow_on: float = 0.0,
     ) -> EngineCost:
         p = self.params
         if weight is None:
@@ -422,8 +428,9 @@ class KvRouterPolicy(Policy):
             expected_ttft_s=total / (rate or p.prefill_tokens_per_s),
             prefill_tokens_per_s=rate or p.prefill_tokens_per_s,
             rate_learned=rate is not None,
-            rank_tokens=total + (weight - 1.0) * uncached,
+            rank_tokens=total + (weight - 1.0) * uncached + follow_on,
             speculative=spec,
+            follow_on_tokens=follow_on,
         )
 
     def choose(
@@ -444,6 +451,7 @@ class KvRouterPolicy(Policy):
         weight = self.recompute_weight(sum(c.load.kv_usage for c in candidates) / len(candidates))
         if not dry_run:
             self._observe_busy(candidates)
+        follow_on = self._follow_on_queues()
         costs = [
             self.cost(
                 c,
@@ -451,12 +459,10 @@ class KvRouterPolicy(Policy):
                 self.queued_estimate(c, now, commit=not dry_run),
                 self.prefill_rate(c.engine),
                 min(weight, LEARNED_WEIGHT_FLOOR) if self.unused(c) else weight,
+                follow_on * self._mean_queue.get(c.engine, 0.0),
             )
             for c in candidates
         ]
-        for x in costs:
-            x.follow_on_tokens = self.follow_on_tokens(x.engine)
-            x.rank_tokens += x.follow_on_tokens
         best = min(x.rank_tokens for x in costs)
         tie = self.params.near_tie_tokens * max(weight, 1.0)
         # Rank: near-ties of the best by in-flight requests, then a random tie-break; everything
