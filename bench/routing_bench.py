@@ -79,13 +79,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import peer_report, peers
 from bench.workloads import Req, TokenSource, TraceError, load_workload
-from indexer.index import PrefixIndex
+from indexer.index import EngineId, PrefixIndex
 from indexer.wire import DecodeError, decode_payload
 from kvrouter.progress import Progress
 from router.candidates import build_candidates
 from router.config import WorkerSpec
 from router.policy import PolicyParams, SpeculativeCache, make_policy
 from router.proxy import Ticket
+from router.speculative import junction_tokens
 from router.workers import Worker
 from simulator.engine import EngineConfig, SimEngine
 from simulator.fleet import FastFleet
@@ -359,14 +360,22 @@ def run_policy(
             kk, kcost = keys.get(req, toks)
             t0 = time.perf_counter()
             matches = index.match_keys(kk, n_tok, engines)
+            reach: dict[EngineId, int] = {}
+            sp = spec.prompt_hits(
+                engines,
+                kk,
+                n_tok,
+                unit,
+                t,
+                {e: a for e in engines if (a := index.replay_alignment(e))},
+                reach,
+            )
             cands = build_candidates(
-                loads,
-                matches,
-                block_size=fs.block_size,
-                speculative={e: spec.hit_tokens(e, kk, unit, t) for e in engines},
+                loads, matches, block_size=fs.block_size, speculative=sp, reach=reach
             )
             d = policy.choose(cands, n_tok, t)
-            spec.record(d.engine, kk, t)
+            junction = junction_tokens(matches.get(d.engine))
+            spec.record(d.engine, kk, t, n_tokens=n_tok, junction=junction, unit=unit)
             decisions.append((time.perf_counter() - t0 + kcost) * 1000)
             cost = next(c for c in d.costs if c.engine == d.engine)
             uncached = cost.uncached_tokens

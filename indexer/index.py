@@ -23,12 +23,13 @@ import msgspec
 
 from indexer.cap import enforce_cap
 from indexer.engine_state import EngineState
+from indexer.hit_rules import alignment
 from indexer.ingest import Ingest
 from indexer.keys import DEFAULT_UNIT, NamespaceRoots, chain_keys, packed_keys
 from indexer.matching import GroupHit, Layouts, PrefixMatch, match_engines
 from indexer.residency import Residency
 from indexer.snapshot import EngineExport, decode_snapshot, encode_snapshot, restore_snapshot
-from indexer.types import EngineId, GroupSpec, group_kind
+from indexer.types import MAMBA, SLIDING, EngineId, GroupSpec, group_kind
 from indexer.wire import Event
 
 __all__ = [
@@ -281,6 +282,18 @@ class PrefixIndex:
         if e is None:
             return (0, 0)
         return (e.counters["blocks_stored"], e.counters["blocks_removed"])
+
+    def replay_alignment(self, engine: EngineId) -> int:
+        """For an engine with sliding-window or Mamba groups, the alignment of its hits (the LCM
+        of its groups' block sizes); 0 when every group it is known to have caches densely.
+
+        vLLM keeps those groups' blocks only at replay boundaries and prefix junctions, so a
+        prediction made before the engine's events arrive (router/speculative.py) credits only
+        whole prompts there."""
+        e = self._engines.get(engine)
+        if e is None or not any(s.kind in (SLIDING, MAMBA) for s in e.groups.values()):
+            return 0
+        return alignment(e.groups.values())
 
     def resident_blocks(self, engine: EngineId) -> int:
         e = self._engines.get(engine)

@@ -11,6 +11,7 @@ from collections.abc import Container, Iterable, Mapping
 from indexer.index import EngineId, PrefixMatch
 from router.load import EngineLoad
 from router.policy import Candidate
+from router.speculative import junction_tokens
 
 __all__ = ["build_candidates"]
 
@@ -27,6 +28,7 @@ def build_candidates(
     load_only: Container[EngineId] = _NONE,
     unverified: Container[EngineId] = _NONE,
     adapter: Mapping[EngineId, float] | None = None,
+    reach: Mapping[EngineId, int] | None = None,
 ) -> list[Candidate]:
     """One :class:`Candidate` per engine of ``loads``, in that order.
 
@@ -39,17 +41,22 @@ def build_candidates(
       speculative entry (this router's own recent decision) still is;
     * ``unverified``: engines whose predictions drifted: no prefix credit at all until
       re-verified;
-    * ``adapter``: what the request's LoRA adapter costs per engine (router/lora.py).
+    * ``adapter``: what the request's LoRA adapter costs per engine (router/lora.py);
+    * ``reach``: for engines with sliding-window or Mamba groups, the prefix a speculative entry
+      shows for their full-attention blocks (router/speculative.py): with the index's
+      full-attention run, the candidate's ``junction_tokens``.
     """
     spec = speculative or {}
     extra = adapter or {}
     others = remote or {}
     out = []
+    ahead = reach or {}
     for e, own in loads:
         m = None if e in load_only else matches.get(e)
         hit = spec.get(e, 0) // block_size * block_size
+        junction = max(junction_tokens(m), ahead.get(e, 0) // block_size * block_size)
         if e in unverified:
-            m, hit = None, 0
+            m, hit, junction = None, 0, 0
         out.append(
             Candidate(
                 engine=e,
@@ -58,6 +65,7 @@ def build_candidates(
                 load=own.plus(others.get(e)),
                 speculative_tokens=hit,
                 adapter_tokens=extra.get(e, 0.0),
+                junction_tokens=junction,
             )
         )
     return out

@@ -42,6 +42,7 @@ from router.sessions import Binding, Sessions, SessionTable
 from router.shared_quotas import shared_quotas
 from router.shared_sessions import shared_sessions
 from router.shared_state import ExportedEngine, SharedState, make_shared_state, seed_subscriber
+from router.speculative import junction_tokens
 from router.tokenize import (
     LocalTokenizer,
     PromptTokenizer,
@@ -317,6 +318,21 @@ class Router:
                 break  # the request itself is bad; another worker would say the same
         raise TokenizeError(last)
 
+    def record_sent(self, engine: EngineId, res: RouteResult, now: float) -> None:
+        """The speculative entry for a prompt just sent to ``engine``: siblings routed before
+        its events arrive find its prefix there (router/speculative.py)."""
+        tok = res.tokens
+        if tok is None:
+            return
+        self.speculative.record(
+            engine,
+            tok.keys,
+            now,
+            n_tokens=tok.n_tokens,
+            junction=junction_tokens(res.matches.get(engine)),
+            unit=self.index.unit,
+        )
+
     def namespace_root(self, body: dict[str, Any]) -> tuple[str, int]:
         model = body.get("model")
         ns = self.lora.namespace(model, self.registry) or self.registry.models.namespace(
@@ -363,21 +379,29 @@ class Router:
         engines = [e for e, _ in loads]
         matches: dict[EngineId, PrefixMatch] = {}
         speculative: dict[EngineId, int] = {}
+        reach: dict[EngineId, int] = {}
         reads_cache = reads_prefix_cache(body, chat)
         if tok is not None and engines and reads_cache:
             matches = self.index.match_keys(tok.keys, tok.n_tokens, engines)
-            unit = self.index.unit
-            # The keys reach n tokens (a CPU chunk may end there); vLLM's hit stops at n - 1.
-            cap = max(tok.n_tokens - 1, 0)
-            speculative = {
-                e: min(self.speculative.hit_tokens(e, tok.keys, unit, now), cap) for e in engines
-            }
+            speculative = self.speculative.prompt_hits(
+                engines,
+                tok.keys,
+                tok.n_tokens,
+                self.index.unit,
+                now,
+                {e: a for e in engines if (a := self.index.replay_alignment(e))},
+                reach,
+            )
         if bound is not None and tok is not None and reads_cache:
             e, tokens, last_key = bound
             at = tokens // self.index.unit - 1
             if 0 <= at < len(tok.keys) and tok.keys[at] == last_key:  # extends the last turn
                 speculative = dict(speculative)
-                speculative[e] = max(speculative.get(e, 0), min(tokens, tok.n_tokens - 1))
+                # Whole last turn: its replay boundary, which sparse groups keep too (aligned).
+                credit = min(tokens, tok.n_tokens - 1)
+                if align := self.index.replay_alignment(e):
+                    credit = credit // align * align
+                speculative[e] = max(speculative.get(e, 0), credit)
         cands = build_candidates(
             loads,
             matches,
@@ -387,6 +411,7 @@ class Router:
             load_only={e for e in engines if load_only(self.subscriber, e)},
             unverified=self._unverified(engines),
             adapter=self.lora.adapter_tokens(model, workers, self.registry),
+            reach=reach,
         )
         if not cands:
             raise BodyError(503, "no workers configured")

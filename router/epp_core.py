@@ -225,8 +225,8 @@ class Picker:
         st.ticket = Ticket(w, engine[1], st.pick.uncached.get(engine, 0))
         st.charged.append(engine)
         res = st.pick.result
-        if res is not None and res.tokens is not None:
-            self.router.speculative.record(engine, res.tokens.keys, time.monotonic())
+        if res is not None:
+            self.router.record_sent(engine, res, time.monotonic())
 
     def served(self, st: RequestState, endpoint: str | None, status: int) -> None:
         """Response headers arrived from ``endpoint`` (None: the gateway did not say, so the

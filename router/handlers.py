@@ -177,8 +177,7 @@ def _on_sent(
         routed, so that a sibling prompt arriving next finds the speculative entry; while
         the worker already computes, when a kept-alive connection was idle."""
         nonlocal recorded
-        if tok is not None:
-            router.speculative.record(engine, tok.keys, time.monotonic())
+        router.record_sent(engine, res, time.monotonic())
         if recorded:
             return  # a retry: the entry above is for the engine that now has the request
         recorded = True

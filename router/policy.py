@@ -22,7 +22,11 @@ utilization ``u``, the share of engines busy when requests arrive, and its mean 
 any value >= 1 fixes it; an engine unused for a window weighs it at the floor, see
 ``KvRouterPolicy.unused``). Ranking also adds what the engine's mean queue costs the requests
 expected to continue this prompt there (``KvRouterPolicy.follow_on_tokens``): a prompt placed
-on an engine pins its continuations to that engine's cache.
+on an engine pins its continuations to that engine's cache. On a hybrid model (sliding-window
+or Mamba groups) ranking subtracts ``weight * junction``: a prefix whose full-attention blocks an
+engine holds without the other groups' (a *junction*, ``Candidate.junction_tokens``) is not a
+hit for this prompt, but computing the prompt there makes it one for every later prompt sharing
+it, so it ranks like the hit it becomes.
 
 Hits are the larger of what the index shows and what a short-lived speculative entry predicts
 (a prefix this router just sent there, before the worker's events arrive). Herd protection:
@@ -76,6 +80,11 @@ class Candidate:
     """Hit predicted by a speculative entry; used when larger than the indexed GPU hit."""
     adapter_tokens: float = 0.0
     """Prefill-token equivalent of readying the request's LoRA adapter there (router/lora.py)."""
+    junction_tokens: int = 0
+    """On an engine with sliding-window or Mamba groups, the prefix its full-attention blocks
+    hold (or are about to: a speculative entry) when longer than the hit. vLLM keeps those
+    groups' blocks only at a prompt's replay boundary and at such junctions, so the prompt
+    computes that prefix there, and every later prompt sharing it hits it there."""
 
 
 class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -140,7 +149,7 @@ class EngineCost:
     """``cost_tokens`` at ``prefill_tokens_per_s``: an estimate for reading, not for ranking."""
     rank_tokens: float
     """What the ranking compares: ``cost_tokens`` plus ``(recompute_weight - 1) * uncached``
-    plus ``follow_on_tokens``."""
+    plus ``follow_on_tokens`` minus ``recompute_weight * junction_tokens``."""
     speculative: bool
     """True when the speculative entry supplied the hit."""
     prefill_tokens_per_s: float = 0.0
@@ -149,6 +158,9 @@ class EngineCost:
     follow_on_tokens: float = 0.0
     """The engine's mean queue charged for the requests expected to continue this prompt
     there (:meth:`KvRouterPolicy.follow_on_tokens`)."""
+    junction_tokens: int = 0
+    """Tokens beyond the hit that computing the prompt there makes hittable for the prompts
+    sharing them (``Candidate.junction_tokens``); ranked like cached ones."""
 
 
 @dataclass(slots=True)
@@ -417,6 +429,9 @@ class KvRouterPolicy(Policy):
         if queued is None:
             queued = float(ld.queued_prefill_tokens)
         total = uncached + cpu * p.cpu_transfer_discount + queued + metrics
+        # A junction is ranked as the hit it becomes for the prompts that share it (see
+        # Candidate.junction_tokens); this prompt computes it all the same (cost_tokens).
+        junction = max(min(c.junction_tokens, max_hit) - hit - cpu, 0)
         return EngineCost(
             engine=c.engine,
             hit_tokens=hit,
@@ -428,9 +443,10 @@ class KvRouterPolicy(Policy):
             expected_ttft_s=total / (rate or p.prefill_tokens_per_s),
             prefill_tokens_per_s=rate or p.prefill_tokens_per_s,
             rate_learned=rate is not None,
-            rank_tokens=total + (weight - 1.0) * uncached + follow_on,
+            rank_tokens=total + (weight - 1.0) * uncached + follow_on - weight * junction,
             speculative=spec,
             follow_on_tokens=follow_on,
+            junction_tokens=junction,
         )
 
     def choose(

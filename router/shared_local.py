@@ -112,9 +112,16 @@ class SharedSpeculativeCache(SpeculativeCache):
         self.publish = publish
 
     def record(
-        self, engine: Engine, keys: Sequence[int], now: float, ttl_s: float | None = None
+        self,
+        engine: Engine,
+        keys: Sequence[int],
+        now: float,
+        ttl_s: float | None = None,
+        n_tokens: int | None = None,
+        junction: int = 0,
+        unit: int = 16,
     ) -> None:
-        super().record(engine, keys, now, ttl_s)
+        super().record(engine, keys, now, ttl_s, n_tokens, junction, unit)
         if self.publish is not None and self.ttl_s > 0 and keys:
             self.publish(engine, keys)
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 
-__all__ = ["SAMPLE_STRIDE", "Engine", "SpeculativeCache"]
+from indexer.matching import PrefixMatch
+
+__all__ = ["SAMPLE_STRIDE", "Engine", "SpeculativeCache", "junction_tokens"]
 
 Engine = Hashable
 """An engine identity: the router uses ``(url, dp_rank)`` (``indexer.index.EngineId``); the
@@ -36,6 +38,16 @@ class SpeculativeCache:
     ``SAMPLE_STRIDE``-th position (a record from another replica has those and its deepest
     key), then the deepest live key within the stride after the last covered one.
 
+    Models with sliding-window or Mamba groups (``replay_align`` in :meth:`prompt_hits`) keep
+    those groups' blocks only where a later prompt can hit by vLLM's default retention: at a
+    prompt's replay boundary (its ``n - 1`` tokens, aligned) and at prefix junctions. A sibling
+    that shares only part of a recorded prompt finds the full-attention blocks there but not
+    the sliding-window ones, and vLLM computes it from scratch; so on such an engine an entry
+    credits a later prompt only up to a boundary of a recorded prompt: its replay boundary
+    (``record(..., n_tokens=)``; a record without it, another replica's, counts its keys' tokens
+    minus one) or its junction (``junction=``: where the prompt's full-attention hit on that
+    engine ended beyond its whole hit, see :func:`junction_tokens`), which vLLM pins.
+
     Layout, for the request path: every routed request records one key per 16 tokens (512 for
     an 8k prompt), so recording is one C-level ``dict.update``. Expiry is incremental: records
     sit in a heap by expiry time, and each ``record`` first retires the records whose time has
@@ -52,8 +64,12 @@ class SpeculativeCache:
         self.ttl_s = ttl_s
         self.max_keys = max_keys
         self._entries: dict[Engine, dict[int, float]] = {}
-        # (until, tie-break, engine, keys) per record, a heap: soonest expiry first.
-        self._records: list[tuple[float, int, Engine, Sequence[int]]] = []
+        # Per engine, the key ending at each record's boundaries -> (expiry, the boundary in
+        # tokens, or -1: the key's own end minus one): see replay_tokens.
+        self._ends: dict[Engine, dict[int, tuple[float, int]]] = {}
+        # (until, tie-break, engine, keys, boundary keys) per record, a heap: soonest expiry
+        # first.
+        self._records: list[tuple[float, int, Engine, Sequence[int], tuple[int, ...]]] = []
         self._count = itertools.count()
         self._latest = float("-inf")  # the latest expiry recorded so far
         self._size = 0  # keys held, over all engines
@@ -62,13 +78,30 @@ class SpeculativeCache:
         return self._size
 
     def record(
-        self, engine: Engine, keys: Sequence[int], now: float, ttl_s: float | None = None
+        self,
+        engine: Engine,
+        keys: Sequence[int],
+        now: float,
+        ttl_s: float | None = None,
+        n_tokens: int | None = None,
+        junction: int = 0,
+        unit: int = 16,
     ) -> None:
+        """``n_tokens``: the prompt's length, which places its replay boundary exactly;
+        ``junction``: its junction on ``engine`` in tokens (0: none), a multiple of ``unit``,
+        the tokens per key."""
         ttl = self.ttl_s if ttl_s is None else ttl_s
         if ttl <= 0 or not keys:
             return
         self.expire(now)
         until = now + ttl
+        marks = [(keys[-1], -1 if n_tokens is None else max(n_tokens - 1, 0))]
+        if 0 < junction // unit < len(keys):
+            marks.append((keys[junction // unit - 1], junction // unit * unit))
+        ends = self._ends.setdefault(engine, {})
+        for k, boundary in marks:
+            if ends.get(k, (-1.0, -1))[0] <= until:
+                ends[k] = (until, boundary)
         entries = self._entries.setdefault(engine, {})
         before = len(entries)
         if until >= self._latest:  # the common case: later than every entry, one C-level pass
@@ -80,7 +113,8 @@ class SpeculativeCache:
                 if get(k, until) <= until:
                     entries[k] = until
         self._size += len(entries) - before
-        heapq.heappush(self._records, (until, next(self._count), engine, keys))
+        bounds = tuple(k for k, _ in marks)
+        heapq.heappush(self._records, (until, next(self._count), engine, keys, bounds))
         while self._size > self.max_keys and self._records:
             self._retire(*heapq.heappop(self._records))
 
@@ -89,7 +123,16 @@ class SpeculativeCache:
         while records and records[0][0] <= now:
             self._retire(*heapq.heappop(records))
 
-    def _retire(self, until: float, _n: int, engine: Engine, keys: Sequence[int]) -> None:
+    def _retire(
+        self, until: float, _n: int, engine: Engine, keys: Sequence[int], bounds: tuple[int, ...]
+    ) -> None:
+        ends = self._ends.get(engine)
+        if ends is not None:
+            for k in bounds:
+                if ends.get(k, (None,))[0] == until:  # not refreshed by a later record
+                    del ends[k]
+            if not ends:
+                del self._ends[engine]
         entries = self._entries.get(engine)
         if entries is None:
             return
@@ -106,6 +149,12 @@ class SpeculativeCache:
         """Drop ``keys`` of ``engine`` now: the request that recorded them failed there, and
         siblings must not follow it to an engine that may not compute the prefix. Its record
         stays queued; retiring it later deletes nothing (the keys are gone)."""
+        ends = self._ends.get(engine)
+        if ends is not None:
+            for k in keys:
+                ends.pop(k, None)
+            if not ends:
+                del self._ends[engine]
         entries = self._entries.get(engine)
         if entries is None:
             return
@@ -141,3 +190,60 @@ class SpeculativeCache:
             if live(i):
                 return (i + 1) * unit
         return covered * unit
+
+    def replay_tokens(
+        self, engine: Engine, keys: Sequence[int], unit: int, now: float, within: int
+    ) -> int:
+        """The deepest live boundary of a recorded prompt (its replay boundary or its junction)
+        that ``keys`` reaches, looked for in the first ``within`` tokens (a run covered by
+        :meth:`hit_tokens`: the boundaries ``keys`` reaches lie inside it); 0 when none."""
+        ends = self._ends.get(engine)
+        if not ends:
+            return 0
+        get = ends.get
+        for i in range(min(within // unit, len(keys)) - 1, -1, -1):
+            end = get(keys[i])
+            if end is not None and end[0] > now:
+                return end[1] if end[1] >= 0 else (i + 1) * unit - 1
+        return 0
+
+    def prompt_hits(
+        self,
+        engines: Iterable[Engine],
+        keys: Sequence[int],
+        n_tokens: int,
+        unit: int,
+        now: float,
+        replay_align: Mapping[Engine, int] | None = None,
+        reach: dict[Engine, int] | None = None,
+    ) -> dict[Engine, int]:
+        """Per engine, the tokens of a prompt of ``n_tokens`` (content keys ``keys``) that
+        speculative entries predict cached there, at most ``n - 1`` (the last prompt token is
+        always computed). ``replay_align``: for engines with sliding-window or Mamba groups,
+        their hit alignment; those are credited up to a recorded prompt's boundaries only (see
+        the class), and ``reach`` (when given) receives what the entries cover there all the
+        same: the full-attention blocks, a junction once this prompt is computed there
+        (``Candidate.junction_tokens``)."""
+        cap = max(n_tokens - 1, 0)
+        sparse = replay_align or {}
+        out: dict[Engine, int] = {}
+        for e in engines:
+            hit = self.hit_tokens(e, keys, unit, now)
+            align = sparse.get(e, 0)
+            if hit and align:
+                if reach is not None:
+                    reach[e] = min(hit, cap) // align * align
+                hit = min(self.replay_tokens(e, keys, unit, now, hit), cap) // align * align
+            out[e] = min(hit, cap)
+        return out
+
+
+def junction_tokens(match: PrefixMatch | None) -> int:
+    """Where a prompt's shared prefix with an engine's cache ends, when one group alone (the
+    full-attention run) reaches beyond the hit every group allows: vLLM keeps the sparse
+    groups' blocks there once the prompt is computed, so a later prompt sharing that prefix
+    hits it. 0 when the groups agree (no junction)."""
+    if match is None:
+        return 0
+    longest = max((g.hit_tokens for g in match.groups), default=0)
+    return longest if longest > match.gpu_tokens else 0
