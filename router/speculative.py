@@ -196,7 +196,9 @@ class SpeculativeCache:
     ) -> int:
         """The deepest live boundary of a recorded prompt (its replay boundary or its junction)
         that ``keys`` reaches, looked for in the first ``within`` tokens (a run covered by
-        :meth:`hit_tokens`: the boundaries ``keys`` reaches lie inside it); 0 when none."""
+        :meth:`hit_tokens`: the boundaries ``keys`` reaches lie inside it); 0 when none. At most
+        ``within / unit`` lookups, deepest first: a prompt extending a whole recorded one stops
+        at the first."""
         ends = self._ends.get(engine)
         if not ends:
             return 0
