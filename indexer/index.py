@@ -288,8 +288,7 @@ class PrefixIndex:
         of its groups' block sizes); 0 when every group it is known to have caches densely.
 
         vLLM keeps those groups' blocks only at replay boundaries and prefix junctions, so a
-        prediction made before the engine's events arrive (router/speculative.py) credits only
-        whole prompts there."""
+        prediction made before the engine's events arrive may credit only those points there."""
         e = self._engines.get(engine)
         if e is None or not any(s.kind in (SLIDING, MAMBA) for s in e.groups.values()):
             return 0
