@@ -367,7 +367,7 @@ def run_policy(
                 n_tok,
                 unit,
                 t,
-                {e: a for e in engines if (a := index.replay_alignment(e))},
+                index.replay_alignment,
                 reach,
             )
             cands = build_candidates(

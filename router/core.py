@@ -389,7 +389,7 @@ class Router:
                 tok.n_tokens,
                 self.index.unit,
                 now,
-                {e: a for e in engines if (a := self.index.replay_alignment(e))},
+                self.index.replay_alignment,
                 reach,
             )
         if bound is not None and tok is not None and reads_cache:

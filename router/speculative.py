@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from indexer.matching import PrefixMatch
 
@@ -216,23 +216,23 @@ class SpeculativeCache:
         n_tokens: int,
         unit: int,
         now: float,
-        replay_align: Mapping[Engine, int] | None = None,
+        replay_align: Callable[[Engine], int | None] | None = None,
         reach: dict[Engine, int] | None = None,
     ) -> dict[Engine, int]:
         """Per engine, the tokens of a prompt of ``n_tokens`` (content keys ``keys``) that
         speculative entries predict cached there, at most ``n - 1`` (the last prompt token is
-        always computed). ``replay_align``: for engines with sliding-window or Mamba groups,
-        their hit alignment; those are credited up to a recorded prompt's boundaries only (see
-        the class), and ``reach`` (when given) receives what the entries cover there all the
-        same: the full-attention blocks, a junction once this prompt is computed there
+        always computed). ``replay_align(engine)``: for engines with sliding-window or Mamba
+        groups, their hit alignment (``PrefixIndex.replay_alignment``; asked only of engines an
+        entry covers), else 0 or None; those are credited up to a recorded prompt's boundaries
+        only (see the class), and ``reach`` (when given) receives what the entries cover there
+        all the same: the full-attention blocks, a junction once this prompt is computed there
         (``Candidate.junction_tokens``)."""
         cap = max(n_tokens - 1, 0)
-        sparse = replay_align or {}
         out: dict[Engine, int] = {}
         for e in engines:
             hit = self.hit_tokens(e, keys, unit, now)
-            align = sparse.get(e, 0)
-            if hit and align:
+            align = replay_align(e) if hit and replay_align is not None else 0
+            if align:
                 if reach is not None:
                     reach[e] = min(hit, cap) // align * align
                 hit = min(self.replay_tokens(e, keys, unit, now, hit), cap) // align * align

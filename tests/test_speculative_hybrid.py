@@ -8,6 +8,8 @@ credits only those points; the policy ranks a junction like the hit it becomes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from indexer.matching import GroupHit, PrefixMatch
 from router.candidates import build_candidates
 from router.load import EngineLoad
@@ -19,12 +21,17 @@ KEYS = list(range(1000, 1040))  # a 645-token prompt: 40 keys, 640 tokens
 SIBLING = KEYS[:20] + list(range(5000, 5020))  # shares the first 320 tokens, then differs
 
 
+def aligned(tokens: int) -> Callable[[str], int | None]:
+    """``replay_align`` for an engine "hybrid" whose hits align to ``tokens``."""
+    return {"hybrid": tokens}.get
+
+
 def test_a_hybrid_engine_is_credited_whole_recorded_prompts_only():
     spec = SpeculativeCache(ttl_s=2.0)
     for e in ("dense", "hybrid"):
         spec.record(e, KEYS, now=0.0, n_tokens=645)
     reach: dict[str, int] = {}
-    hits = spec.prompt_hits(["dense", "hybrid"], SIBLING, 700, UNIT, 0.5, {"hybrid": 16}, reach)
+    hits = spec.prompt_hits(["dense", "hybrid"], SIBLING, 700, UNIT, 0.5, aligned(16), reach)
     # Dense: the shared 320 tokens are cached once the first prompt is computed. Hybrid: the
     # window's blocks at 320 are not kept, vLLM computes the sibling whole; its full-attention
     # blocks are there all the same (a junction once the sibling is computed).
@@ -32,21 +39,21 @@ def test_a_hybrid_engine_is_credited_whole_recorded_prompts_only():
     assert reach == {"hybrid": 320}
     # A prompt extending the whole recorded one hits its replay boundary: 644 aligned to 16.
     longer = [*KEYS, 7000, 7001]
-    assert spec.prompt_hits(["hybrid"], longer, 700, UNIT, 0.5, {"hybrid": 16}) == {"hybrid": 640}
+    assert spec.prompt_hits(["hybrid"], longer, 700, UNIT, 0.5, aligned(16)) == {"hybrid": 640}
     # Aligned to the engine's hit alignment (a 64-token Mamba block, say): 640.
-    assert spec.prompt_hits(["hybrid"], longer, 700, UNIT, 0.5, {"hybrid": 64}) == {"hybrid": 640}
-    assert spec.prompt_hits(["hybrid"], longer, 700, UNIT, 0.5, {"hybrid": 96}) == {"hybrid": 576}
+    assert spec.prompt_hits(["hybrid"], longer, 700, UNIT, 0.5, aligned(64)) == {"hybrid": 640}
+    assert spec.prompt_hits(["hybrid"], longer, 700, UNIT, 0.5, aligned(96)) == {"hybrid": 576}
 
 
 def test_a_prompt_whose_length_is_a_whole_number_of_blocks_replays_from_its_last_block():
     spec = SpeculativeCache(ttl_s=2.0)
     spec.record("hybrid", KEYS, now=0.0, n_tokens=640)  # the replay boundary is 639 -> 624
     longer = [*KEYS, 7000]
-    assert spec.prompt_hits(["hybrid"], longer, 700, UNIT, 0.1, {"hybrid": 16}) == {"hybrid": 624}
+    assert spec.prompt_hits(["hybrid"], longer, 700, UNIT, 0.1, aligned(16)) == {"hybrid": 624}
     # Another replica's record does not carry the length: the same conservative boundary.
     remote = SpeculativeCache(ttl_s=2.0)
     remote.record("hybrid", KEYS, now=0.0)
-    assert remote.prompt_hits(["hybrid"], longer, 700, UNIT, 0.1, {"hybrid": 16}) == {"hybrid": 624}
+    assert remote.prompt_hits(["hybrid"], longer, 700, UNIT, 0.1, aligned(16)) == {"hybrid": 624}
 
 
 def test_a_recorded_junction_is_credited_to_a_sibling_that_shares_it():
@@ -54,20 +61,20 @@ def test_a_recorded_junction_is_credited_to_a_sibling_that_shares_it():
     # The first prompt's full-attention hit on the engine reached 160 tokens beyond its whole
     # hit: vLLM pins the window's blocks at 160 when it computes it.
     spec.record("hybrid", KEYS, now=0.0, n_tokens=645, junction=160, unit=UNIT)
-    assert spec.prompt_hits(["hybrid"], SIBLING, 700, UNIT, 0.5, {"hybrid": 16}) == {"hybrid": 160}
+    assert spec.prompt_hits(["hybrid"], SIBLING, 700, UNIT, 0.5, aligned(16)) == {"hybrid": 160}
     # Shorter than the junction: only the dense prefix would help, and the window is not there.
     short = [*KEYS[:5], 9000, 9001]
-    assert spec.prompt_hits(["hybrid"], short, 120, UNIT, 0.5, {"hybrid": 16}) == {"hybrid": 0}
+    assert spec.prompt_hits(["hybrid"], short, 120, UNIT, 0.5, aligned(16)) == {"hybrid": 0}
 
 
 def test_boundaries_expire_and_are_withdrawn_with_their_record():
     spec = SpeculativeCache(ttl_s=2.0)
     spec.record("hybrid", KEYS, now=0.0, n_tokens=645, junction=160, unit=UNIT)
     longer = [*KEYS, 7000]
-    assert spec.prompt_hits(["hybrid"], longer, 700, UNIT, 2.5, {"hybrid": 16}) == {"hybrid": 0}
+    assert spec.prompt_hits(["hybrid"], longer, 700, UNIT, 2.5, aligned(16)) == {"hybrid": 0}
     spec.record("hybrid", KEYS, now=3.0, n_tokens=645, junction=160, unit=UNIT)
     spec.withdraw("hybrid", KEYS)
-    assert spec.prompt_hits(["hybrid"], SIBLING, 700, UNIT, 3.5, {"hybrid": 16}) == {"hybrid": 0}
+    assert spec.prompt_hits(["hybrid"], SIBLING, 700, UNIT, 3.5, aligned(16)) == {"hybrid": 0}
     spec.expire(10.0)
     assert len(spec) == 0 and spec.prompt_hits(["hybrid"], longer, 700, UNIT, 10.0) == {"hybrid": 0}
 
