@@ -367,7 +367,7 @@ def run_policy(
                 n_tok,
                 unit,
                 t,
-                index.replay_alignment,
+                index.group_specs,
                 reach,
             )
             cands = build_candidates(
@@ -375,7 +375,15 @@ def run_policy(
             )
             d = policy.choose(cands, n_tok, t)
             junction = junction_tokens(matches.get(d.engine))
-            spec.record(d.engine, kk, t, n_tokens=n_tok, junction=junction, unit=unit)
+            spec.record(
+                d.engine,
+                kk,
+                t,
+                n_tokens=n_tok,
+                junction=junction,
+                unit=unit,
+                groups=index.group_specs(d.engine),
+            )
             decisions.append((time.perf_counter() - t0 + kcost) * 1000)
             cost = next(c for c in d.costs if c.engine == d.engine)
             uncached = cost.uncached_tokens

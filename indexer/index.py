@@ -29,7 +29,7 @@ from indexer.keys import DEFAULT_UNIT, NamespaceRoots, chain_keys, packed_keys
 from indexer.matching import GroupHit, Layouts, PrefixMatch, match_engines
 from indexer.residency import Residency
 from indexer.snapshot import EngineExport, decode_snapshot, encode_snapshot, restore_snapshot
-from indexer.types import MAMBA, SLIDING, EngineId, GroupSpec, group_kind
+from indexer.types import EngineId, GroupSpec, group_kind
 from indexer.wire import Event
 
 __all__ = [
@@ -283,16 +283,19 @@ class PrefixIndex:
             return (0, 0)
         return (e.counters["blocks_stored"], e.counters["blocks_removed"])
 
-    def replay_alignment(self, engine: EngineId) -> int:
-        """For an engine with sliding-window or Mamba groups, the alignment of its hits (the LCM
-        of its groups' block sizes); 0 when every group it is known to have caches densely.
-
-        vLLM keeps those groups' blocks only at replay boundaries and prefix junctions, so a
-        prediction made before the engine's events arrive may credit only those points there."""
+    def group_specs(self, engine: EngineId) -> tuple[GroupSpec, ...]:
+        """The engine's KV-cache groups as its events declared them (or its configuration
+        did); empty while unknown. What a prediction made before the engine's events arrive
+        needs: its hits' alignment, and which groups keep blocks only sparsely
+        (router/speculative.py)."""
         e = self._engines.get(engine)
-        if e is None or not any(s.kind in (SLIDING, MAMBA) for s in e.groups.values()):
-            return 0
-        return alignment(e.groups.values())
+        return () if e is None else tuple(e.groups.values())
+
+    def hit_alignment(self, engine: EngineId) -> int:
+        """Every hit on the engine is a multiple of this (the LCM of its groups' block sizes);
+        0 while its groups are unknown."""
+        specs = self.group_specs(engine)
+        return alignment(specs) if specs else 0
 
     def resident_blocks(self, engine: EngineId) -> int:
         e = self._engines.get(engine)

@@ -331,6 +331,7 @@ class Router:
             n_tokens=tok.n_tokens,
             junction=junction_tokens(res.matches.get(engine)),
             unit=self.index.unit,
+            groups=self.index.group_specs(engine),
         )
 
     def namespace_root(self, body: dict[str, Any]) -> tuple[str, int]:
@@ -389,7 +390,7 @@ class Router:
                 tok.n_tokens,
                 self.index.unit,
                 now,
-                self.index.replay_alignment,
+                self.index.group_specs,
                 reach,
             )
         if bound is not None and tok is not None and reads_cache:
@@ -399,7 +400,7 @@ class Router:
                 speculative = dict(speculative)
                 # Whole last turn: its replay boundary, which sparse groups keep too (aligned).
                 credit = min(tokens, tok.n_tokens - 1)
-                if align := self.index.replay_alignment(e):
+                if align := self.index.hit_alignment(e):
                     credit = credit // align * align
                 speculative[e] = max(speculative.get(e, 0), credit)
         cands = build_candidates(

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from indexer.index import EngineId
+from indexer.index import EngineId, GroupSpec
 from indexer.subscriber import Subscriber
 from router.load import EngineLoad
 from router.policy import Engine, SpeculativeCache
@@ -120,8 +120,9 @@ class SharedSpeculativeCache(SpeculativeCache):
         n_tokens: int | None = None,
         junction: int = 0,
         unit: int = 16,
+        groups: Sequence[GroupSpec] = (),
     ) -> None:
-        super().record(engine, keys, now, ttl_s, n_tokens, junction, unit)
+        super().record(engine, keys, now, ttl_s, n_tokens, junction, unit, groups)
         if self.publish is not None and self.ttl_s > 0 and keys:
             self.publish(engine, keys)
 

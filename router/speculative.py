@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
+from indexer.hit_rules import alignment
 from indexer.matching import PrefixMatch
+from indexer.types import MAMBA, SLIDING, GroupSpec
 
-__all__ = ["SAMPLE_STRIDE", "Engine", "SpeculativeCache", "junction_tokens"]
+__all__ = ["SAMPLE_STRIDE", "Engine", "SpeculativeCache", "junction_tokens", "retained_hit"]
 
 Engine = Hashable
 """An engine identity: the router uses ``(url, dp_rank)`` (``indexer.index.EngineId``); the
@@ -38,15 +40,18 @@ class SpeculativeCache:
     ``SAMPLE_STRIDE``-th position (a record from another replica has those and its deepest
     key), then the deepest live key within the stride after the last covered one.
 
-    Models with sliding-window or Mamba groups (``replay_align`` in :meth:`prompt_hits`) keep
-    those groups' blocks only where a later prompt can hit by vLLM's default retention: at a
-    prompt's replay boundary (its ``n - 1`` tokens, aligned) and at prefix junctions. A sibling
-    that shares only part of a recorded prompt finds the full-attention blocks there but not
-    the sliding-window ones, and vLLM computes it from scratch; so on such an engine an entry
-    credits a later prompt only up to a boundary of a recorded prompt: its replay boundary
-    (``record(..., n_tokens=)``; a record without it, another replica's, counts its keys' tokens
-    minus one) or its junction (``junction=``: where the prompt's full-attention hit on that
-    engine ended beyond its whole hit, see :func:`junction_tokens`), which vLLM pins.
+    Credit is a multiple of the engine's hit alignment (the LCM of its groups' block sizes, as
+    its events declared them). Models with sliding-window or Mamba groups (``groups`` in
+    :meth:`prompt_hits`) keep those groups' blocks only where a later prompt can hit by vLLM's
+    default retention: at a prompt's replay boundary (its ``n - 1`` tokens, aligned) and at
+    prefix junctions, the blocks a hit ending there needs. A sibling that shares only part of
+    a recorded prompt finds the full-attention blocks there but not the sliding-window ones,
+    and vLLM computes it from scratch; so on such an engine an entry credits a later prompt
+    only where the kept blocks of the recorded prompts allow a hit (:func:`retained_hit`):
+    at a replay boundary (``record(..., n_tokens=)``; a record without it, another replica's,
+    counts its keys' tokens minus one), at a junction (``junction=``: where the prompt's
+    full-attention hit on that engine ended beyond its whole hit, see
+    :func:`junction_tokens`), which vLLM pins, or where the blocks two prompts kept meet.
 
     Layout, for the request path: every routed request records one key per 16 tokens (512 for
     an 8k prompt), so recording is one C-level ``dict.update``. Expiry is incremental: records
@@ -86,10 +91,13 @@ class SpeculativeCache:
         n_tokens: int | None = None,
         junction: int = 0,
         unit: int = 16,
+        groups: Sequence[GroupSpec] = (),
     ) -> None:
         """``n_tokens``: the prompt's length, which places its replay boundary exactly;
         ``junction``: its junction on ``engine`` in tokens (0: none), a multiple of ``unit``,
-        the tokens per key."""
+        the tokens per key; ``groups``: the engine's KV-cache groups when known
+        (``PrefixIndex.group_specs``), so that the blocks its sparse groups keep at each
+        boundary are marked where a later prompt sharing only part of them can find them."""
         ttl = self.ttl_s if ttl_s is None else ttl_s
         if ttl <= 0 or not keys:
             return
@@ -98,6 +106,8 @@ class SpeculativeCache:
         marks = [(keys[-1], -1 if n_tokens is None else max(n_tokens - 1, 0))]
         if 0 < junction // unit < len(keys):
             marks.append((keys[junction // unit - 1], junction // unit * unit))
+        if any(s.kind in (SLIDING, MAMBA) for s in groups):
+            marks = _kept_marks(marks, keys, unit, groups)
         ends = self._ends.setdefault(engine, {})
         for k, boundary in marks:
             if ends.get(k, (-1.0, -1))[0] <= until:
@@ -191,23 +201,43 @@ class SpeculativeCache:
                 return (i + 1) * unit
         return covered * unit
 
-    def replay_tokens(
-        self, engine: Engine, keys: Sequence[int], unit: int, now: float, within: int
-    ) -> int:
-        """The deepest live boundary of a recorded prompt (its replay boundary or its junction)
-        that ``keys`` reaches, looked for in the first ``within`` tokens (a run covered by
-        :meth:`hit_tokens`: the boundaries ``keys`` reaches lie inside it); 0 when none. At most
-        ``within / unit`` lookups, deepest first: a prompt extending a whole recorded one stops
-        at the first."""
+    def _boundaries(
+        self,
+        engine: Engine,
+        keys: Sequence[int],
+        unit: int,
+        now: float,
+        within: int,
+        align: int,
+        top: int,
+        tail: int,
+    ) -> dict[int, int]:
+        """The live boundaries of recorded prompts (replay boundaries and junctions, aligned
+        down to ``align``) whose kept blocks ``keys`` shares within its first ``within`` tokens
+        (a run covered by :meth:`hit_tokens`), each with how far the sharing is known to go:
+        ``{boundary: shared up to}``. Those above ``top`` (their kept blocks may reach below
+        it), the deepest at or below it (always a hit) and those within ``tail`` tokens under
+        it (they lengthen the runs above it). Deepest first, so a prompt extending a recorded
+        one stops after about ``tail / unit`` lookups."""
         ends = self._ends.get(engine)
+        out: dict[int, int] = {}
         if not ends:
-            return 0
+            return out
         get = ends.get
+        floor = -1
         for i in range(min(within // unit, len(keys)) - 1, -1, -1):
+            at = (i + 1) * unit
+            if at <= floor:
+                break
             end = get(keys[i])
             if end is not None and end[0] > now:
-                return end[1] if end[1] >= 0 else (i + 1) * unit - 1
-        return 0
+                b = (end[1] if end[1] >= 0 else at - 1) // align * align
+                if b > 0:
+                    if at > out.get(b, 0):  # deepest first: the first is the farthest shared
+                        out[b] = at
+                    if b <= top and floor < 0:
+                        floor = b - tail
+        return out
 
     def prompt_hits(
         self,
@@ -216,28 +246,102 @@ class SpeculativeCache:
         n_tokens: int,
         unit: int,
         now: float,
-        replay_align: Callable[[Engine], int | None] | None = None,
+        groups: Callable[[Engine], Sequence[GroupSpec]] | None = None,
         reach: dict[Engine, int] | None = None,
     ) -> dict[Engine, int]:
         """Per engine, the tokens of a prompt of ``n_tokens`` (content keys ``keys``) that
         speculative entries predict cached there, at most ``n - 1`` (the last prompt token is
-        always computed). ``replay_align(engine)``: for engines with sliding-window or Mamba
-        groups, their hit alignment (``PrefixIndex.replay_alignment``; asked only of engines an
-        entry covers), else 0 or None; those are credited up to a recorded prompt's boundaries
-        only (see the class), and ``reach`` (when given) receives what the entries cover there
-        all the same: the full-attention blocks, a junction once this prompt is computed there
-        (``Candidate.junction_tokens``)."""
+        always computed). ``groups(engine)``: the engine's KV-cache groups as its events declared
+        them (``PrefixIndex.group_specs``; asked only of engines an entry covers; empty while
+        unknown): the credit is a multiple of their hit alignment, and on engines with
+        sliding-window or Mamba groups only what vLLM's retention keeps counts (see the class
+        and :func:`retained_hit`). ``reach`` (when given) receives, for those engines, what the
+        entries cover all the same: the full-attention blocks, a junction once this prompt is
+        computed there (``Candidate.junction_tokens``)."""
         cap = max(n_tokens - 1, 0)
         out: dict[Engine, int] = {}
         for e in engines:
             hit = self.hit_tokens(e, keys, unit, now)
-            align = replay_align(e) if hit and replay_align is not None else 0
-            if align:
+            specs = groups(e) if hit and groups is not None else ()
+            if not specs:
+                out[e] = min(hit, cap)
+                continue
+            align = alignment(specs)
+            top = min(hit, cap) // align * align
+            sparse = [s for s in specs if s.kind in (SLIDING, MAMBA)]
+            if sparse:
                 if reach is not None:
-                    reach[e] = min(hit, cap) // align * align
-                hit = min(self.replay_tokens(e, keys, unit, now, hit), cap) // align * align
-            out[e] = min(hit, cap)
+                    reach[e] = top
+                tail = max(_needed_blocks(s) * s.block_size for s in sparse)
+                marks = self._boundaries(e, keys, unit, now, hit, align, top, tail)
+                top = retained_hit(sparse, marks, top, align)
+            out[e] = top
         return out
+
+
+def retained_hit(
+    sparse: Sequence[GroupSpec], boundaries: Mapping[int, int], top: int, align: int
+) -> int:
+    """The longest hit, a multiple of ``align`` and at most ``top``, that sliding-window and
+    Mamba groups ``sparse`` allow when they keep only what vLLM's default retention keeps for
+    the prompts computed there: at each boundary (an aligned token position), the blocks a hit
+    ending there needs (``cdiv(W - 1, block)`` blocks of a window, the one state block of a
+    Mamba group). ``boundaries``: ``{boundary: shared up to}``; only kept blocks ending
+    within the shared part count. Boundaries of different prompts combine: a hit needs each
+    group's blocks, whichever prompt kept them."""
+    if all(m <= min(top, shared) for m, shared in boundaries.items()):
+        # Each is a hit (it kept the blocks a hit there reads) and nothing kept above the
+        # deepest could lengthen a run past it.
+        return max(boundaries, default=0)
+    runs = []  # per group: the kept blocks by end position -> whether a hit may end there
+    for s in sparse:
+        b = s.block_size
+        need = _needed_blocks(s)
+        ends = sorted(
+            {
+                m - k * b
+                for m, shared in boundaries.items()
+                for k in range(need)
+                if 0 < m - k * b <= shared
+            }
+        )
+        run: dict[int, int] = {}
+        for x in ends:  # consecutive kept blocks ending at x; a run from token 0 always does
+            run[x] = need if x == b else run.get(x - b, 0) + 1
+        runs.append({x: r >= need for x, r in run.items()})
+    # Every group needs the block ending at the point: the candidates are those ends.
+    points = sorted(p for p, ok in runs[0].items() if ok and p <= top and p % align == 0)
+    for p in reversed(points):
+        if all(r.get(p, False) for r in runs):
+            return p
+    return 0
+
+
+def _kept_marks(
+    marks: list[tuple[int, int]], keys: Sequence[int], unit: int, groups: Sequence[GroupSpec]
+) -> list[tuple[int, int]]:
+    """A record's boundary marks on an engine with sparse groups: each boundary, aligned, is
+    marked at every key of the blocks kept below it (the longest run a group reads), so that a
+    prompt sharing the record only up to one of them still finds them
+    (:meth:`SpeculativeCache._boundaries`). Marks of unknown length (-1) stay as they are."""
+    align = alignment(groups)
+    tail = max(_needed_blocks(s) * s.block_size for s in groups if s.kind in (SLIDING, MAMBA))
+    out = []
+    for key, boundary in marks:
+        if boundary < 0:
+            out.append((key, boundary))
+            continue
+        a = boundary // align * align
+        for at in range(min(a, len(keys) * unit), max(a - tail, 0), -unit):
+            out.append((keys[at // unit - 1], a))
+    return out
+
+
+def _needed_blocks(spec: GroupSpec) -> int:
+    """Blocks of a sparse group a hit ending at a point needs: ``cdiv(W - 1, block)`` of a
+    sliding window, the one state block of a Mamba group."""
+    b = spec.block_size
+    return -(-((spec.sliding_window or b) - 1) // b) if spec.kind == SLIDING else 1
 
 
 def junction_tokens(match: PrefixMatch | None) -> int:

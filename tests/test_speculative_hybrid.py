@@ -11,19 +11,31 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from indexer.matching import GroupHit, PrefixMatch
+from indexer.types import FULL, MAMBA, SLIDING, GroupSpec
 from router.candidates import build_candidates
 from router.load import EngineLoad
 from router.policy import Candidate, KvRouterPolicy, PolicyParams
-from router.speculative import SpeculativeCache, junction_tokens
+from router.speculative import SpeculativeCache, junction_tokens, retained_hit
 
 UNIT = 16
 KEYS = list(range(1000, 1040))  # a 645-token prompt: 40 keys, 640 tokens
 SIBLING = KEYS[:20] + list(range(5000, 5020))  # shares the first 320 tokens, then differs
 
 
-def aligned(tokens: int) -> Callable[[str], int | None]:
-    """``replay_align`` for an engine "hybrid" whose hits align to ``tokens``."""
-    return {"hybrid": tokens}.get
+FULL16 = GroupSpec(FULL, 16)
+WINDOW64 = GroupSpec(SLIDING, 16, sliding_window=64)  # a hit needs the 4 blocks ending at it
+
+
+def layout(*specs: GroupSpec) -> Callable[[str], tuple[GroupSpec, ...]]:
+    """``groups`` for an engine "hybrid" with ``specs`` (full attention and a 64-token window
+    by default); every other engine's groups are unknown."""
+    specs = specs or (FULL16, WINDOW64)
+    return lambda e: specs if e == "hybrid" else ()
+
+
+def aligned(tokens: int) -> Callable[[str], tuple[GroupSpec, ...]]:
+    """An engine "hybrid" of full attention and a Mamba group of ``tokens``-token blocks."""
+    return layout(FULL16, GroupSpec(MAMBA, tokens))
 
 
 def test_a_hybrid_engine_is_credited_whole_recorded_prompts_only():
@@ -31,7 +43,7 @@ def test_a_hybrid_engine_is_credited_whole_recorded_prompts_only():
     for e in ("dense", "hybrid"):
         spec.record(e, KEYS, now=0.0, n_tokens=645)
     reach: dict[str, int] = {}
-    hits = spec.prompt_hits(["dense", "hybrid"], SIBLING, 700, UNIT, 0.5, aligned(16), reach)
+    hits = spec.prompt_hits(["dense", "hybrid"], SIBLING, 700, UNIT, 0.5, layout(), reach)
     # Dense: the shared 320 tokens are cached once the first prompt is computed. Hybrid: the
     # window's blocks at 320 are not kept, vLLM computes the sibling whole; its full-attention
     # blocks are there all the same (a junction once the sibling is computed).
@@ -39,7 +51,7 @@ def test_a_hybrid_engine_is_credited_whole_recorded_prompts_only():
     assert reach == {"hybrid": 320}
     # A prompt extending the whole recorded one hits its replay boundary: 644 aligned to 16.
     longer = [*KEYS, 7000, 7001]
-    assert spec.prompt_hits(["hybrid"], longer, 700, UNIT, 0.5, aligned(16)) == {"hybrid": 640}
+    assert spec.prompt_hits(["hybrid"], longer, 700, UNIT, 0.5, layout()) == {"hybrid": 640}
     # Aligned to the engine's hit alignment (a 64-token Mamba block, say): 640.
     assert spec.prompt_hits(["hybrid"], longer, 700, UNIT, 0.5, aligned(64)) == {"hybrid": 640}
     assert spec.prompt_hits(["hybrid"], longer, 700, UNIT, 0.5, aligned(96)) == {"hybrid": 576}
@@ -49,11 +61,11 @@ def test_a_prompt_whose_length_is_a_whole_number_of_blocks_replays_from_its_last
     spec = SpeculativeCache(ttl_s=2.0)
     spec.record("hybrid", KEYS, now=0.0, n_tokens=640)  # the replay boundary is 639 -> 624
     longer = [*KEYS, 7000]
-    assert spec.prompt_hits(["hybrid"], longer, 700, UNIT, 0.1, aligned(16)) == {"hybrid": 624}
+    assert spec.prompt_hits(["hybrid"], longer, 700, UNIT, 0.1, layout()) == {"hybrid": 624}
     # Another replica's record does not carry the length: the same conservative boundary.
     remote = SpeculativeCache(ttl_s=2.0)
     remote.record("hybrid", KEYS, now=0.0)
-    assert remote.prompt_hits(["hybrid"], longer, 700, UNIT, 0.1, aligned(16)) == {"hybrid": 624}
+    assert remote.prompt_hits(["hybrid"], longer, 700, UNIT, 0.1, layout()) == {"hybrid": 624}
 
 
 def test_a_recorded_junction_is_credited_to_a_sibling_that_shares_it():
@@ -61,20 +73,20 @@ def test_a_recorded_junction_is_credited_to_a_sibling_that_shares_it():
     # The first prompt's full-attention hit on the engine reached 160 tokens beyond its whole
     # hit: vLLM pins the window's blocks at 160 when it computes it.
     spec.record("hybrid", KEYS, now=0.0, n_tokens=645, junction=160, unit=UNIT)
-    assert spec.prompt_hits(["hybrid"], SIBLING, 700, UNIT, 0.5, aligned(16)) == {"hybrid": 160}
+    assert spec.prompt_hits(["hybrid"], SIBLING, 700, UNIT, 0.5, layout()) == {"hybrid": 160}
     # Shorter than the junction: only the dense prefix would help, and the window is not there.
     short = [*KEYS[:5], 9000, 9001]
-    assert spec.prompt_hits(["hybrid"], short, 120, UNIT, 0.5, aligned(16)) == {"hybrid": 0}
+    assert spec.prompt_hits(["hybrid"], short, 120, UNIT, 0.5, layout()) == {"hybrid": 0}
 
 
 def test_boundaries_expire_and_are_withdrawn_with_their_record():
     spec = SpeculativeCache(ttl_s=2.0)
     spec.record("hybrid", KEYS, now=0.0, n_tokens=645, junction=160, unit=UNIT)
     longer = [*KEYS, 7000]
-    assert spec.prompt_hits(["hybrid"], longer, 700, UNIT, 2.5, aligned(16)) == {"hybrid": 0}
+    assert spec.prompt_hits(["hybrid"], longer, 700, UNIT, 2.5, layout()) == {"hybrid": 0}
     spec.record("hybrid", KEYS, now=3.0, n_tokens=645, junction=160, unit=UNIT)
     spec.withdraw("hybrid", KEYS)
-    assert spec.prompt_hits(["hybrid"], SIBLING, 700, UNIT, 3.5, aligned(16)) == {"hybrid": 0}
+    assert spec.prompt_hits(["hybrid"], SIBLING, 700, UNIT, 3.5, layout()) == {"hybrid": 0}
     spec.expire(10.0)
     assert len(spec) == 0 and spec.prompt_hits(["hybrid"], longer, 700, UNIT, 10.0) == {"hybrid": 0}
 
@@ -113,3 +125,71 @@ def test_a_junction_ranks_like_the_hit_it_becomes_and_costs_this_prompt_in_full(
     # A junction no longer than the hit is no junction.
     held = Candidate("h", gpu_hit_tokens=1024, junction_tokens=1024)  # type: ignore[arg-type]
     assert p.cost(held, 2000).junction_tokens == 0
+
+
+def test_credit_is_a_multiple_of_the_block_the_engine_declared():
+    """An engine whose events declared 32-token blocks caches whole 32-token blocks: a sibling
+    sharing 240 tokens (15 keys of 16) hits 224 there. Before its events, the groups are
+    unknown and the credit is left to the configured block size (build_candidates)."""
+    spec = SpeculativeCache(ttl_s=2.0)
+    spec.record("dense", KEYS, now=0.0, n_tokens=645)
+    sibling = KEYS[:15] + list(range(6000, 6010))
+    dense32 = lambda e: (GroupSpec(FULL, 32),)  # noqa: E731
+    assert spec.prompt_hits(["dense"], sibling, 400, UNIT, 0.5, dense32) == {"dense": 224}
+    assert spec.prompt_hits(["dense"], sibling, 400, UNIT, 0.5, lambda e: ()) == {"dense": 240}
+
+
+def test_a_point_below_a_boundary_is_no_hit_where_the_groups_keep_only_the_boundary():
+    """The first 640 tokens of a 645-token prompt again: the hit may end at 624 at most (the
+    last token is computed). vLLM kept exactly the blocks a hit at 640 needs; a hit at 624
+    needs the Mamba state ending at 624, or a window's blocks ending there, one of which lies
+    below what was kept. Full attention alone keeps every block."""
+    spec = SpeculativeCache(ttl_s=2.0)
+    spec.record("hybrid", KEYS, now=0.0, n_tokens=645)
+
+    def hit(*specs: GroupSpec) -> int:
+        return spec.prompt_hits(["hybrid"], KEYS, 640, UNIT, 0.5, layout(*specs))["hybrid"]
+
+    assert hit(FULL16, GroupSpec(MAMBA, 16)) == 0
+    assert hit(FULL16, GroupSpec(SLIDING, 16, sliding_window=32)) == 0
+    assert hit(FULL16, WINDOW64) == 0
+    assert hit(FULL16) == 624
+
+
+def test_blocks_kept_at_two_boundaries_combine():
+    """A junction at 160 and the replay boundary of a prompt of 197 tokens (192): a 64-token
+    window keeps the 4 blocks ending at each, 112-160 and 144-192, so a hit may end at 176
+    too: the 4 blocks ending there (128-176) are all kept."""
+    both = {160: 160, 192: 192}
+    assert retained_hit([WINDOW64], both, 176, 16) == 176
+    assert retained_hit([WINDOW64], both, 191, 16) == 176
+    assert retained_hit([WINDOW64], {192: 192}, 176, 16) == 0
+    assert retained_hit([WINDOW64, GroupSpec(MAMBA, 16)], both, 176, 16) == 160
+    assert retained_hit([WINDOW64], {48: 48}, 48, 16) == 48  # a run from token 0 is enough
+    assert retained_hit([WINDOW64], {}, 640, 16) == 0
+    # A boundary whose prompt this one shares only up to 176: the blocks it kept above 176
+    # are another prompt's.
+    assert retained_hit([WINDOW64], {160: 160, 208: 176}, 208, 16) == 176
+    assert retained_hit([WINDOW64], {208: 176}, 208, 16) == 0
+
+
+def test_the_blocks_two_recorded_prompts_kept_combine_into_a_hit():
+    """A model of one 64-token window over 32-token blocks (a hit reads the 2 blocks ending at
+    it), as a real vLLM served it: a 320-token prompt keeps the blocks ending at 256 and 288
+    (its replay boundary, 319 aligned); its extension to 370 tokens keeps those ending at 320
+    and 352. A third prompt sharing only the first 320 tokens hits 320: the block ending at
+    288 from the first, the one ending at 320 from the extension."""
+    window = (GroupSpec(SLIDING, 32, sliding_window=64),)
+    first = list(range(100, 120))  # 20 keys of 16 tokens
+    extension = [*first, 7000, 7001, 7002]
+    third = [*first, 8000, 8001]
+    spec = SpeculativeCache(ttl_s=2.0)
+    spec.record("w", first, now=0.0, n_tokens=320, groups=window)
+    assert spec.prompt_hits(["w"], third, 360, UNIT, 0.1, lambda e: window) == {"w": 288}
+    spec.record("w", extension, now=0.2, n_tokens=370, groups=window)
+    assert spec.prompt_hits(["w"], third, 360, UNIT, 0.3, lambda e: window) == {"w": 320}
+    # Without the groups at record time (another replica's record), only the boundaries.
+    remote = SpeculativeCache(ttl_s=2.0)
+    remote.record("w", first, now=0.0, n_tokens=320)
+    remote.record("w", extension, now=0.2, n_tokens=370)
+    assert remote.prompt_hits(["w"], third, 360, UNIT, 0.3, lambda e: window) == {"w": 288}
