@@ -11,6 +11,10 @@ chat (every other chat request streamed), repeats, block-aligned prompts, evicti
 offloading, CPU loads. For EVERY request the router's predicted hit (index GPU + CPU, what
 router/verify.py scores) must equal vLLM's ``usage.prompt_tokens_details.cached_tokens``: 100 %.
 
+A second test per model (dense, hybrid, all-sliding-window) checks the speculative entries, the
+router's prediction for a prompt sharing one just sent until the worker's events arrive: the
+credit ``/debug/route`` shows for each probe must equal the probe's ``cached_tokens``.
+
 Before each request the test waits until vLLM's event stream has been quiet for ``QUIET_S`` and
 the router has applied the last frame a second subscriber saw, so that a prediction is made on
 everything vLLM published for the earlier requests (the captures of scripts/record_captures.py
@@ -18,8 +22,8 @@ are recorded the same way).
 
 Runtime on two shared cores: the venv, when absent, about 80 s; per kind, vLLM's start-up
 (25 s idle, minutes under load) plus 54 requests (60 with offloading), each under a second of
-compute plus the quiet time: about 4 to 5 minutes per kind, 20 to 25 minutes in all. Each test
-is bounded by its timeout.
+compute plus the quiet time: about 4 to 5 minutes per kind, 20 to 25 minutes in all; the
+speculative test about 40 s per model. Each test is bounded by its timeout.
 
     KVROUTER_REAL_VLLM=1 KVROUTER_VLLM_VENV=/path/to/venv PYTHONPATH=$PWD \\
         python -m pytest -q -p no:cacheprovider -m real_vllm tests/test_real_vllm.py
@@ -30,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,15 +43,17 @@ from typing import Any
 import httpx
 import pytest
 from real_vllm_models import (
+    BLOCK,
     KINDS,
     MODEL_GROUPS,
     VLLM_VERSION,
+    VOCAB,
     default_venv,
     ensure_vllm,
     serve,
     write_model,
 )
-from real_vllm_traffic import EventTap, Reply, request_body, scenario
+from real_vllm_traffic import FIRST_PLAIN_TOKEN, EventTap, Reply, request_body, scenario
 from test_router_support import serve_router, until
 
 from router.config import Config, WorkerSpec
@@ -215,3 +222,87 @@ async def test_predicted_hits_equal_vllm_cached_tokens(
     cpu = sum(n for k, n in engine["resident"].items() if k.endswith("/CPU"))
     assert (cpu > 0) == kind.offload, engine["resident"]
     assert engine["verify"]["state"] == "verified"
+
+
+def _probes(sender: ThroughRouter) -> list[tuple[str, int, int]]:
+    """Prompts sharing a prompt just served, each asked about (``/debug/route``) and then sent:
+    ``(label, the speculative entries' credit, vLLM's cached tokens)`` per probe. Every case
+    starts from a head of its own, so only its own prompts can be cached for it."""
+    rng = random.Random(SEED + 1)
+    seen: list[tuple[str, int, int]] = []
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(n)]
+
+    def send(label: str, prompt: list[int]) -> None:
+        sender.send(label, {"prompt": prompt, "max_tokens": 1}, False)
+
+    def probe(label: str, prompt: list[int]) -> None:
+        body = request_body({"prompt": prompt, "max_tokens": 1})
+        doc = sender.client.post(sender.base + "/debug/route", json=body).json()
+        credit = doc["workers"][0]["speculative_hit_tokens"]
+        send(label, prompt)
+        seen.append((label, credit, sender.outcomes[-1].cached))
+
+    for n in (300, 10 * BLOCK, 10 * BLOCK + 1):  # a whole prompt extended: its replay boundary
+        first = tokens(n)
+        send(f"first-{n}", first)
+        probe(f"extends-{n}", first + tokens(50))
+        probe(f"extends-again-{n}", first + tokens(40))
+    for n in (8 * BLOCK, 200):  # a head shared by siblings: then a junction
+        head = tokens(n)
+        send(f"head-{n}-first", head + tokens(100))
+        probe(f"head-{n}-sibling", head + tokens(90))
+        probe(f"head-{n}-third", head + tokens(80))
+    first = tokens(330)  # the head of a prompt again, ending a block below its boundary
+    send("first-330", first)
+    probe("first-320-of-330", first[:320])
+    first = tokens(400)  # a prefix of a prompt, with a tail of its own
+    send("first-400", first)
+    probe("prefix-250-of-400", first[:250] + tokens(30))
+    return seen
+
+
+@pytest.mark.parametrize("key", ["dense", "hybrid", "sliding"])
+async def test_speculative_entries_credit_what_vllm_caches(
+    vllm_python: Path, models: Path, tmp_path: Path, key: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A prompt's speculative entry is the router's prediction for the prompts sharing it until
+    the worker's events arrive, and must credit what vLLM then caches: a whole prompt extended
+    (the last token of the first is computed again, aligned or not) and extended again (the
+    blocks two prompts kept combine), siblings sharing only a head (on models with
+    sliding-window groups vLLM keeps those groups' blocks only at a prompt's replay boundary
+    and at junctions, so the head is no hit), a third prompt sharing the head once a sibling
+    has pinned it as a junction, the head of a prompt again, and a prefix cut mid-block (the
+    engine's 32-token blocks, learned from its events). The entries live for the
+    whole test (a long TTL), so each probe is asked while they stand; the index's own
+    prediction is checked against vLLM by the scenario test."""
+    kind = KINDS[key]
+    started = time.monotonic()
+    model = write_model(vllm_python, kind.model, models / kind.model)
+    with serve(vllm_python, kind, model, tmp_path / "vllm.log", None) as served:
+        assert served.events is not None
+        tap = EventTap(served.events, bind=False)
+        try:
+            spec = WorkerSpec(url=served.url, events=served.events, replay=served.replay)
+            cfg = Config(workers=[spec])
+            cfg.policy.speculative_ttl_s = 3600.0
+            cfg.verify.selfcheck_timeout_s = 60.0
+            async with serve_router(cfg) as (base, _router):
+                await _router_ready(base)
+                sender = ThroughRouter(base, tap)
+                seen = await asyncio.to_thread(_probes, sender)
+                sender.client.close()
+        finally:
+            tap.close()
+    wrong = [f"{label}: credited {credit}, cached {cached}" for label, credit, cached in seen]
+    wrong = [w for w, (_, credit, cached) in zip(wrong, seen, strict=True) if credit != cached]
+    with capsys.disabled():
+        print(
+            f"\n[real vLLM {VLLM_VERSION} {kind.name}] speculative credit == cached_tokens "
+            f"{len(seen) - len(wrong)}/{len(seen)} in {time.monotonic() - started:.0f} s: "
+            + ", ".join(f"{label} {credit}/{cached}" for label, credit, cached in seen)
+        )
+    assert len(seen) == 12
+    assert wrong == [], wrong
+    assert sum(1 for _, _, cached in seen if cached) >= 6, "the probes share cached prefixes"
