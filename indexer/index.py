@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from indexer.cap import enforce_cap
+from indexer.eagle import eagle_groups
 from indexer.engine_state import EngineState
 from indexer.hit_rules import alignment
 from indexer.ingest import Ingest
@@ -285,11 +286,13 @@ class PrefixIndex:
 
     def group_specs(self, engine: EngineId) -> tuple[GroupSpec, ...]:
         """The engine's KV-cache groups as its events declared them (or its configuration
-        did); empty while unknown. What a prediction made before the engine's events arrive
-        needs: its hits' alignment, and which groups keep blocks only sparsely
-        (router/speculative.py)."""
+        did), as matching reads them (under EAGLE, :func:`indexer.eagle.eagle_groups`); empty
+        while unknown. What a prediction made before the engine's events arrive needs: its
+        hits' alignment, and which groups keep blocks only sparsely (router/speculative.py)."""
         e = self._engines.get(engine)
-        return () if e is None else tuple(e.groups.values())
+        if e is None:
+            return ()
+        return tuple((eagle_groups(e.groups) if e.eagle else e.groups).values())
 
     def hit_alignment(self, engine: EngineId) -> int:
         """Every hit on the engine is a multiple of this (the LCM of its groups' block sizes);

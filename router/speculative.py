@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 from indexer.hit_rules import alignment
 from indexer.matching import PrefixMatch
-from indexer.types import MAMBA, SLIDING, GroupSpec
+from indexer.types import FULL, MAMBA, SLIDING, GroupSpec
 
 __all__ = ["SAMPLE_STRIDE", "Engine", "SpeculativeCache", "junction_tokens", "retained_hit"]
 
@@ -269,6 +269,14 @@ class SpeculativeCache:
             align = alignment(specs)
             top = min(hit, cap) // align * align
             sparse = [s for s in specs if s.kind in (SLIDING, MAMBA)]
+            if any(s.eagle for s in specs):
+                # EAGLE recomputes the last matched block; on a sparse model it also moves
+                # the boundaries vLLM keeps blocks at, which entries do not model: no credit
+                # there before the events (the index's match models both).
+                full = max((s.block_size for s in specs if s.kind == FULL), default=0)
+                drop = top if sparse else full
+                out[e] = max(top - drop, 0) // align * align
+                continue
             if sparse:
                 if reach is not None:
                     reach[e] = top

@@ -7,6 +7,8 @@ from __future__ import annotations
 import msgspec
 
 from indexer.index import PrefixIndex
+from indexer.types import FULL, SLIDING, GroupSpec
+from router.speculative import SpeculativeCache
 from tests.test_index import MODEL, W0, W1, Engine, gpu, prompt
 
 
@@ -56,3 +58,20 @@ def test_eagle_sliding_window_needs_one_more_block() -> None:
     )
     # Blocks 4..6 end at 112: hit 112 - 16 = 96.
     assert gpu(index, [*p, 1]) == 96
+
+
+def test_a_speculative_entry_drops_the_block_an_eagle_engine_recomputes() -> None:
+    """Before an EAGLE engine's events arrive, an entry for the prompt just sent there credits
+    what the index will once they have: the covered run less its last block. On a model with
+    sliding-window groups EAGLE also moves the boundaries vLLM keeps blocks at: no credit."""
+    index, eng, p = PrefixIndex(), Engine(), prompt(64)
+    index.add_engine(W0, MODEL)
+    index.apply(W0, [_with_lookahead(eng.stored(prompt(32, 5000), 0, 2, 16))])  # learns EAGLE
+    keys = index.prompt_keys([*p, 1], index.root(MODEL))
+    spec = SpeculativeCache(ttl_s=2.0)
+    spec.record(W0, keys[:4], now=0.0, n_tokens=64, groups=index.group_specs(W0))
+    credit = spec.prompt_hits([W0], keys, 65, index.unit, 0.1, index.group_specs)[W0]
+    index.apply(W0, [_with_lookahead(eng.stored(p, 0, 4, 16))])
+    assert credit == gpu(index, [*p, 1]) == 48
+    window = (GroupSpec(FULL, 16, eagle=True), GroupSpec(SLIDING, 16, 48, eagle=True))
+    assert spec.prompt_hits([W0], keys, 65, index.unit, 0.1, lambda e: window) == {W0: 0}
