@@ -42,7 +42,7 @@ from router.sessions import Binding, Sessions, SessionTable
 from router.shared_quotas import shared_quotas
 from router.shared_sessions import shared_sessions
 from router.shared_state import ExportedEngine, SharedState, make_shared_state, seed_subscriber
-from router.speculative import junction_tokens
+from router.speculative import extension_credit, junction_tokens
 from router.tokenize import (
     LocalTokenizer,
     PromptTokenizer,
@@ -398,10 +398,7 @@ class Router:
             at = tokens // self.index.unit - 1
             if 0 <= at < len(tok.keys) and tok.keys[at] == last_key:  # extends the last turn
                 speculative = dict(speculative)
-                # Whole last turn: its replay boundary, which sparse groups keep too (aligned).
-                credit = min(tokens, tok.n_tokens - 1)
-                if align := self.index.hit_alignment(e):
-                    credit = credit // align * align
+                credit = extension_credit(self.index.group_specs(e), tokens, tok.n_tokens)
                 speculative[e] = max(speculative.get(e, 0), credit)
         cands = build_candidates(
             loads,
@@ -422,8 +419,7 @@ class Router:
         if trace is not None:
             trace.routed(decision, len(cands), model)
         if session is not None and tok is not None and len(tok.keys) and not dry_run:
-            covered = len(tok.keys) * self.index.unit
-            self.sessions.bind(session, decision.engine, covered, tok.keys[-1], now)
+            self.sessions.bind(session, decision.engine, tok.n_tokens, tok.keys[-1], now)
         churn = {c.engine: self.index.churn(c.engine) for c in cands}
         return RouteResult(decision, tok, ns, matches, cands, err, churn, reads_cache)
 

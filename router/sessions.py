@@ -25,7 +25,7 @@ from indexer.index import EngineId
 __all__ = ["Binding", "SessionTable", "Sessions", "session_key"]
 
 Binding = tuple[EngineId, int, int]
-"""(engine, whole-unit tokens of the session's last turn, its content key there)."""
+"""(engine, the session's last turn's length in tokens, its deepest content key)."""
 
 
 class Sessions(Protocol):
@@ -55,7 +55,7 @@ class SessionTable:
         return None
 
     def get(self, key: str, now: float) -> Binding | None:
-        """(engine, whole-unit tokens of the last turn, its content key there) the session is
+        """(engine, the last turn's length in tokens, its deepest content key) the session is
         bound to, if still live."""
         got = self._bound.get(key)
         if got is None:

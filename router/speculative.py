@@ -15,7 +15,14 @@ from indexer.hit_rules import alignment
 from indexer.matching import PrefixMatch
 from indexer.types import FULL, MAMBA, SLIDING, GroupSpec
 
-__all__ = ["SAMPLE_STRIDE", "Engine", "SpeculativeCache", "junction_tokens", "retained_hit"]
+__all__ = [
+    "SAMPLE_STRIDE",
+    "Engine",
+    "SpeculativeCache",
+    "extension_credit",
+    "junction_tokens",
+    "retained_hit",
+]
 
 Engine = Hashable
 """An engine identity: the router uses ``(url, dp_rank)`` (``indexer.index.EngineId``); the
@@ -263,28 +270,59 @@ class SpeculativeCache:
         for e in engines:
             hit = self.hit_tokens(e, keys, unit, now)
             specs = groups(e) if hit and groups is not None else ()
-            if not specs:
-                out[e] = min(hit, cap)
-                continue
-            align = alignment(specs)
-            top = min(hit, cap) // align * align
-            sparse = [s for s in specs if s.kind in (SLIDING, MAMBA)]
-            if any(s.eagle for s in specs):
-                # EAGLE recomputes the last matched block; on a sparse model it also moves
-                # the boundaries vLLM keeps blocks at, which entries do not model: no credit
-                # there before the events (the index's match models both).
-                full = max((s.block_size for s in specs if s.kind == FULL), default=0)
-                drop = top if sparse else full
-                out[e] = max(top - drop, 0) // align * align
-                continue
-            if sparse:
-                if reach is not None:
-                    reach[e] = top
-                tail = max(_needed_blocks(s) * s.block_size for s in sparse)
-                marks = self._boundaries(e, keys, unit, now, hit, align, top, tail)
-                top = retained_hit(sparse, marks, top, align)
-            out[e] = top
+
+            def kept(
+                align: int, top: int, tail: int, e: Engine = e, hit: int = hit
+            ) -> dict[int, int]:
+                return self._boundaries(e, keys, unit, now, hit, align, top, tail)
+
+            out[e], full = _credit(specs, hit, cap, kept)
+            if full and reach is not None:
+                reach[e] = full
         return out
+
+
+Boundaries = Callable[[int, int, int], Mapping[int, int]]
+"""``kept(align, top, tail)``: the boundaries whose kept blocks a prompt shares
+(``SpeculativeCache._boundaries``)."""
+
+
+def _credit(
+    specs: Sequence[GroupSpec], covered: int, cap: int, kept: Boundaries
+) -> tuple[int, int]:
+    """The hit a prompt whose first ``covered`` tokens an engine holds in full attention gets
+    there, at most ``cap``, given the engine's groups ``specs`` (empty: unknown, no alignment
+    applied); and, on engines with sparse groups, what the full-attention blocks reach (0
+    elsewhere)."""
+    if not specs:
+        return min(covered, cap), 0
+    align = alignment(specs)
+    top = min(covered, cap) // align * align
+    sparse = [s for s in specs if s.kind in (SLIDING, MAMBA)]
+    if any(s.eagle for s in specs):
+        # EAGLE recomputes the last matched block; on a sparse model it also moves the
+        # boundaries vLLM keeps blocks at, which entries do not model: no credit there before
+        # the events (the index's match models both).
+        if sparse:
+            return 0, top
+        full = max((s.block_size for s in specs if s.kind == FULL), default=0)
+        return max(top - full, 0) // align * align, 0
+    if not sparse:
+        return top, 0
+    tail = max(_needed_blocks(s) * s.block_size for s in sparse)
+    return retained_hit(sparse, kept(align, top, tail), top, align), top
+
+
+def extension_credit(specs: Sequence[GroupSpec], n_recorded: int, n_tokens: int) -> int:
+    """The hit of a prompt of ``n_tokens`` extending a whole prompt of ``n_recorded`` tokens
+    computed on an engine with groups ``specs``: its whole blocks, or on sparse groups its
+    replay boundary (``n_recorded - 1``, aligned), the point vLLM keeps their blocks at."""
+
+    def kept(align: int, top: int, tail: int) -> dict[int, int]:
+        b = max(n_recorded - 1, 0) // align * align
+        return {b: b} if b else {}
+
+    return _credit(specs, n_recorded, max(n_tokens - 1, 0), kept)[0]
 
 
 def retained_hit(

@@ -15,7 +15,7 @@ from indexer.types import FULL, MAMBA, SLIDING, GroupSpec
 from router.candidates import build_candidates
 from router.load import EngineLoad
 from router.policy import Candidate, KvRouterPolicy, PolicyParams
-from router.speculative import SpeculativeCache, junction_tokens, retained_hit
+from router.speculative import SpeculativeCache, extension_credit, junction_tokens, retained_hit
 
 UNIT = 16
 KEYS = list(range(1000, 1040))  # a 645-token prompt: 40 keys, 640 tokens
@@ -193,3 +193,17 @@ def test_the_blocks_two_recorded_prompts_kept_combine_into_a_hit():
     remote.record("w", first, now=0.0, n_tokens=320)
     remote.record("w", extension, now=0.2, n_tokens=370)
     assert remote.prompt_hits(["w"], third, 360, UNIT, 0.3, lambda e: window) == {"w": 288}
+
+
+def test_a_session_turn_extending_the_last_one_is_credited_its_kept_blocks():
+    """What a conversation's next turn is credited on the engine its session is bound to
+    (the last turn's length is known, its events may not have arrived): the last turn's whole
+    blocks on a dense engine, its replay boundary where sparse groups keep only that."""
+    hybrid = (FULL16, WINDOW64)
+    assert extension_credit((FULL16,), 320, 400) == 320
+    assert extension_credit(hybrid, 320, 400) == 304  # 319, aligned
+    assert extension_credit(hybrid, 330, 400) == 320  # 329, aligned
+    assert extension_credit((FULL16, GroupSpec(MAMBA, 64)), 330, 400) == 320
+    assert extension_credit((), 330, 400) == 330  # groups unknown: the caller floors it
+    assert extension_credit(hybrid, 330, 300) == 0  # shorter than the boundary: nothing kept
+    assert extension_credit((GroupSpec(FULL, 16, eagle=True),), 330, 400) == 304
