@@ -36,6 +36,7 @@ from router.handlers import (
     routed,
 )
 from router.messages import error_response
+from router.sessions import session_key
 
 __all__ = ["create_apps"]
 
@@ -107,7 +108,9 @@ def _add_admin_routes(app: FastAPI, router: Router) -> None:
         body = parse_json_object(data)
         chat = "messages" in body
         validate_request(body, chat)
-        res = await router.route(body, chat, time.monotonic(), dry_run=True)
+        sc = router.cfg.session
+        session = session_key(request.headers, body, sc.header, sc.user_field)
+        res = await router.route(body, chat, time.monotonic(), session=session, dry_run=True)
         elapsed = time.perf_counter() - t
         out = debug.explain(router, res, chat, elapsed)
         return JSONResponse({**out, "routing": "by cache: the prompt's prefix"})

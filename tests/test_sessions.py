@@ -25,9 +25,10 @@ def test_session_table_expires_and_is_bounded() -> None:
     assert session_key({}, {"user": "u"}, "x-session-id", False) is None
 
 
-async def _turns(mode: str) -> tuple[list[str], list[str]]:
+async def _turns(mode: str, explained: list[dict] | None = None) -> tuple[list[str], list[str]]:
     """Four turns of one conversation and of an unrelated request with the same session key,
-    with the index's events switched off, so only affinity can keep the conversation home."""
+    with the index's events switched off, so only affinity can keep the conversation home.
+    ``explained``: receives ``/debug/route``'s answer for each turn, asked just before it."""
     with running_fleet(3, **FAST) as ws:
         cfg = config_for(ws, session={"mode": mode}, policy={"speculative_ttl_s": 0.0})
         async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
@@ -40,6 +41,9 @@ async def _turns(mode: str) -> tuple[list[str], list[str]]:
             for turn in range(4):
                 prompt += " " + words(40, f"turn{turn}")
                 body = {"model": "sim-model", "prompt": prompt, "max_tokens": 1}
+                if explained is not None:
+                    e = await c.post(base + "/debug/route", json=body, headers=hdr)
+                    explained.append(e.json())
                 r = await c.post(base + "/v1/completions", json=body, headers=hdr)
                 served.append(r.headers["x-kvrouter-worker"])
             for i in range(3):
@@ -62,3 +66,15 @@ async def test_without_affinity_the_conversation_wanders() -> None:
 async def test_hard_affinity_pins_even_unrelated_prompts() -> None:
     served, unrelated = await _turns("hard")
     assert len(set(served + unrelated)) == 1, (served, unrelated)
+
+
+async def test_debug_route_explains_the_decision_the_session_makes() -> None:
+    """``/debug/route`` with the session's header credits the bound engine as the request
+    itself is credited (the last turn's prompt), so it names the engine the turn goes to."""
+    explained: list[dict] = []
+    served, _ = await _turns("soft", explained)
+    # The first turn is a tie among idle engines, broken at random; the others are bound.
+    assert [e["chosen"] for e in explained[1:]] == served[1:]
+    for e in explained[1:]:
+        bound = next(w for w in e["workers"] if w["url"] == e["chosen"])
+        assert bound["speculative_hit_tokens"] >= 300, bound
