@@ -224,26 +224,39 @@ async def test_predicted_hits_equal_vllm_cached_tokens(
     assert engine["verify"]["state"] == "verified"
 
 
-def _probes(sender: ThroughRouter) -> list[tuple[str, int, int]]:
-    """Prompts sharing a prompt just served, each asked about (``/debug/route``) and then sent:
-    ``(label, the speculative entries' credit, vLLM's cached tokens)`` per probe. Every case
+@dataclass
+class Prober:
+    """Sends prompts through the router and asks it first what it credits them: ``seen`` holds
+    ``(label, the credit /debug/route shows, vLLM's cached tokens)`` per probe. Every case
     starts from a head of its own, so only its own prompts can be cached for it."""
-    rng = random.Random(SEED + 1)
-    seen: list[tuple[str, int, int]] = []
 
-    def tokens(n: int) -> list[int]:
-        return [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(n)]
+    sender: ThroughRouter
+    rng: random.Random = field(default_factory=lambda: random.Random(SEED + 1))
+    seen: list[tuple[str, int, int]] = field(default_factory=list)
 
-    def send(label: str, prompt: list[int]) -> None:
-        sender.send(label, {"prompt": prompt, "max_tokens": 1}, False)
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(n)]
 
-    def probe(label: str, prompt: list[int]) -> None:
+    def send(self, label: str, prompt: list[int], user: str | None = None) -> None:
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": 1}
+        if user is not None:
+            body["user"] = user  # the session (router session.user_field)
+        self.sender.send(label, body, False)
+
+    def probe(self, label: str, prompt: list[int], user: str | None = None) -> None:
         body = request_body({"prompt": prompt, "max_tokens": 1})
-        doc = sender.client.post(sender.base + "/debug/route", json=body).json()
+        if user is not None:
+            body["user"] = user
+        doc = self.sender.client.post(self.sender.base + "/debug/route", json=body).json()
         credit = doc["workers"][0]["speculative_hit_tokens"]
-        send(label, prompt)
-        seen.append((label, credit, sender.outcomes[-1].cached))
+        self.send(label, prompt, user)
+        self.seen.append((label, credit, self.sender.outcomes[-1].cached))
 
+
+def _probes(sender: ThroughRouter) -> list[tuple[str, int, int]]:
+    """Prompts sharing a prompt just served, credited by the speculative entries."""
+    p = Prober(sender)
+    tokens, send, probe = p.tokens, p.send, p.probe
     for n in (300, 10 * BLOCK, 10 * BLOCK + 1):  # a whole prompt extended: its replay boundary
         first = tokens(n)
         send(f"first-{n}", first)
@@ -260,7 +273,18 @@ def _probes(sender: ThroughRouter) -> list[tuple[str, int, int]]:
     first = tokens(400)  # a prefix of a prompt, with a tail of its own
     send("first-400", first)
     probe("prefix-250-of-400", first[:250] + tokens(30))
-    return seen
+    return p.seen
+
+
+def _session_probes(sender: ThroughRouter) -> list[tuple[str, int, int]]:
+    """Second turns of conversations, credited by the session binding alone (a router whose
+    speculative entries are off): the first turn's length decides what the engine kept."""
+    p = Prober(sender, random.Random(SEED + 2))
+    for n in (300, 10 * BLOCK, 10 * BLOCK + 1):
+        first = p.tokens(n)
+        p.send(f"turn1-{n}", first, user=f"conversation-{n}")
+        p.probe(f"turn2-{n}", first + p.tokens(40), user=f"conversation-{n}")
+    return p.seen
 
 
 @pytest.mark.parametrize("key", ["dense", "hybrid", "sliding"])
@@ -274,7 +298,8 @@ async def test_speculative_entries_credit_what_vllm_caches(
     sliding-window groups vLLM keeps those groups' blocks only at a prompt's replay boundary
     and at junctions, so the head is no hit), a third prompt sharing the head once a sibling
     has pinned it as a junction, the head of a prompt again, and a prefix cut mid-block (the
-    engine's 32-token blocks, learned from its events). The entries live for the
+    engine's 32-token blocks, learned from its events). Then a second router without entries
+    checks the session binding's credit for a conversation's second turn. The entries live for the
     whole test (a long TTL), so each probe is asked while they stand; the index's own
     prediction is checked against vLLM by the scenario test."""
     kind = KINDS[key]
@@ -293,6 +318,14 @@ async def test_speculative_entries_credit_what_vllm_caches(
                 sender = ThroughRouter(base, tap)
                 seen = await asyncio.to_thread(_probes, sender)
                 sender.client.close()
+            cfg = Config(workers=[spec])
+            cfg.policy.speculative_ttl_s = 0.0
+            cfg.verify.selfcheck_timeout_s = 60.0
+            async with serve_router(cfg) as (base, _router):
+                await _router_ready(base)
+                sender = ThroughRouter(base, tap)
+                seen += await asyncio.to_thread(_session_probes, sender)
+                sender.client.close()
         finally:
             tap.close()
     wrong = [f"{label}: credited {credit}, cached {cached}" for label, credit, cached in seen]
@@ -303,6 +336,6 @@ async def test_speculative_entries_credit_what_vllm_caches(
             f"{len(seen) - len(wrong)}/{len(seen)} in {time.monotonic() - started:.0f} s: "
             + ", ".join(f"{label} {credit}/{cached}" for label, credit, cached in seen)
         )
-    assert len(seen) == 12
+    assert len(seen) == 15
     assert wrong == [], wrong
     assert sum(1 for _, _, cached in seen if cached) >= 6, "the probes share cached prefixes"
