@@ -192,6 +192,16 @@ class Policy:
         raise NotImplementedError
 
 
+def _draws(rng: random.Random, dry_run: bool) -> random.Random:
+    """The generator a decision's tie-breaks draw from: on a dry run a copy, so that asking
+    why leaves every later tie-break as it would have been."""
+    if not dry_run:
+        return rng
+    twin = random.Random()
+    twin.setstate(rng.getstate())
+    return twin
+
+
 UTILIZATION_DECISIONS = 256
 """Decisions the utilization averages over (exponentially; a plain mean before that many)."""
 MAX_RECOMPUTE_WEIGHT = 16.0
@@ -483,13 +493,14 @@ class KvRouterPolicy(Policy):
         tie = self.params.near_tie_tokens * max(weight, 1.0)
         # Rank: near-ties of the best by in-flight requests, then a random tie-break; everything
         # else by cost. The random key is drawn per decision so equal engines share the load.
+        rng = _draws(self._rng, dry_run)
         keyed = []
         for i, (c, x) in enumerate(zip(candidates, costs, strict=True)):
             near = x.rank_tokens <= best + tie
             if near:
-                key = (0, c.load.inflight_requests, x.rank_tokens, self._rng.random(), i)
+                key = (0, c.load.inflight_requests, x.rank_tokens, rng.random(), i)
             else:
-                key = (1, 0, x.rank_tokens, self._rng.random(), i)
+                key = (1, 0, x.rank_tokens, rng.random(), i)
             keyed.append((key, i))
         keyed.sort()
         order = [i for _, i in keyed]
@@ -562,10 +573,11 @@ class LeastLoadedPolicy(Policy):
     ) -> Decision:
         if not candidates:
             raise ValueError("no candidates")
+        rng = _draws(self._rng, dry_run)
         keyed = sorted(
             (
                 (c.load.inflight_requests + c.load.foreign_waiting()),
-                self._rng.random(),
+                rng.random(),
                 i,
             )
             for i, c in enumerate(candidates)
@@ -597,7 +609,7 @@ class RandomPolicy(Policy):
         if not candidates:
             raise ValueError("no candidates")
         order = list(range(len(candidates)))
-        self._rng.shuffle(order)
+        _draws(self._rng, dry_run).shuffle(order)
         return Decision(
             engine=candidates[order[0]].engine,
             ranked=[candidates[i].engine for i in order],

@@ -9,7 +9,7 @@ import httpx
 from test_router_support import config_for, serve_router, until, words
 
 from router.load import EngineLoad
-from router.policy import Candidate, KvRouterPolicy, PolicyParams, RoundRobinPolicy
+from router.policy import Candidate, KvRouterPolicy, PolicyParams, RoundRobinPolicy, make_policy
 from simulator.testing import running_fleet
 
 
@@ -33,6 +33,21 @@ def test_a_dry_run_leaves_the_policy_as_it_was() -> None:
     cands = [_busy(a, 0), _busy(b, 0)]
     assert rr.choose(cands, 10, 0.0, dry_run=True).engine == a
     assert [rr.choose(cands, 10, 0.0).engine for _ in range(2)] == [a, b]
+
+
+def test_a_dry_run_leaves_later_tie_breaks_as_they_were() -> None:
+    """Ties among equal engines are broken at random; asking why (a dry run) between two
+    decisions must not change which engine the next tie goes to."""
+    engines = [(f"http://{n}", 0) for n in "abcd"]
+    for policy in ("kvrouter", "least_loaded", "random"):
+        asked, quiet = make_policy(policy, seed=3), make_policy(policy, seed=3)
+        cands = [Candidate(e) for e in engines]
+        picks = []
+        for t in range(20):
+            asked.choose(cands, 100, float(t), dry_run=True)
+            picks.append(asked.choose(cands, 100, float(t)).engine)
+        assert picks == [quiet.choose(cands, 100, float(t)).engine for t in range(20)], policy
+        assert len(set(picks)) > 1, policy
 
 
 def test_expected_ttft_uses_the_engines_learned_prefill_rate() -> None:
