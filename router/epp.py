@@ -179,6 +179,7 @@ class Exchange:
         self.size = 0
         self.key: str | None = None
         self.subset: list[str] | None = None
+        self.headers: dict[str, str] = {}
         self.t0 = 0.0
         self.decided = False
         self.state: RequestState | None = None
@@ -214,7 +215,7 @@ class Exchange:
             self.body_mode = req.protocol_config.request_body_mode
             self.resp_mode = req.protocol_config.response_body_mode
         rh = req.request_headers
-        headers = _headers_of(rh.headers)
+        headers = self.headers = _headers_of(rh.headers)
         self.chat = _ROUTES.get(headers.get(":path", "").split("?", 1)[0])
         self.subset = _subset_of(req)
         try:  # a listing (GET, as the proxy's /v1/models) is checked but costs no request
@@ -273,7 +274,7 @@ class Exchange:
                 parsed, pick = None, self.p.pick_by_load(self.subset)
             else:
                 parsed = self.p.parse(data, self.chat)
-                pick = await self.p.pick(parsed, self.chat, self.subset)
+                pick = await self.p.pick(parsed, self.chat, self.subset, self.headers)
                 await self.p.spend_prompt(self.key, pick)
         except BodyError as exc:
             return self.reject(exc)

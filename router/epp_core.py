@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -24,6 +25,7 @@ from router.client_auth import bearer, check_key, spend_prompt
 from router.core import Router, RouteResult
 from router.errors import BodyError
 from router.proxy import Outcome, Ticket
+from router.sessions import session_key
 from router.verify import with_stream_usage
 
 __all__ = ["Pick", "Picker", "RequestState", "endpoint_of"]
@@ -150,15 +152,24 @@ class Picker:
         cap = self.cfg.server.max_connections_per_worker
         return all(w.inflight >= cap for w in eligible.values())
 
-    async def pick(self, body: dict[str, Any], chat: bool, subset: list[str] | None) -> Pick:
+    async def pick(
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        subset: list[str] | None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Pick:
         """Rank engines for a parsed, validated body. BodyError 503 when none is eligible,
-        429 when all eligible ones are saturated."""
+        429 when all eligible ones are saturated. ``headers`` (lower-case names, as the gateway
+        sends them) carry the session, as a request to the proxy does (``session``)."""
         eligible = self._eligible(subset)
         if not eligible:
             raise BodyError(503, "no eligible endpoint for this request")
         if self._shedding(eligible):
             raise BodyError(429, "every eligible endpoint is at its request limit")
-        res = await self.router.route(body, chat, time.monotonic())
+        sc = self.cfg.session
+        session = session_key(headers or {}, body, sc.header.lower(), sc.user_field)
+        res = await self.router.route(body, chat, time.monotonic(), session=session)
         d = res.decision
         engines = [e for e in d.ranked if e[0] in eligible]
         if not engines:

@@ -40,6 +40,7 @@ def headers_msg(
     mode: int = Mode.FULL_DUPLEX_STREAMED,
     meta: dict[str, Any] | None = None,
     key: str | None = None,
+    extra: dict[str, str] | None = None,
 ) -> pb.ProcessingRequest:
     hm = base_pb2.HeaderMap(
         headers=[
@@ -47,6 +48,8 @@ def headers_msg(
             base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
         ]
     )
+    for k, v in (extra or {}).items():
+        hm.headers.append(base_pb2.HeaderValue(key=k, raw_value=v.encode()))
     if key is not None:
         hm.headers.append(
             base_pb2.HeaderValue(key="authorization", raw_value=b"Bearer " + key.encode())
@@ -280,3 +283,29 @@ async def test_no_healthy_worker_leaves_every_worker_eligible_as_the_proxy_does(
         await s.send(headers_msg(), 0)
         head, _ = await s.send(body_msg(words(64, "dead")), 2)
         assert destination(head) == endpoint_of(dead)
+
+
+async def test_a_session_header_binds_the_pick_as_it_binds_the_proxys_route(fleet):
+    """Session affinity reads the gateway's request headers: with ``session.mode: hard`` every
+    request of a session goes where its first went, although the other worker has fewer
+    requests in flight (each pick here stays in flight: no response comes back)."""
+    cfg = await epp_router(fleet)
+    cfg.session.mode = "hard"
+    cfg.session.header = "X-Session-Id"  # configured in any case; gateways send lower case
+    async with serve_router(cfg) as (_base, router):
+        await until(lambda: len(router.registry.healthy()) == 2, 10, "workers healthy")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cfg.server.epp_port}") as ch:
+            stub = pb_grpc.ExternalProcessorStub(ch)
+            picks, streams = [], []
+            for i in range(4):
+                s = Stream(stub)
+                streams.append(s)
+                await s.send(headers_msg(extra={"x-session-id": "conversation-7"}), 0)
+                head, _ = await s.send(body_msg(words(64, f"session-{i}")), 2)
+                picks.append(destination(head))
+            other = Stream(stub)  # no session: the engine with fewer in flight
+            await other.send(headers_msg(), 0)
+            head, _ = await other.send(body_msg(words(64, "no-session")), 2)
+            assert len(set(picks)) == 1 and destination(head) != picks[0], (picks, head)
+            for s in [*streams, other]:
+                await s.close()
