@@ -274,7 +274,7 @@ class Exchange:
                 parsed, pick = None, self.p.pick_by_load(self.subset)
             else:
                 parsed = self.p.parse(data, self.chat)
-                pick = await self.p.pick(parsed, self.chat, self.subset, self.headers)
+                pick = await self.p.pick(parsed, self.chat, self.subset, self.headers, self.key)
                 await self.p.spend_prompt(self.key, pick)
         except BodyError as exc:
             return self.reject(exc)

@@ -12,6 +12,7 @@ with ``dp_size > 1`` shares its endpoint, and the rank travels in ``x-data-paral
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import Mapping
@@ -158,10 +159,13 @@ class Picker:
         chat: bool,
         subset: list[str] | None,
         headers: Mapping[str, str] | None = None,
+        key: str | None = None,
     ) -> Pick:
         """Rank engines for a parsed, validated body. BodyError 503 when none is eligible,
-        429 when all eligible ones are saturated. ``headers`` (lower-case names, as the gateway
-        sends them) carry the session, as a request to the proxy does (``session``)."""
+        429 when all eligible ones are saturated or the admission queue refuses it (full, or
+        the wait ran out); with ``admission`` on, it waits in that queue as a request to the
+        proxy does. ``headers`` (lower-case names, as the gateway sends them) carry the
+        session (``session``); ``key``: the request's API key (the queue's fairness)."""
         eligible = self._eligible(subset)
         if not eligible:
             raise BodyError(503, "no eligible endpoint for this request")
@@ -169,7 +173,7 @@ class Picker:
             raise BodyError(429, "every eligible endpoint is at its request limit")
         sc = self.cfg.session
         session = session_key(headers or {}, body, sc.header.lower(), sc.user_field)
-        res = await self.router.route(body, chat, time.monotonic(), session=session)
+        res = await self._route(body, chat, session, key)
         d = res.decision
         engines = [e for e in d.ranked if e[0] in eligible]
         if not engines:
@@ -179,6 +183,23 @@ class Picker:
         hits = {c.engine: c.gpu_hit_tokens for c in res.candidates}
         uncached = {e: costs.get(e, max(n - hits.get(e, 0), 0)) for e in engines}
         return Pick(engines, self._endpoints(engines), res, uncached)
+
+    async def _route(
+        self, body: dict[str, Any], chat: bool, session: str | None, key: str | None
+    ) -> RouteResult:
+        adm = self.router.admission
+        if adm is None:
+            return await self.router.route(body, chat, time.monotonic(), session=session)
+        # The gateway ends the stream when its client leaves, which cancels this wait and
+        # gives the place back; there is no disconnect message to watch for.
+        admitted = await adm.admit(body.get("model"), body.get("priority"), key, _no_disconnect)
+        tokens = None
+        try:
+            res = await self.router.route(body, chat, time.monotonic(), session=session)
+            tokens = res.tokens.n_tokens if res.tokens is not None else None
+            return res
+        finally:
+            admitted.release(tokens)
 
     def pick_by_load(self, subset: list[str] | None) -> Pick:
         """A request without a routable body (``GET /v1/models``, other paths): the eligible
@@ -233,7 +254,9 @@ class Picker:
         st.engine = engine
         if w is None:
             return
-        st.ticket = Ticket(w, engine[1], st.pick.uncached.get(engine, 0))
+        adm = self.router.admission
+        wake = adm.wake if adm is not None else None  # queued prefill fell: the queue looks
+        st.ticket = Ticket(w, engine[1], st.pick.uncached.get(engine, 0), wake)
         st.charged.append(engine)
         res = st.pick.result
         if res is not None:
@@ -289,3 +312,10 @@ class Picker:
 
     def count_rejected(self, status: int) -> None:
         self.metrics.requests.labels(self.policy_name, str(status)).inc()
+
+
+async def _no_disconnect() -> dict[str, Any]:
+    """The admission queue's ``receive`` for a request that arrives over ext_proc: no message
+    ever comes (the stream's end cancels the wait instead)."""
+    await asyncio.Event().wait()
+    return {"type": "http.disconnect"}

@@ -309,3 +309,41 @@ async def test_a_session_header_binds_the_pick_as_it_binds_the_proxys_route(flee
             assert len(set(picks)) == 1 and destination(head) != picks[0], (picks, head)
             for s in [*streams, other]:
                 await s.close()
+
+
+async def test_the_admission_queue_holds_a_pick_until_queued_prefill_falls(fleet):
+    """With ``admission`` on, a request the fleet has no room for waits in the router's queue,
+    as it would at the proxy: its pick comes once the request ahead released its queued
+    prefill (the first chunk of its response), and a wait past ``max_wait_s`` is a 429."""
+    cfg = await epp_router(fleet[:1])
+    cfg.admission.queued_prefill_tokens_threshold = 1  # any queued prefill fills the worker
+    cfg.admission.max_wait_s = 30.0
+    async with (
+        serve_router(cfg) as (_base, router),
+        grpc.aio.insecure_channel(f"127.0.0.1:{cfg.server.epp_port}") as ch,
+    ):
+        await until(lambda: len(router.registry.healthy()) == 1, 10, "worker healthy")
+        stub = pb_grpc.ExternalProcessorStub(ch)
+        first = Stream(stub)
+        await first.send(headers_msg(), 0)
+        head, _ = await first.send(body_msg(words(64, "admit-1")), 2)
+        assert destination(head) == endpoint_of(fleet[0].url)
+        second = Stream(stub)
+        await second.send(headers_msg(), 0)
+        await second.q.put(body_msg(words(64, "admit-2")))
+        assert router.admission is not None
+        await until(lambda: len(router.admission.queue) == 1, 10, "the second request queued")
+        await first.send(response_headers_msg(None), 1)
+        chunk = pb.ProcessingRequest(response_body=pb.HttpBody(body=b"{}", end_of_stream=True))
+        await first.send(chunk, 1)
+        head = await asyncio.wait_for(second.call.read(), 10)
+        assert destination(head) == endpoint_of(fleet[0].url)
+        await asyncio.wait_for(second.call.read(), 10)  # its body
+        cfg.admission.max_wait_s = 0.2
+        third = Stream(stub)
+        await third.send(headers_msg(), 0)
+        (refused,) = await third.send(body_msg(words(64, "admit-3")), 1)
+        assert refused.immediate_response.status.code == 429
+        assert len(router.admission.queue) == 0
+        for s in (first, second, third):
+            await s.close()
