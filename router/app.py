@@ -147,6 +147,16 @@ def _add_api_routes(app: FastAPI, router: Router) -> dict[str, ProxyHandler]:
 
     other = passthrough_handler(router)
 
+    # A stored Responses API answer lives on the engine that produced it: these go there
+    # (router/stored_responses.py). Rare enough for FastAPI's routing.
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(request: Request, response_id: str) -> Response:
+        return await other(request, f"/v1/responses/{response_id}")
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(request: Request, response_id: str) -> Response:
+        return await other(request, f"/v1/responses/{response_id}/cancel")
+
     def forwarder(path: str) -> ProxyHandler:
         async def forward(request: Request) -> Response:
             return await other(request, path)

@@ -352,12 +352,15 @@ class Router:
         session: str | None = None,
         tokenize: bool = True,
         trace: RequestTrace | None = None,
+        owner: EngineId | None = None,
     ) -> RouteResult:
         """Tokenize, match, gate and choose. ``dry_run`` (``/debug/route``): the same decision,
         leaving the policy's learned state (and the session's binding) untouched. ``session``:
         the request's session key (router/sessions.py). ``tokenize=False``: the body has no
         prompt to match (router/passthrough.py), so the choice is by load. ``trace``: the
-        request's spans (router/tracing.py)."""
+        request's spans (router/tracing.py). ``owner``: the engine holding a stored response
+        the request names (router/stored_responses.py), the only one it may go to while it
+        serves the model."""
         model = body.get("model")
         try:
             workers = self._serving(model)
@@ -377,6 +380,8 @@ class Router:
         if bound is not None and self.cfg.session.mode == "hard":
             pinned = [x for x in loads if x[0] == bound[0]]
             loads = pinned or loads  # its engine is gone or unhealthy: route freely
+        if owner is not None:  # the one engine holding what the request names
+            loads = [x for x in loads if x[0] == owner] or loads
         engines = [e for e, _ in loads]
         matches: dict[EngineId, PrefixMatch] = {}
         speculative: dict[EngineId, int] = {}

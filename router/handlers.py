@@ -20,6 +20,7 @@ from starlette.responses import Response
 
 from indexer.index import EngineId
 from router import access, passthrough, proxy
+from router import stored_responses as stored
 from router.bodies import parse_json_object, read_body, validate_request
 from router.client_auth import bearer, check_key, spend_prompt
 from router.core import Router, RouteResult
@@ -351,16 +352,44 @@ async def routed(
     sc = router.cfg.session
     session = session_key(request.headers, body or {}, sc.header, sc.user_field)
     dry = request.url.path == "/debug/route"
+    now = time.monotonic()
+    owner = None
+    if path == stored.RESPONSES and (prev := stored.referenced_id(body)) is not None:
+        owner = await _owner(router, prev, now)
     res = await router.route(
         routed,
         True,
-        time.monotonic(),
+        now,
         session=session,
         tokenize=msgs is not None,
         dry_run=dry,
         trace=trace,
+        owner=owner,
     )
-    return res, body, passthrough.describe(path, msgs)
+    how = passthrough.describe(path, msgs)
+    if owner is not None:
+        how += f"; to {owner[0]}, which holds the previous response"
+    return res, body, how
+
+
+async def _owner(router: Router, response_id: str, now: float) -> EngineId | None:
+    """The engine holding a stored response (router/stored_responses.py), if noted."""
+    got = await router.sessions.lookup(stored.owner_key(response_id), now)
+    return got[0] if got is not None else None
+
+
+def _noting_owner(
+    router: Router, done: Callable[[proxy.Outcome], None]
+) -> Callable[[proxy.Outcome], None]:
+    """``done``, and the engine that answered a ``/v1/responses`` request noted as the holder
+    of the response's id (router/stored_responses.py)."""
+
+    def noted(o: proxy.Outcome) -> None:
+        done(o)
+        if o.status == 200 and o.response_id is not None and o.engine is not None:
+            router.sessions.bind(stored.owner_key(o.response_id), o.engine, 0, 0, time.monotonic())
+
+    return noted
 
 
 def passthrough_handler(router: Router) -> Callable[[Request, str], Awaitable[Response]]:
@@ -373,10 +402,17 @@ def passthrough_handler(router: Router) -> Callable[[Request, str], Awaitable[Re
 
     async def handle(request: Request, path: str) -> Response:
         req, from_client = _arrived(request, path, tracer)
+        held = stored.stored_path(path)  # GET /v1/responses/{id}, POST .../{id}/cancel
         try:
             req.key = await check_request_key(request, keys, router.quotas)
             data = await read_body(request, cfg.server.max_body_bytes)
-            res, body, _how = await routed(router, request, path, data, req.trace)
+            if held is None:
+                res, body, _how = await routed(router, request, path, data, req.trace)
+            else:
+                now = time.monotonic()
+                owner = await _owner(router, held[0], now)
+                res = await router.route({}, True, now, tokenize=False, owner=owner)
+                body = None
             req.model = body.get("model") if body is not None else None
             await _spend_prompt(router, req.key, res)
         except BodyError as exc:
@@ -391,19 +427,29 @@ def passthrough_handler(router: Router) -> Callable[[Request, str], Awaitable[Re
         headers = request_headers(request.scope["headers"], cfg.server.forward_authorization)
         if not from_client:
             headers.append((access.HEADER, req.id.encode()))
+        done = _on_done(router, res, req)
+        stream = bool(body is not None and body.get("stream") is True)
+        capture = path == stored.RESPONSES
+        if capture:
+            done = _noting_owner(router, done)
+        elif held is not None:
+            stream = request.query_params.get("stream") == "true"
+            path = f"{path}?{request.url.query}" if request.url.query else path
         response = await proxy.forward(
             registry=router.registry,
             path=path,
             body=data,
             headers=headers if req.trace is None else req.trace.upstream(headers),
             attempts=_attempts(res),
-            stream=bool(body is not None and body.get("stream") is True),
+            stream=stream,
             receive=request.receive,
             t0=req.t0,
-            done=_on_done(router, res, req),
+            done=done,
             limits=router.proxy_limits,
             on_failed=_on_failed(router, res, req.trace),
             on_sent=_on_sent(router, res, decided, req.id),
+            method=request.method,
+            capture_id=capture,
         )
         response.raw_headers.append((access.HEADER, req.id.encode()))
         return response

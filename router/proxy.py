@@ -59,6 +59,7 @@ from router.messages import (
     response_headers,
     sse_error_event,
 )
+from router.stored_responses import SCAN_BYTES, response_id_in
 from router.upstream import UpstreamRequest, UpstreamResponse
 from router.verify import StreamUsageFilter
 from router.workers import Worker, WorkerRegistry
@@ -163,6 +164,8 @@ class Outcome:
     """The engine that served the request (set for every attempt that got a response)."""
     completion_tokens: int | None = None
     """``usage.completion_tokens`` the worker reported (streams: only with usage requested)."""
+    response_id: str | None = None
+    """The id of a stored Responses API answer (``forward(capture_id=True)``, status 200)."""
 
 
 def _tag_engine(done: Callable[[Outcome], None], engine: EngineId) -> Callable[[Outcome], None]:
@@ -287,8 +290,12 @@ async def forward(
     strip_usage: bool = False,
     on_sent: Callable[[EngineId], None] | None = None,
     on_released: Callable[[], None] | None = None,
+    method: str = "POST",
+    capture_id: bool = False,
 ) -> Response:
     """Send ``body`` to the first attempt that answers; stream or buffer the answer back.
+    ``capture_id``: read the answer's id into ``Outcome.response_id``
+    (router/stored_responses.py).
 
     ``on_sent(engine)`` runs once per attempt, before this coroutine first yields to the event
     loop for that attempt: right after the request was written when a kept-alive connection was
@@ -301,7 +308,7 @@ async def forward(
     if lim.request_timeout_s is not None:
         deadline = asyncio.get_running_loop().time() + lim.request_timeout_s
         deadline -= time.perf_counter() - t0
-    ctx = _Ctx(lim, deadline, on_failed, strip_usage, on_sent, on_released)
+    ctx = _Ctx(lim, deadline, on_failed, strip_usage, on_sent, on_released, method, capture_id)
     try:
         return await _forward(
             registry, path, body, headers, attempts, stream, watcher, t0, done, ctx
@@ -326,6 +333,8 @@ class _Ctx:
     on_sent: Callable[[EngineId], None] | None = None
     on_released: Callable[[], None] | None = None
     """Runs as a request's queued prefill leaves an engine's load (its first token or end)."""
+    method: str = "POST"
+    capture_id: bool = False
 
     def failed(self, engine: tuple[str, int], reason: str) -> None:
         if self.on_failed is not None:
@@ -374,7 +383,7 @@ async def _forward(
         if w.dp_size > 1:
             hdrs.append((b"x-data-parallel-rank", str(att.engine[1]).encode()))
         ticket = Ticket(w, att.engine[1], att.uncached, ctx.on_released)
-        req = w.client.build_request("POST", path, content=body, headers=hdrs)
+        req = w.client.build_request(ctx.method, path, content=body, headers=hdrs)
         started = w.client.write_now(req)
         if ctx.on_sent is not None:
             try:
@@ -450,6 +459,8 @@ def _stream(
         "failed": None,
         "prompt": None,
         "completion": None,
+        "id": None,
+        "scan": SCAN_BYTES if ctx.capture_id and resp.status_code == 200 else 0,
     }
     sse = resp.headers.get("content-type", "").startswith("text/event-stream")
     strip = StreamUsageFilter() if ctx.strip_usage and sse else None
@@ -483,6 +494,9 @@ def _stream(
                 ticket.first_token()
             if b'"completion_tokens"' in chunk:
                 state["completion"] = completion_tokens_in(chunk)
+            if state["scan"] > 0:  # the answer's id, in its first bytes
+                state["id"] = response_id_in(chunk)
+                state["scan"] = 0 if state["id"] is not None else state["scan"] - len(chunk)
             if strip is not None:
                 chunk = strip.feed(chunk)
                 if strip.usage is not None:
@@ -505,7 +519,9 @@ def _stream(
         if state["failed"] is not None:
             status = state["failed"]
         prompt, completion = state["prompt"], state["completion"]
-        done(Outcome(status, w.url, state["ttft"], state["cached"], prompt, None, completion))
+        o = Outcome(status, w.url, state["ttft"], state["cached"], prompt, None, completion)
+        o.response_id = state["id"]
+        done(o)
 
     return Passthrough(resp.status_code, response_headers(resp, w.url), body(), on_close)
 
@@ -554,17 +570,21 @@ async def _buffered(
     body = data
 
     def outcome() -> None:
-        cached = prompt = completion = None
+        cached = prompt = completion = rid = None
         if resp.status_code == 200:
             completion = completion_tokens_in(body)
             if b"cached_tokens" in body:
                 with contextlib.suppress(msgspec.DecodeError):
                     doc = _usage_dec.decode(body)
                     cached, prompt = cached_tokens_of(doc), prompt_tokens_of(doc)
+            if ctx.capture_id:
+                rid = response_id_in(body)
         try:
             # No time to first token: the client gets every token at once, at the end
             # (kvrouter_request_duration_seconds measures that).
-            done(Outcome(resp.status_code, w.url, None, cached, prompt, None, completion))
+            o = Outcome(resp.status_code, w.url, None, cached, prompt, None, completion)
+            o.response_id = rid
+            done(o)
         except Exception:
             log.exception("recording the outcome of a request to %s", w.url)
 
