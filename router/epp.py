@@ -20,8 +20,10 @@ FULL_DUPLEX_STREAMED (what GAIE gateways configure) defers the headers response 
 is complete, then answers headers, then streams the body back (62,000-byte chunks, under Envoy's
 64 KiB). BUFFERED answers the headers at once and puts the pick on the body response (header
 mutations there take effect in that mode). Without a usable body (NONE, STREAMED, or a request
-without one) the pick is made at the headers by load only. A message without
-``protocol_config`` is taken as FULL_DUPLEX_STREAMED.
+without one) the pick is made at the headers by load only (or, for a stored Responses API
+answer, where it lives). A message without ``protocol_config`` is taken as FULL_DUPLEX_STREAMED.
+Other vLLM APIs are picked as the proxy routes them (router/passthrough.py), their bodies never
+rewritten.
 
 **Response path**: the served endpoint (``envoy.lb`` / ``x-gateway-destination-endpoint-served``
 in the metadata, else the same-named response header, else the primary pick) carries the load
@@ -53,6 +55,8 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from router import passthrough
+from router import stored_responses as stored
 from router.core import Router
 from router.epp_core import Pick, Picker, RequestState
 from router.errors import BodyError
@@ -180,6 +184,11 @@ class Exchange:
         self.key: str | None = None
         self.subset: list[str] | None = None
         self.headers: dict[str, str] = {}
+        self.path = ""
+        self.held: tuple[str, bool] | None = None
+        """``(id, cancel)`` of a request for a stored response (router/stored_responses.py)."""
+        self.scan = 0
+        """Bytes of a ``/v1/responses`` answer still to read for its id."""
         self.t0 = 0.0
         self.decided = False
         self.state: RequestState | None = None
@@ -216,7 +225,9 @@ class Exchange:
             self.resp_mode = req.protocol_config.response_body_mode
         rh = req.request_headers
         headers = self.headers = _headers_of(rh.headers)
-        self.chat = _ROUTES.get(headers.get(":path", "").split("?", 1)[0])
+        self.path = headers.get(":path", "").split("?", 1)[0]
+        self.chat = _ROUTES.get(self.path)
+        self.held = stored.stored_path(self.path)
         self.subset = _subset_of(req)
         try:  # a listing (GET, as the proxy's /v1/models) is checked but costs no request
             charge = headers.get(":method") != "GET"
@@ -230,16 +241,17 @@ class Exchange:
                 BodyError(413, f"request body of {n} bytes exceeds the limit of {self.max_body}")
             )
         if rh.end_of_stream or (self.body_mode != DUPLEX and self.body_mode not in BUFFERED):
-            return self.pick_now()
+            return await self.pick_now()
         if self.body_mode == DUPLEX:
             return []  # answered with the body, once it is complete
         return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
 
-    def pick_now(self) -> list[pb.ProcessingResponse]:
-        """No body to route by: pick by load, answer the headers with it."""
+    async def pick_now(self) -> list[pb.ProcessingResponse]:
+        """No body to route by: pick by load (or the holder of the stored response the path
+        names), answer the headers with it."""
         self.decided = True
         try:
-            pick = self.p.pick_by_load(self.subset)
+            pick = await self.pick_other(None)
         except BodyError as exc:
             return self.reject(exc)
         common = self.start(pick, None, changed=False)
@@ -271,7 +283,8 @@ class Exchange:
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         try:
             if self.chat is None:
-                parsed, pick = None, self.p.pick_by_load(self.subset)
+                parsed, pick = None, await self.pick_other(data)
+                await self.p.spend_prompt(self.key, pick)
             else:
                 parsed = self.p.parse(data, self.chat)
                 pick = await self.p.pick(parsed, self.chat, self.subset, self.headers, self.key)
@@ -292,6 +305,33 @@ class Exchange:
         if new is not data:
             common.body_mutation.body = new
         return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), **meta)]
+
+    async def pick_other(self, data: bytes | None) -> Pick:
+        """The rest of vLLM's API (router/passthrough.py), as the proxy routes it: by the prompt
+        the Responses and Anthropic bodies carry as chat messages, to the holder of a stored
+        response a request names, else by load. The body is never rewritten."""
+        body = None
+        if data and self.path in passthrough.BY_CACHE:
+            body = passthrough.parse(data, self.headers.get("content-type", ""))
+        msgs = passthrough.chat_messages(self.path, body) if body is not None else None
+        rid = self.held[0] if self.held is not None else None
+        if self.path == stored.RESPONSES:
+            rid = stored.referenced_id(body)
+            self.scan = stored.SCAN_BYTES  # its answer's id is noted (on_response_body)
+        owner = await self.p.owner(rid) if rid is not None else None
+        if msgs is None and owner is None:
+            return self.p.pick_by_load(self.subset)
+        routed = passthrough.routing_body(body, msgs)
+        return await self.p.pick(
+            routed,
+            True,
+            self.subset,
+            self.headers,
+            self.key,
+            tokenize=msgs is not None,
+            owner=owner,
+            session_body=body or {},
+        )
 
     def start(self, pick: Pick, size: int | None, changed: bool) -> pb.CommonResponse:
         self.state = self.p.start(pick, self.t0, self.key)
@@ -347,6 +387,11 @@ class Exchange:
                 self.p.first_chunk(st)
             if st.status == 200 and _COMPLETION in chunk:
                 st.completion = completion_tokens_in(chunk)
+            if self.scan > 0 and st.status == 200:  # a stored response's id: note its holder
+                rid = stored.response_id_in(chunk)
+                self.scan = 0 if rid is not None else self.scan - len(chunk)
+                if rid is not None:
+                    self.p.note_owner(st, rid)
             if self.strip is not None:
                 out = self.strip.feed(chunk)
                 if hb.end_of_stream:

@@ -27,6 +27,7 @@ from router.core import Router, RouteResult
 from router.errors import BodyError
 from router.proxy import Outcome, Ticket
 from router.sessions import session_key
+from router.stored_responses import owner_key
 from router.verify import with_stream_usage
 
 __all__ = ["Pick", "Picker", "RequestState", "endpoint_of"]
@@ -160,20 +161,28 @@ class Picker:
         subset: list[str] | None,
         headers: Mapping[str, str] | None = None,
         key: str | None = None,
+        *,
+        tokenize: bool = True,
+        owner: Engine | None = None,
+        session_body: dict[str, Any] | None = None,
     ) -> Pick:
         """Rank engines for a parsed, validated body. BodyError 503 when none is eligible,
         429 when all eligible ones are saturated or the admission queue refuses it (full, or
         the wait ran out); with ``admission`` on, it waits in that queue as a request to the
         proxy does. ``headers`` (lower-case names, as the gateway sends them) carry the
-        session (``session``); ``key``: the request's API key (the queue's fairness)."""
+        session (``session``), else ``session_body``'s (default: ``body``'s) ``user`` field;
+        ``key``: the request's API key (the queue's fairness). ``tokenize=False``: no prompt to
+        match, by load; ``owner``: the engine holding the stored response the request names
+        (router/stored_responses.py)."""
         eligible = self._eligible(subset)
         if not eligible:
             raise BodyError(503, "no eligible endpoint for this request")
         if self._shedding(eligible):
             raise BodyError(429, "every eligible endpoint is at its request limit")
         sc = self.cfg.session
-        session = session_key(headers or {}, body, sc.header.lower(), sc.user_field)
-        res = await self._route(body, chat, session, key)
+        asked = body if session_body is None else session_body
+        session = session_key(headers or {}, asked, sc.header.lower(), sc.user_field)
+        res = await self._route(body, chat, session, key, tokenize, owner)
         d = res.decision
         engines = [e for e in d.ranked if e[0] in eligible]
         if not engines:
@@ -185,21 +194,38 @@ class Picker:
         return Pick(engines, self._endpoints(engines), res, uncached)
 
     async def _route(
-        self, body: dict[str, Any], chat: bool, session: str | None, key: str | None
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        session: str | None,
+        key: str | None,
+        tokenize: bool,
+        owner: Engine | None,
     ) -> RouteResult:
+        how = {"session": session, "tokenize": tokenize, "owner": owner}
         adm = self.router.admission
         if adm is None:
-            return await self.router.route(body, chat, time.monotonic(), session=session)
+            return await self.router.route(body, chat, time.monotonic(), **how)
         # The gateway ends the stream when its client leaves, which cancels this wait and
         # gives the place back; there is no disconnect message to watch for.
         admitted = await adm.admit(body.get("model"), body.get("priority"), key, _no_disconnect)
         tokens = None
         try:
-            res = await self.router.route(body, chat, time.monotonic(), session=session)
+            res = await self.router.route(body, chat, time.monotonic(), **how)
             tokens = res.tokens.n_tokens if res.tokens is not None else None
             return res
         finally:
             admitted.release(tokens)
+
+    async def owner(self, response_id: str) -> Engine | None:
+        """The engine holding a stored response (router/stored_responses.py), if noted."""
+        got = await self.router.sessions.lookup(owner_key(response_id), time.monotonic())
+        return got[0] if got is not None else None
+
+    def note_owner(self, st: RequestState, response_id: str) -> None:
+        """The engine that served ``st`` holds the stored response ``response_id``."""
+        if st.engine is not None:
+            self.router.sessions.bind(owner_key(response_id), st.engine, 0, 0, time.monotonic())
 
     def pick_by_load(self, subset: list[str] | None) -> Pick:
         """A request without a routable body (``GET /v1/models``, other paths): the eligible

@@ -342,13 +342,7 @@ async def routed(
     multipart upload) and how it was routed."""
     body = passthrough.parse(data, request.headers.get("content-type", ""))
     msgs = passthrough.chat_messages(path, body) if body is not None else None
-    model = body.get("model") if body is not None else None
-    routed: dict[str, Any] = {"model": model} if model is not None else {}
-    if msgs is not None:
-        routed["messages"] = msgs
-        for k in ("cache_salt", "chat_template_kwargs"):
-            if body is not None and k in body:
-                routed[k] = body[k]
+    routed = passthrough.routing_body(body, msgs)
     sc = router.cfg.session
     session = session_key(request.headers, body or {}, sc.header, sc.user_field)
     dry = request.url.path == "/debug/route"

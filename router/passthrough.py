@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["BY_CACHE", "PATHS", "chat_messages", "describe"]
+__all__ = ["BY_CACHE", "PATHS", "chat_messages", "describe", "routing_body"]
 
 BY_CACHE = frozenset({"/v1/responses", "/v1/messages"})
 """Paths whose body carries a prompt the router can read as chat messages."""
@@ -66,6 +66,19 @@ def chat_messages(path: str, body: dict[str, Any]) -> list[dict[str, str]] | Non
     if path == "/v1/messages":
         return _anthropic(body)
     return None
+
+
+def routing_body(body: dict[str, Any] | None, messages: list[dict[str, str]] | None) -> dict:
+    """What the router routes such a request by: its model and, when it has them, its prompt
+    as chat messages with what changes their tokens (``cache_salt``, template arguments)."""
+    model = body.get("model") if body is not None else None
+    routed: dict[str, Any] = {"model": model} if model is not None else {}
+    if messages is not None and body is not None:
+        routed["messages"] = messages
+        for k in ("cache_salt", "chat_template_kwargs"):
+            if k in body:
+                routed[k] = body[k]
+    return routed
 
 
 def describe(path: str, messages: list[dict[str, str]] | None) -> str:

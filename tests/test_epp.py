@@ -41,11 +41,14 @@ def headers_msg(
     meta: dict[str, Any] | None = None,
     key: str | None = None,
     extra: dict[str, str] | None = None,
+    path: str = "/v1/completions",
+    method: str = "POST",
+    end_of_stream: bool = False,
 ) -> pb.ProcessingRequest:
     hm = base_pb2.HeaderMap(
         headers=[
-            base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions"),
-            base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+            base_pb2.HeaderValue(key=":path", raw_value=path.encode()),
+            base_pb2.HeaderValue(key=":method", raw_value=method.encode()),
         ]
     )
     for k, v in (extra or {}).items():
@@ -55,7 +58,7 @@ def headers_msg(
             base_pb2.HeaderValue(key="authorization", raw_value=b"Bearer " + key.encode())
         )
     req = pb.ProcessingRequest(
-        request_headers=pb.HttpHeaders(headers=hm),
+        request_headers=pb.HttpHeaders(headers=hm, end_of_stream=end_of_stream),
         protocol_config=pb.ProtocolConfiguration(
             request_body_mode=mode, response_body_mode=Mode.FULL_DUPLEX_STREAMED
         ),
@@ -347,3 +350,56 @@ async def test_the_admission_queue_holds_a_pick_until_queued_prefill_falls(fleet
         assert len(router.admission.queue) == 0
         for s in (first, second, third):
             await s.close()
+
+
+async def test_a_stored_response_is_picked_where_it_lives(fleet):
+    """``/v1/responses`` through the EPP as through the proxy: the answer's id (read from the
+    response body streamed through) is noted with the endpoint that served it, and a request
+    naming it (``previous_response_id``, ``GET /v1/responses/{id}``) is picked there. Each
+    chain starts while the first worker is busy (a request held there by the subset hint), so
+    it lives on the second, and goes on once both are idle: by load alone its requests would
+    go to the first."""
+    cfg = await epp_router(fleet)
+    async with serve_router(cfg) as (_base, router):
+        await until(lambda: len(router.registry.healthy()) == 2, 10, "workers healthy")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cfg.server.epp_port}") as ch:
+            stub = pb_grpc.ExternalProcessorStub(ch)
+
+            async def create(body: dict[str, Any], answer_id: str) -> str:
+                s = Stream(stub)
+                await s.send(headers_msg(path="/v1/responses"), 0)
+                data = json.dumps({"model": "sim-model", **body}).encode()
+                msg = pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=True))
+                head, _ = await s.send(msg, 2)
+                picked = destination(head)
+                await s.send(response_headers_msg(picked), 1)
+                doc = json.dumps({"id": answer_id, "object": "response"}).encode()
+                end = pb.ProcessingRequest(response_body=pb.HttpBody(body=doc, end_of_stream=True))
+                await s.send(end, 1)
+                await s.close()
+                return picked
+
+            first = endpoint_of(fleet[0].url)
+            only_first = {"envoy.lb.subset_hint": {"x-gateway-destination-endpoint-subset": first}}
+            for chain in range(4):
+                busy = Stream(stub)
+                await busy.send(headers_msg(meta=only_first), 0)
+                head, _ = await busy.send(body_msg(words(64, f"busy-{chain}")), 2)
+                assert destination(head) == first
+                holder = await create({"input": f"chain {chain}"}, f"resp_{chain}_0")
+                assert holder != first
+                await busy.close()
+                await until(lambda: router.registry.workers[fleet[0].url].inflight == 0, 5)
+                for turn in range(1, 4):
+                    body = {
+                        "input": f"turn {turn}",
+                        "previous_response_id": f"resp_{chain}_{turn - 1}",
+                    }
+                    assert await create(body, f"resp_{chain}_{turn}") == holder
+                s = Stream(stub)
+                get = headers_msg(
+                    path=f"/v1/responses/resp_{chain}_3", method="GET", end_of_stream=True
+                )
+                (head,) = await s.send(get, 1)
+                assert destination(head) == holder
+                await s.close()
