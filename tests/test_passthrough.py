@@ -3,13 +3,11 @@ prompt where one can be read (Responses, Anthropic messages), by load otherwise.
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from test_router_support import config_for, serve_app, serve_router, until
+from test_router_support import config_for, serve_app, serve_router, stand_in_worker, until
 
 from router.passthrough import chat_messages
 
@@ -27,25 +25,7 @@ _PATHS = [
 
 def _echo_worker(seen: list[tuple[str, bytes]]) -> FastAPI:
     """Answers every API path with what it received (and streams when asked)."""
-    app = FastAPI()
-
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(b"{}", media_type="application/json")
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return Response(b'{"data":[{"id":"m","parent":null}]}', media_type="application/json")
-
-    @app.get("/kv_event_sources")
-    async def sources() -> Response:
-        return Response(b"{}", media_type="application/json")
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        body = await request.json()
-        n = len(json.dumps(body.get("messages", body.get("prompt"))))
-        return Response(json.dumps({"tokens": list(range(n)), "count": n}).encode())
+    app = stand_in_worker()
 
     async def echo(request: Request) -> Response:
         data = await request.body()

@@ -36,6 +36,8 @@ import json
 import os
 import random
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -185,15 +187,10 @@ async def test_predicted_hits_equal_vllm_cached_tokens(
 ) -> None:
     kind = KINDS[key]
     started = time.monotonic()
-    model = write_model(vllm_python, kind.model, models / kind.model)
-    with serve(vllm_python, kind, model, tmp_path / "vllm.log", None) as served:
-        assert served.events is not None
-        tap = EventTap(served.events, bind=False)
+    with _served(vllm_python, kind, models, tmp_path) as (served, tap):
         try:
-            spec = WorkerSpec(url=served.url, events=served.events, replay=served.replay)
-            cfg = Config(workers=[spec])
+            cfg = _config(served)
             cfg.model.cpu_chunk_tokens = kind.cpu_chunk
-            cfg.verify.selfcheck_timeout_s = 60.0
             async with serve_router(cfg) as (base, _router):
                 await _router_ready(base)
                 sender = ThroughRouter(base, tap)
@@ -287,6 +284,38 @@ def _session_probes(sender: ThroughRouter) -> list[tuple[str, int, int]]:
     return p.seen
 
 
+@contextmanager
+def _served(py: Path, kind: Any, models: Path, tmp_path: Path) -> Iterator[tuple[Any, EventTap]]:
+    """A vLLM of ``kind`` serving on loopback, and a tap on its KV events."""
+    model = write_model(py, kind.model, models / kind.model)
+    with serve(py, kind, model, tmp_path / "vllm.log", None) as served:
+        assert served.events is not None
+        yield served, EventTap(served.events, bind=False)
+
+
+def _config(served: Any, **policy: float) -> Config:
+    """The router's configuration in front of the one vLLM ``served``."""
+    spec = WorkerSpec(url=served.url, events=served.events, replay=served.replay)
+    cfg = Config(workers=[spec])
+    cfg.verify.selfcheck_timeout_s = 60.0
+    for k, v in policy.items():
+        setattr(cfg.policy, k, v)
+    return cfg
+
+
+async def _probed(
+    cfg: Config, tap: EventTap, probes: Callable[[ThroughRouter], list[tuple[str, int, int]]]
+) -> list[tuple[str, int, int]]:
+    """``probes`` run through a router started with ``cfg``, once it is ready."""
+    async with serve_router(cfg) as (base, _router):
+        await _router_ready(base)
+        sender = ThroughRouter(base, tap)
+        try:
+            return await asyncio.to_thread(probes, sender)
+        finally:
+            sender.client.close()
+
+
 @pytest.mark.parametrize("key", ["dense", "hybrid", "sliding"])
 async def test_speculative_entries_credit_what_vllm_caches(
     vllm_python: Path, models: Path, tmp_path: Path, key: str, capsys: pytest.CaptureFixture[str]
@@ -304,28 +333,10 @@ async def test_speculative_entries_credit_what_vllm_caches(
     prediction is checked against vLLM by the scenario test."""
     kind = KINDS[key]
     started = time.monotonic()
-    model = write_model(vllm_python, kind.model, models / kind.model)
-    with serve(vllm_python, kind, model, tmp_path / "vllm.log", None) as served:
-        assert served.events is not None
-        tap = EventTap(served.events, bind=False)
+    with _served(vllm_python, kind, models, tmp_path) as (served, tap):
         try:
-            spec = WorkerSpec(url=served.url, events=served.events, replay=served.replay)
-            cfg = Config(workers=[spec])
-            cfg.policy.speculative_ttl_s = 3600.0
-            cfg.verify.selfcheck_timeout_s = 60.0
-            async with serve_router(cfg) as (base, _router):
-                await _router_ready(base)
-                sender = ThroughRouter(base, tap)
-                seen = await asyncio.to_thread(_probes, sender)
-                sender.client.close()
-            cfg = Config(workers=[spec])
-            cfg.policy.speculative_ttl_s = 0.0
-            cfg.verify.selfcheck_timeout_s = 60.0
-            async with serve_router(cfg) as (base, _router):
-                await _router_ready(base)
-                sender = ThroughRouter(base, tap)
-                seen += await asyncio.to_thread(_session_probes, sender)
-                sender.client.close()
+            seen = await _probed(_config(served, speculative_ttl_s=3600.0), tap, _probes)
+            seen += await _probed(_config(served, speculative_ttl_s=0.0), tap, _session_probes)
         finally:
             tap.close()
     wrong = [f"{label}: credited {credit}, cached {cached}" for label, credit, cached in seen]

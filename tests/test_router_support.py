@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -10,7 +11,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request, Response
 
 from router.app import create_apps
 from router.config import Config, WorkerSpec
@@ -51,6 +52,32 @@ async def serve_app(app: FastAPI) -> AsyncIterator[str]:
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 15)
+
+
+def stand_in_worker() -> FastAPI:
+    """A worker serving model ``m`` without KV events: health, its model list, and a tokenizer
+    of one token per character of the JSON-encoded prompt. Tests add the API they exercise."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(b"{}", media_type="application/json")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return Response(b'{"data":[{"id":"m","parent":null}]}', media_type="application/json")
+
+    @app.get("/kv_event_sources")
+    async def sources() -> Response:
+        return Response(b"{}", media_type="application/json")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await request.json()
+        n = len(json.dumps(body.get("messages", body.get("prompt"))))
+        return Response(json.dumps({"tokens": list(range(n)), "count": n}).encode())
+
+    return app
 
 
 @asynccontextmanager

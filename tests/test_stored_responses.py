@@ -12,7 +12,7 @@ import json
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from test_router_support import config_for, serve_app, serve_router, until
+from test_router_support import config_for, serve_app, serve_router, stand_in_worker, until
 
 from router.stored_responses import response_id_in, stored_path
 
@@ -22,22 +22,8 @@ _ids = itertools.count()
 def _storing_worker(name: str) -> FastAPI:
     """A worker of vLLM's Responses API with its store on: answers carry a new id (or the
     request's ``request_id``), kept in this worker's memory only."""
-    app = FastAPI()
+    app = stand_in_worker()
     store: dict[str, dict] = {}
-
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(b"{}", media_type="application/json")
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return Response(b'{"data":[{"id":"m","parent":null}]}', media_type="application/json")
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        body = await request.json()
-        n = len(json.dumps(body.get("messages", body.get("prompt"))))
-        return Response(json.dumps({"tokens": list(range(n)), "count": n}).encode())
 
     def missing(rid: str) -> JSONResponse:
         err = {"message": f"Response with id '{rid}' not found.", "code": 404}
