@@ -77,7 +77,9 @@ class SpeculativeCache:
         self.max_keys = max_keys
         self._entries: dict[Engine, dict[int, float]] = {}
         # Per engine, the key ending at each record's boundaries -> (expiry, the boundary in
-        # tokens, or -1: the key's own end minus one): see replay_tokens.
+        # tokens, or -1: the key's own end minus one); on engines with sparse groups, every key
+        # of the blocks they keep below a boundary (_kept_marks: at most the longest run a
+        # group reads, per boundary, two boundaries per record). See _boundaries.
         self._ends: dict[Engine, dict[int, tuple[float, int]]] = {}
         # (until, tie-break, engine, keys, boundary keys) per record, a heap: soonest expiry
         # first.
