@@ -398,7 +398,9 @@ def passthrough_handler(router: Router) -> Callable[[Request, str], Awaitable[Re
         req, from_client = _arrived(request, path, tracer)
         held = stored.stored_path(path)  # GET /v1/responses/{id}, POST .../{id}/cancel
         try:
-            req.key = await check_request_key(request, keys, router.quotas)
+            # A GET (a stored response polled) is checked but not charged, as the EPP does.
+            charge = request.method != "GET"
+            req.key = await check_request_key(request, keys, router.quotas, charge=charge)
             data = await read_body(request, cfg.server.max_body_bytes)
             if held is None:
                 res, body, _how = await routed(router, request, path, data, req.trace)
