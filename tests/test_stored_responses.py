@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from redis_server import redis_server
 from test_router_support import config_for, serve_app, serve_router, stand_in_worker, until
+from test_shared_sessions_limits import replicas
 
-from router.stored_responses import response_id_in, stored_path
+from router.stored_responses import owner_key, response_id_in, stored_path
 
 _ids = itertools.count()
 
@@ -115,3 +118,38 @@ async def test_a_stored_response_is_found_through_the_router() -> None:
         # An id the router never saw answered goes by load: the worker's own 404 comes back.
         r = await client.get(base + "/v1/responses/resp_unknown")
         assert r.status_code == 404 and "not found" in r.text
+
+
+async def test_a_holder_noted_on_one_replica_is_found_through_the_other() -> None:
+    """Two router replicas sharing a real redis-server: the holder of an answer made through
+    one is where the other sends the follow-up and the retrieval. The note is written to Redis
+    off the request path; the client here waits for it as it waits between turns."""
+    with redis_server() as srv:
+        async with (
+            serve_app(_storing_worker("a")) as a,
+            serve_app(_storing_worker("b")) as b,
+            serve_app(_storing_worker("c")) as c,
+            replicas([a, b, c], srv.url, policy={"speculative_ttl_s": 0.0}) as (one, other),
+            httpx.AsyncClient(timeout=30) as client,
+        ):
+            routers = (one[1], other[1])
+            await until(
+                lambda: all(w.models for r in routers for w in r.registry.workers.values()), 10
+            )
+            for i in range(4):
+                r = await client.post(
+                    one[0] + "/v1/responses", json={"model": "m", "input": f"{i}"}
+                )
+                rid, holder = r.json()["id"], r.headers["x-kvrouter-worker"]
+
+                async def noted(rid: str = rid) -> bool:
+                    return (
+                        await other[1].sessions.lookup(owner_key(rid), time.monotonic()) is not None
+                    )
+
+                await until(noted, 10, "the note in Redis")
+                body = {"model": "m", "input": "more", "previous_response_id": rid}
+                r = await client.post(other[0] + "/v1/responses", json=body)
+                assert r.status_code == 200 and r.headers["x-kvrouter-worker"] == holder
+                got = await client.get(other[0] + f"/v1/responses/{r.json()['id']}")
+                assert got.status_code == 200 and got.headers["x-kvrouter-worker"] == holder
