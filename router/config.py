@@ -91,6 +91,11 @@ class ModelConfig(_Section):
     cpu_chunk_tokens: int = 256
     speculative: bool = False
     """The workers run EAGLE / MTP speculative decoding: vLLM drops the last matched block."""
+    prefix_cache_retention_interval: int | None = 0
+    """As the workers' ``--prefix-cache-retention-interval``: which sliding-window and Mamba
+    blocks vLLM keeps (0, its default: at replay boundaries and junctions; N: also every N
+    tokens; null: all). What a prediction made before an engine's events arrive credits there
+    (router/speculative.py); the index follows the events either way."""
 
 
 class TokenizerConfig(_Section):

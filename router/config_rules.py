@@ -101,6 +101,9 @@ def _check_model_and_tokenizer(m: ModelConfig, t: TokenizerConfig) -> None:
         raise ConfigError("model.block_size: must be positive")
     if m.cpu_chunk_tokens <= 0:
         raise ConfigError("model.cpu_chunk_tokens: must be positive")
+    r = m.prefix_cache_retention_interval
+    if r is not None and r < 0:
+        raise ConfigError("model.prefix_cache_retention_interval: must be >= 0 or null")
     if t.mode not in TOKENIZER_MODES:
         raise ConfigError(f"tokenizer.mode: {t.mode!r} is not one of {', '.join(TOKENIZER_MODES)}")
     if t.mode == "local" and not t.path:

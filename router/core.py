@@ -120,6 +120,7 @@ class Router:
             on_redis_up=lambda up: self.metrics.redis_up.set(1 if up else 0),
         )
         self.speculative = self.shared.speculative
+        self.speculative.retention = cfg.model.prefix_cache_retention_interval
         e = cfg.events
         self.subscriber = Subscriber(
             self.index,
@@ -403,7 +404,8 @@ class Router:
             at = tokens // self.index.unit - 1
             if 0 <= at < len(tok.keys) and tok.keys[at] == last_key:  # extends the last turn
                 speculative = dict(speculative)
-                credit = extension_credit(self.index.group_specs(e), tokens, tok.n_tokens)
+                specs = self.index.group_specs(e)
+                credit = extension_credit(specs, tokens, tok.n_tokens, self.speculative.retention)
                 speculative[e] = max(speculative.get(e, 0), credit)
         cands = build_candidates(
             loads,

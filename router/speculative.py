@@ -75,6 +75,10 @@ class SpeculativeCache:
     def __init__(self, ttl_s: float = 2.0, max_keys: int = 1_000_000) -> None:
         self.ttl_s = ttl_s
         self.max_keys = max_keys
+        self.retention: int | None = 0
+        """vLLM's ``--prefix-cache-retention-interval`` on the workers: 0 (its default) keeps
+        sparse groups' blocks at replay boundaries and junctions only, ``N > 0`` also at every
+        ``N`` tokens, None keeps them all (those engines are credited as dense ones)."""
         self._entries: dict[Engine, dict[int, float]] = {}
         # Per engine, the key ending at each record's boundaries -> (expiry, the boundary in
         # tokens, or -1: the key's own end minus one); on engines with sparse groups, every key
@@ -115,7 +119,11 @@ class SpeculativeCache:
         marks = [(keys[-1], -1 if n_tokens is None else max(n_tokens - 1, 0))]
         if 0 < junction // unit < len(keys):
             marks.append((keys[junction // unit - 1], junction // unit * unit))
-        if any(s.kind in (SLIDING, MAMBA) for s in groups):
+        sparse = [s for s in groups if s.kind in (SLIDING, MAMBA)]
+        if sparse and not _dense(sparse, self.retention):
+            if self.retention and n_tokens is not None:  # every N tokens of the prompt too
+                n = self.retention
+                marks += [(keys[at // unit - 1], at) for at in range(n, n_tokens + 1, n)]
             marks = _kept_marks(marks, keys, unit, groups)
         ends = self._ends.setdefault(engine, {})
         for k, boundary in marks:
@@ -278,7 +286,7 @@ class SpeculativeCache:
             ) -> dict[int, int]:
                 return self._boundaries(e, keys, unit, now, hit, align, top, tail)
 
-            out[e], full = _credit(specs, hit, cap, kept)
+            out[e], full = _credit(specs, hit, cap, kept, self.retention)
             if full and reach is not None:
                 reach[e] = full
         return out
@@ -290,17 +298,19 @@ Boundaries = Callable[[int, int, int], Mapping[int, int]]
 
 
 def _credit(
-    specs: Sequence[GroupSpec], covered: int, cap: int, kept: Boundaries
+    specs: Sequence[GroupSpec], covered: int, cap: int, kept: Boundaries, retention: int | None
 ) -> tuple[int, int]:
     """The hit a prompt whose first ``covered`` tokens an engine holds in full attention gets
     there, at most ``cap``, given the engine's groups ``specs`` (empty: unknown, no alignment
-    applied); and, on engines with sparse groups, what the full-attention blocks reach (0
-    elsewhere)."""
+    applied) and vLLM's ``retention`` interval; and, on engines with sparse groups, what the
+    full-attention blocks reach (0 elsewhere)."""
     if not specs:
         return min(covered, cap), 0
     align = alignment(specs)
     top = min(covered, cap) // align * align
     sparse = [s for s in specs if s.kind in (SLIDING, MAMBA)]
+    if not any(s.eagle for s in specs) and _dense(sparse, retention):
+        return top, 0
     if any(s.eagle for s in specs):
         # EAGLE recomputes the last matched block; on a sparse model it also moves the
         # boundaries vLLM keeps blocks at, which entries do not model: no credit there before
@@ -315,16 +325,19 @@ def _credit(
     return retained_hit(sparse, kept(align, top, tail), top, align), top
 
 
-def extension_credit(specs: Sequence[GroupSpec], n_recorded: int, n_tokens: int) -> int:
+def extension_credit(
+    specs: Sequence[GroupSpec], n_recorded: int, n_tokens: int, retention: int | None = 0
+) -> int:
     """The hit of a prompt of ``n_tokens`` extending a whole prompt of ``n_recorded`` tokens
     computed on an engine with groups ``specs``: its whole blocks, or on sparse groups its
-    replay boundary (``n_recorded - 1``, aligned), the point vLLM keeps their blocks at."""
+    replay boundary (``n_recorded - 1``, aligned), the point vLLM keeps their blocks at
+    (unless ``retention`` keeps them all)."""
 
     def kept(align: int, top: int, tail: int) -> dict[int, int]:
         b = max(n_recorded - 1, 0) // align * align
         return {b: b} if b else {}
 
-    return _credit(specs, n_recorded, max(n_tokens - 1, 0), kept)[0]
+    return _credit(specs, n_recorded, max(n_tokens - 1, 0), kept, retention)[0]
 
 
 def retained_hit(
@@ -383,6 +396,14 @@ def _kept_marks(
         for at in range(min(a, len(keys) * unit), max(a - tail, 0), -unit):
             out.append((keys[at // unit - 1], a))
     return out
+
+
+def _dense(sparse: Sequence[GroupSpec], retention: int | None) -> bool:
+    """Whether vLLM keeps every block of these sparse groups: retention None, or an interval
+    no longer than the run each group reads (vLLM then caches them all)."""
+    if retention is None or not sparse:
+        return True
+    return retention > 0 and all(retention <= _needed_blocks(s) * s.block_size for s in sparse)
 
 
 def _needed_blocks(spec: GroupSpec) -> int:

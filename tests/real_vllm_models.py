@@ -73,6 +73,7 @@ class Kind:
     gpu_blocks: int
     cpu_bytes: int | None = None  # CPU offloading tier size (None: no offloading)
     cpu_chunk: int = 256
+    extra: tuple[str, ...] = ()  # more `vllm serve` flags
 
     @property
     def offload(self) -> bool:
@@ -256,6 +257,7 @@ def serve(py: Path, kind: Kind, model: Path, log: Path, events_at: str | None) -
         "VLLM_HOST_IP": "127.0.0.1",
         "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
     }
+    cmd += kind.extra
     if kind.offload:
         cmd += _offload_args(kind)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STUB_DIR), env.get("PYTHONPATH")]))

@@ -50,6 +50,7 @@ from real_vllm_models import (
     MODEL_GROUPS,
     VLLM_VERSION,
     VOCAB,
+    Kind,
     default_venv,
     ensure_vllm,
     serve,
@@ -316,7 +317,18 @@ async def _probed(
             sender.client.close()
 
 
-@pytest.mark.parametrize("key", ["dense", "hybrid", "sliding"])
+RETENTION = "--prefix-cache-retention-interval"
+SPECULATIVE_KINDS: dict[str, tuple[Kind, int | None]] = {
+    "dense": (KINDS["dense"], 0),
+    "hybrid": (KINDS["hybrid"], 0),
+    "sliding": (KINDS["sliding"], 0),
+    "hybrid-keep-all": (Kind("gemma3-keep-all", "hybrid", 72, extra=(RETENTION, "None")), None),
+    "hybrid-every-128": (Kind("gemma3-every-128", "hybrid", 72, extra=(RETENTION, "128")), 128),
+}
+"""Per model, the retention interval vLLM runs with, as the router is told it."""
+
+
+@pytest.mark.parametrize("key", list(SPECULATIVE_KINDS))
 async def test_speculative_entries_credit_what_vllm_caches(
     vllm_python: Path, models: Path, tmp_path: Path, key: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -331,12 +343,16 @@ async def test_speculative_entries_credit_what_vllm_caches(
     checks the session binding's credit for a conversation's second turn. The entries live for the
     whole test (a long TTL), so each probe is asked while they stand; the index's own
     prediction is checked against vLLM by the scenario test."""
-    kind = KINDS[key]
+    kind, retention = SPECULATIVE_KINDS[key]
     started = time.monotonic()
     with _served(vllm_python, kind, models, tmp_path) as (served, tap):
         try:
-            seen = await _probed(_config(served, speculative_ttl_s=3600.0), tap, _probes)
-            seen += await _probed(_config(served, speculative_ttl_s=0.0), tap, _session_probes)
+            cfg = _config(served, speculative_ttl_s=3600.0)
+            cfg.model.prefix_cache_retention_interval = retention
+            seen = await _probed(cfg, tap, _probes)
+            cfg = _config(served, speculative_ttl_s=0.0)
+            cfg.model.prefix_cache_retention_interval = retention
+            seen += await _probed(cfg, tap, _session_probes)
         finally:
             tap.close()
     wrong = [f"{label}: credited {credit}, cached {cached}" for label, credit, cached in seen]

@@ -477,3 +477,16 @@ def test_speculative_expiry_is_incremental_and_exact():
             assert spec.hit_tokens(w, [k], 16, now) == 16
     spec.expire(now + 1.0)
     assert len(spec) == 0
+
+
+def test_the_retention_interval_reaches_the_speculative_entries():
+    from router.core import Router
+
+    w = {"workers": [{"url": "http://a:1"}]}
+    assert Router(parse_config(w, env={})).speculative.retention == 0
+    keep_all = parse_config({**w, "model": {"prefix_cache_retention_interval": None}}, env={})
+    assert Router(keep_all).speculative.retention is None
+    every = parse_config(w, env={"KVROUTER_MODEL_PREFIX_CACHE_RETENTION_INTERVAL": "256"})
+    assert Router(every).speculative.retention == 256
+    with pytest.raises(ConfigError, match=r"model\.prefix_cache_retention_interval"):
+        parse_config({**w, "model": {"prefix_cache_retention_interval": -1}})

@@ -207,3 +207,19 @@ def test_a_session_turn_extending_the_last_one_is_credited_its_kept_blocks():
     assert extension_credit((), 330, 400) == 330  # groups unknown: the caller floors it
     assert extension_credit(hybrid, 330, 300) == 0  # shorter than the boundary: nothing kept
     assert extension_credit((GroupSpec(FULL, 16, eagle=True),), 330, 400) == 304
+
+
+def test_credit_follows_the_retention_interval_the_workers_run_with():
+    """``--prefix-cache-retention-interval``: null keeps every block (a sibling sharing 320
+    tokens hits them all); 128 also keeps the blocks a hit at every 128 tokens needs (the
+    sibling hits 256); an interval no longer than the window's run keeps every block too."""
+    sibling_n = 700
+    for retention, expected in ((None, 320), (128, 256), (64, 320), (0, 0)):
+        spec = SpeculativeCache(ttl_s=2.0)
+        spec.retention = retention
+        spec.record("hybrid", KEYS, now=0.0, n_tokens=645, groups=(FULL16, WINDOW64))
+        got = spec.prompt_hits(["hybrid"], SIBLING, sibling_n, UNIT, 0.5, layout())
+        assert got == {"hybrid": expected}, retention
+        assert extension_credit((FULL16, WINDOW64), 320, 400, retention) == (
+            320 if retention in (None, 64) else 304
+        ), retention
