@@ -121,7 +121,9 @@ class SpeculativeCache:
             marks.append((keys[junction // unit - 1], junction // unit * unit))
         sparse = [s for s in groups if s.kind in (SLIDING, MAMBA)]
         if sparse and not _dense(sparse, self.retention):
-            if self.retention and n_tokens is not None:  # every N tokens of the prompt too
+            # Every N tokens of the prompt too: sliding windows keep those tails (Mamba's
+            # periodic states are not modelled, so none are credited).
+            if self.retention and n_tokens is not None and all(s.kind == SLIDING for s in sparse):
                 n = self.retention
                 marks += [(keys[at // unit - 1], at) for at in range(n, n_tokens + 1, n)]
             marks = _kept_marks(marks, keys, unit, groups)
