@@ -311,8 +311,6 @@ def _credit(
     align = alignment(specs)
     top = min(covered, cap) // align * align
     sparse = [s for s in specs if s.kind in (SLIDING, MAMBA)]
-    if not any(s.eagle for s in specs) and _dense(sparse, retention):
-        return top, 0
     if any(s.eagle for s in specs):
         # EAGLE recomputes the last matched block; on a sparse model it also moves the
         # boundaries vLLM keeps blocks at, which entries do not model: no credit there before
@@ -321,7 +319,7 @@ def _credit(
             return 0, top
         full = max((s.block_size for s in specs if s.kind == FULL), default=0)
         return max(top - full, 0) // align * align, 0
-    if not sparse:
+    if _dense(sparse, retention):
         return top, 0
     tail = max(_needed_blocks(s) * s.block_size for s in sparse)
     return retained_hit(sparse, kept(align, top, tail), top, align), top
@@ -346,7 +344,7 @@ def retained_hit(
     sparse: Sequence[GroupSpec], boundaries: Mapping[int, int], top: int, align: int
 ) -> int:
     """The longest hit, a multiple of ``align`` and at most ``top``, that sliding-window and
-    Mamba groups ``sparse`` allow when they keep only what vLLM's default retention keeps for
+    Mamba groups ``sparse`` allow when they keep only what vLLM's sparse retention keeps for
     the prompts computed there: at each boundary (an aligned token position), the blocks a hit
     ending there needs (``cdiv(W - 1, block)`` blocks of a window, the one state block of a
     Mamba group). ``boundaries``: ``{boundary: shared up to}``; only kept blocks ending
