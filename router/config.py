@@ -95,7 +95,8 @@ class ModelConfig(_Section):
     """As the workers' ``--prefix-cache-retention-interval``: which sliding-window and Mamba
     blocks vLLM keeps (0, its default: at replay boundaries and junctions; N: also every N
     tokens; null: all). What a prediction made before an engine's events arrive credits there
-    (router/speculative.py); the index follows the events either way."""
+    (router/speculative.py), for workers whose /metrics does not report it
+    (``vllm:cache_config_info``); the index follows the events either way."""
 
 
 class TokenizerConfig(_Section):

@@ -53,7 +53,7 @@ from router.tokenize import (
 )
 from router.tracing import RequestTrace, make_tracer
 from router.verify import Verifier, VerifyCollector, VerifyParams
-from router.workers import Worker, WorkerRegistry
+from router.workers import NOT_REPORTED, Worker, WorkerRegistry
 
 __all__ = ["RouteResult", "Router"]
 
@@ -121,6 +121,7 @@ class Router:
         )
         self.speculative = self.shared.speculative
         self.speculative.retention = cfg.model.prefix_cache_retention_interval
+        self.speculative.retention_of = self.retention
         e = cfg.events
         self.subscriber = Subscriber(
             self.index,
@@ -335,6 +336,14 @@ class Router:
             groups=self.index.group_specs(engine),
         )
 
+    def retention(self, engine: EngineId) -> int | None:
+        """The engine's ``--prefix-cache-retention-interval``: as its worker's /metrics reports
+        it (``vllm:cache_config_info``), else ``model.prefix_cache_retention_interval``."""
+        w = self.registry.workers.get(engine[0])
+        if w is None or w.retention == NOT_REPORTED:
+            return self.cfg.model.prefix_cache_retention_interval
+        return w.retention
+
     def namespace_root(self, body: dict[str, Any]) -> tuple[str, int]:
         model = body.get("model")
         ns = self.lora.namespace(model, self.registry) or self.registry.models.namespace(
@@ -405,7 +414,7 @@ class Router:
             if 0 <= at < len(tok.keys) and tok.keys[at] == last_key:  # extends the last turn
                 speculative = dict(speculative)
                 specs = self.index.group_specs(e)
-                credit = extension_credit(specs, tokens, tok.n_tokens, self.speculative.retention)
+                credit = extension_credit(specs, tokens, tok.n_tokens, self.retention(e))
                 speculative[e] = max(speculative.get(e, 0), credit)
         cands = build_candidates(
             loads,

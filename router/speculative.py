@@ -79,6 +79,9 @@ class SpeculativeCache:
         """vLLM's ``--prefix-cache-retention-interval`` on the workers: 0 (its default) keeps
         sparse groups' blocks at replay boundaries and junctions only, ``N > 0`` also at every
         ``N`` tokens, None keeps them all (those engines are credited as dense ones)."""
+        self.retention_of: Callable[[Engine], int | None] | None = None
+        """Per engine, the interval its worker reports, when the router knows it (else
+        ``retention``)."""
         self._entries: dict[Engine, dict[int, float]] = {}
         # Per engine, the key ending at each record's boundaries -> (expiry, the boundary in
         # tokens, or -1: the key's own end minus one); on engines with sparse groups, every key
@@ -120,11 +123,12 @@ class SpeculativeCache:
         if 0 < junction // unit < len(keys):
             marks.append((keys[junction // unit - 1], junction // unit * unit))
         sparse = [s for s in groups if s.kind in (SLIDING, MAMBA)]
-        if sparse and not _dense(sparse, self.retention):
+        retention = self._retention(engine) if sparse else 0
+        if sparse and not _dense(sparse, retention):
             # Every N tokens of the prompt too: sliding windows keep those tails (Mamba's
             # periodic states are not modelled, so none are credited).
-            if self.retention and n_tokens is not None and all(s.kind == SLIDING for s in sparse):
-                n = self.retention
+            if retention and n_tokens is not None and all(s.kind == SLIDING for s in sparse):
+                n = retention
                 marks += [(keys[at // unit - 1], at) for at in range(n, n_tokens + 1, n)]
             marks = _kept_marks(marks, keys, unit, groups)
         ends = self._ends.setdefault(engine, {})
@@ -146,6 +150,9 @@ class SpeculativeCache:
         heapq.heappush(self._records, (until, next(self._count), engine, keys, bounds))
         while self._size > self.max_keys and self._records:
             self._retire(*heapq.heappop(self._records))
+
+    def _retention(self, engine: Engine) -> int | None:
+        return self.retention if self.retention_of is None else self.retention_of(engine)
 
     def expire(self, now: float) -> None:
         records = self._records
@@ -288,7 +295,8 @@ class SpeculativeCache:
             ) -> dict[int, int]:
                 return self._boundaries(e, keys, unit, now, hit, align, top, tail)
 
-            out[e], full = _credit(specs, hit, cap, kept, self.retention)
+            retention = self._retention(e) if specs else 0
+            out[e], full = _credit(specs, hit, cap, kept, retention)
             if full and reach is not None:
                 reach[e] = full
         return out

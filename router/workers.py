@@ -29,7 +29,14 @@ from router.load import EngineLoad
 from router.lora import LoraSlots, parse_lora_info
 from router.upstream import UpstreamClient
 
-__all__ = ["ModelNames", "Worker", "WorkerRegistry", "parse_vllm_metrics"]
+__all__ = [
+    "NOT_REPORTED",
+    "ModelNames",
+    "Worker",
+    "WorkerRegistry",
+    "parse_retention",
+    "parse_vllm_metrics",
+]
 
 log = logging.getLogger("kvrouter.workers")
 
@@ -77,6 +84,30 @@ def parse_vllm_metrics(text: str) -> dict[int, dict[str, float]]:
     return out
 
 
+NOT_REPORTED = -1
+"""``Worker.retention`` of a worker whose /metrics does not say (the configuration applies)."""
+_CACHE_INFO = "vllm:cache_config_info{"
+_RETENTION = 'prefix_cache_retention_interval="'
+
+
+def parse_retention(text: str) -> int | None:
+    """The ``prefix_cache_retention_interval`` label of ``vllm:cache_config_info`` (vLLM's
+    CacheConfig, exported once at start-up): an interval, None (vLLM's "None": every block
+    kept), or ``NOT_REPORTED``."""
+    pos = text.find(_CACHE_INFO)
+    if pos < 0:
+        return NOT_REPORTED
+    end = text.find("}", pos)
+    at = text.find(_RETENTION, pos, end)
+    if at < 0:
+        return NOT_REPORTED
+    at += len(_RETENTION)
+    value = text[at : text.find('"', at, end)]
+    if value == "None":
+        return None
+    return int(value) if value.isdigit() else NOT_REPORTED
+
+
 @dataclass
 class Worker:
     spec: WorkerSpec
@@ -93,6 +124,9 @@ class Worker:
     metrics_ts: float = 0.0
     lora_slots: LoraSlots | None = None
     """The worker's ``vllm:lora_requests_info`` at the last poll (router/lora.py)."""
+    retention: int | None = NOT_REPORTED
+    """Its ``--prefix-cache-retention-interval``, as its /metrics reports it
+    (router/speculative.py)."""
 
     @property
     def url(self) -> str:
@@ -357,6 +391,7 @@ class WorkerRegistry:
                         float(vals.get("kv_usage", 0.0)),
                     )
                 w.lora_slots = parse_lora_info(r.text)
+                w.retention = parse_retention(r.text)
                 w.metrics_ts = time.monotonic()
                 if self.on_metrics is not None:
                     self.on_metrics(w.url, parsed)

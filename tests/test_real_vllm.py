@@ -305,11 +305,18 @@ def _config(served: Any, **policy: float) -> Config:
 
 
 async def _probed(
-    cfg: Config, tap: EventTap, probes: Callable[[ThroughRouter], list[tuple[str, int, int]]]
+    cfg: Config,
+    tap: EventTap,
+    probes: Callable[[ThroughRouter], list[tuple[str, int, int]]],
+    retention: int | None = 0,
 ) -> list[tuple[str, int, int]]:
-    """``probes`` run through a router started with ``cfg``, once it is ready."""
-    async with serve_router(cfg) as (base, _router):
+    """``probes`` run through a router started with ``cfg``, once it is ready and has read
+    from the worker's /metrics the ``retention`` interval vLLM runs with."""
+    async with serve_router(cfg) as (base, router):
         await _router_ready(base)
+        (w,) = router.registry.workers.values()
+        await until(lambda: w.metrics_ts, 60, "the worker's /metrics read")
+        assert router.retention((w.url, 0)) == retention
         sender = ThroughRouter(base, tap)
         try:
             return await asyncio.to_thread(probes, sender)
@@ -325,7 +332,8 @@ SPECULATIVE_KINDS: dict[str, tuple[Kind, int | None]] = {
     "hybrid-keep-all": (Kind("gemma3-keep-all", "hybrid", 72, extra=(RETENTION, "None")), None),
     "hybrid-every-128": (Kind("gemma3-every-128", "hybrid", 72, extra=(RETENTION, "128")), 128),
 }
-"""Per model, the retention interval vLLM runs with, as the router is told it."""
+"""Per model, the retention interval vLLM runs with: the router is left at its default (0) and
+learns it from the worker's ``vllm:cache_config_info``."""
 
 
 @pytest.mark.parametrize("key", list(SPECULATIVE_KINDS))
@@ -348,11 +356,9 @@ async def test_speculative_entries_credit_what_vllm_caches(
     with _served(vllm_python, kind, models, tmp_path) as (served, tap):
         try:
             cfg = _config(served, speculative_ttl_s=3600.0)
-            cfg.model.prefix_cache_retention_interval = retention
-            seen = await _probed(cfg, tap, _probes)
+            seen = await _probed(cfg, tap, _probes, retention)
             cfg = _config(served, speculative_ttl_s=0.0)
-            cfg.model.prefix_cache_retention_interval = retention
-            seen += await _probed(cfg, tap, _session_probes)
+            seen += await _probed(cfg, tap, _session_probes, retention)
         finally:
             tap.close()
     wrong = [f"{label}: credited {credit}, cached {cached}" for label, credit, cached in seen]
