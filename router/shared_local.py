@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from indexer.index import EngineId, GroupSpec
+from indexer.index import EngineId
 from indexer.subscriber import Subscriber
 from router.load import EngineLoad
 from router.policy import Engine, SpeculativeCache
@@ -111,26 +111,11 @@ class SharedSpeculativeCache(SpeculativeCache):
         super().__init__(ttl_s, max_keys)
         self.publish = publish
 
-    def record(
-        self,
-        engine: Engine,
-        keys: Sequence[int],
-        now: float,
-        ttl_s: float | None = None,
-        n_tokens: int | None = None,
-        junction: int = 0,
-        unit: int = 16,
-        groups: Sequence[GroupSpec] = (),
-    ) -> None:
-        super().record(engine, keys, now, ttl_s, n_tokens, junction, unit, groups)
-        if self.publish is not None and self.ttl_s > 0 and keys:
-            self.publish(engine, keys)
-
     def record_remote(
         self, engine: Engine, keys: Sequence[int], now: float, ttl_s: float | None = None
     ) -> None:
         """An entry another replica published (not re-published), lasting its ``ttl_s``."""
-        super().record(engine, keys, now, ttl_s)
+        self.record(engine, keys, now, ttl_s, share=False)
 
 
 def seed_subscriber(

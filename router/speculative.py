@@ -79,6 +79,8 @@ class SpeculativeCache:
         """vLLM's ``--prefix-cache-retention-interval`` on the workers: 0 (its default) keeps
         sparse groups' blocks at replay boundaries and junctions only, ``N > 0`` also at every
         ``N`` tokens, None keeps them all (those engines are credited as dense ones)."""
+        self.publish: Callable[[Engine, Sequence[int]], None] | None = None
+        """Handed every record made here (not other replicas'): router/shared_state.py."""
         self.retention_of: Callable[[Engine], int | None] | None = None
         """Per engine, the interval its worker reports, when the router knows it (else
         ``retention``)."""
@@ -108,12 +110,15 @@ class SpeculativeCache:
         junction: int = 0,
         unit: int = 16,
         groups: Sequence[GroupSpec] = (),
+        *,
+        share: bool = True,
     ) -> None:
         """``n_tokens``: the prompt's length, which places its replay boundary exactly;
         ``junction``: its junction on ``engine`` in tokens (0: none), a multiple of ``unit``,
         the tokens per key; ``groups``: the engine's KV-cache groups when known
         (``PrefixIndex.group_specs``), so that the blocks its sparse groups keep at each
-        boundary are marked where a later prompt sharing only part of them can find them."""
+        boundary are marked where a later prompt sharing only part of them can find them.
+        ``share``: hand the record to ``publish`` when set (False: another replica's)."""
         ttl = self.ttl_s if ttl_s is None else ttl_s
         if ttl <= 0 or not keys:
             return
@@ -150,6 +155,8 @@ class SpeculativeCache:
         heapq.heappush(self._records, (until, next(self._count), engine, keys, bounds))
         while self._size > self.max_keys and self._records:
             self._retire(*heapq.heappop(self._records))
+        if share and self.publish is not None and self.ttl_s > 0:
+            self.publish(engine, keys)
 
     def _retention(self, engine: Engine) -> int | None:
         return self.retention if self.retention_of is None else self.retention_of(engine)
