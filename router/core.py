@@ -20,6 +20,7 @@ from collections.abc import Callable, Set
 from typing import Any
 
 import msgspec
+from starlette.types import Receive
 
 from indexer.index import EngineId, PrefixIndex, PrefixMatch
 from indexer.subscriber import SourceStatus, Subscriber
@@ -43,6 +44,7 @@ from router.shared_quotas import shared_quotas
 from router.shared_sessions import shared_sessions
 from router.shared_state import ExportedEngine, SharedState, make_shared_state, seed_subscriber
 from router.speculative import extension_credit, junction_tokens
+from router.stored_responses import owner_key
 from router.tokenize import (
     LocalTokenizer,
     PromptTokenizer,
@@ -335,6 +337,35 @@ class Router:
             unit=self.index.unit,
             groups=self.index.group_specs(engine),
         )
+
+    async def route_admitted(
+        self, body: dict[str, Any], chat: bool, receive: Receive, key: str | None, **how: Any
+    ) -> RouteResult:
+        """:meth:`route` (``how``: its keyword arguments) once the admission queue
+        (router/admission.py) lets the request through; at once while admission is off.
+        ``receive`` shows the client leaving while it waits; ``key``: its API key (the queue's
+        fairness). The pass is given back as the route is chosen: the caller puts the prompt
+        on the chosen engine's load before the queue can look again."""
+        if self.admission is None:
+            return await self.route(body, chat, time.monotonic(), **how)
+        admitted = await self.admission.admit(body.get("model"), body.get("priority"), key, receive)
+        tokens = None
+        try:
+            res = await self.route(body, chat, time.monotonic(), **how)
+            tokens = res.tokens.n_tokens if res.tokens is not None else None
+            return res
+        finally:
+            admitted.release(tokens)
+
+    async def response_holder(self, response_id: str, now: float) -> EngineId | None:
+        """The engine holding a stored Responses API answer (router/stored_responses.py), if
+        one was noted."""
+        got = await self.sessions.lookup(owner_key(response_id), now)
+        return got[0] if got is not None else None
+
+    def note_response_holder(self, response_id: str, engine: EngineId, now: float) -> None:
+        """``engine`` produced the stored answer ``response_id``: requests naming it go there."""
+        self.sessions.bind(owner_key(response_id), engine, 0, 0, now)
 
     def retention(self, engine: EngineId) -> int | None:
         """The engine's ``--prefix-cache-retention-interval``: as its worker's /metrics reports

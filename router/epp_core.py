@@ -27,7 +27,6 @@ from router.core import Router, RouteResult
 from router.errors import BodyError
 from router.proxy import Outcome, Ticket
 from router.sessions import session_key
-from router.stored_responses import owner_key
 from router.verify import with_stream_usage
 
 __all__ = ["Pick", "Picker", "RequestState", "endpoint_of"]
@@ -182,7 +181,8 @@ class Picker:
         sc = self.cfg.session
         asked = body if session_body is None else session_body
         session = session_key(headers or {}, asked, sc.header.lower(), sc.user_field)
-        res = await self._route(body, chat, session, key, tokenize, owner)
+        how = {"session": session, "tokenize": tokenize, "owner": owner}
+        res = await self.router.route_admitted(body, chat, _no_disconnect, key, **how)
         d = res.decision
         engines = [e for e in d.ranked if e[0] in eligible]
         if not engines:
@@ -193,39 +193,14 @@ class Picker:
         uncached = {e: costs.get(e, max(n - hits.get(e, 0), 0)) for e in engines}
         return Pick(engines, self._endpoints(engines), res, uncached)
 
-    async def _route(
-        self,
-        body: dict[str, Any],
-        chat: bool,
-        session: str | None,
-        key: str | None,
-        tokenize: bool,
-        owner: Engine | None,
-    ) -> RouteResult:
-        how = {"session": session, "tokenize": tokenize, "owner": owner}
-        adm = self.router.admission
-        if adm is None:
-            return await self.router.route(body, chat, time.monotonic(), **how)
-        # The gateway ends the stream when its client leaves, which cancels this wait and
-        # gives the place back; there is no disconnect message to watch for.
-        admitted = await adm.admit(body.get("model"), body.get("priority"), key, _no_disconnect)
-        tokens = None
-        try:
-            res = await self.router.route(body, chat, time.monotonic(), **how)
-            tokens = res.tokens.n_tokens if res.tokens is not None else None
-            return res
-        finally:
-            admitted.release(tokens)
-
     async def owner(self, response_id: str) -> Engine | None:
         """The engine holding a stored response (router/stored_responses.py), if noted."""
-        got = await self.router.sessions.lookup(owner_key(response_id), time.monotonic())
-        return got[0] if got is not None else None
+        return await self.router.response_holder(response_id, time.monotonic())
 
     def note_owner(self, st: RequestState, response_id: str) -> None:
         """The engine that served ``st`` holds the stored response ``response_id``."""
         if st.engine is not None:
-            self.router.sessions.bind(owner_key(response_id), st.engine, 0, 0, time.monotonic())
+            self.router.note_response_holder(response_id, st.engine, time.monotonic())
 
     def pick_by_load(self, subset: list[str] | None) -> Pick:
         """A request without a routable body (``GET /v1/models``, other paths): the eligible

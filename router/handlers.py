@@ -301,37 +301,11 @@ async def _parse_and_route(
     validate_request(body, chat)
     sc = cfg.session
     session = session_key(request.headers, body, sc.header, sc.user_field)
-    if router.admission is None:
-        res = await router.route(body, chat, time.monotonic(), session=session, trace=req.trace)
-    else:
-        res = await _route_admitted(router, request, body, chat, session, key, req.trace)
+    res = await router.route_admitted(
+        body, chat, request.receive, key, session=session, trace=req.trace
+    )
     await _spend_prompt(router, key, res)
     return key, data, body, res
-
-
-async def _route_admitted(
-    router: Router,
-    request: Request,
-    body: dict[str, Any],
-    chat: bool,
-    session: str | None,
-    key: str | None,
-    trace: RequestTrace | None = None,
-) -> RouteResult:
-    """Route once the admission queue lets the request through (router/admission.py). Its
-    pass is given back as the route is chosen: the proxy puts the prompt on the chosen
-    engine's load before the queue can look again."""
-    assert router.admission is not None
-    admitted = await router.admission.admit(
-        body.get("model"), body.get("priority"), key, request.receive
-    )
-    tokens = None
-    try:
-        res = await router.route(body, chat, time.monotonic(), session=session, trace=trace)
-        tokens = res.tokens.n_tokens if res.tokens is not None else None
-        return res
-    finally:
-        admitted.release(tokens)
 
 
 async def routed(
@@ -349,7 +323,7 @@ async def routed(
     now = time.monotonic()
     owner = None
     if path == stored.RESPONSES and (prev := stored.referenced_id(body)) is not None:
-        owner = await _owner(router, prev, now)
+        owner = await router.response_holder(prev, now)
     res = await router.route(
         routed,
         True,
@@ -366,12 +340,6 @@ async def routed(
     return res, body, how
 
 
-async def _owner(router: Router, response_id: str, now: float) -> EngineId | None:
-    """The engine holding a stored response (router/stored_responses.py), if noted."""
-    got = await router.sessions.lookup(stored.owner_key(response_id), now)
-    return got[0] if got is not None else None
-
-
 def _noting_owner(
     router: Router, done: Callable[[proxy.Outcome], None]
 ) -> Callable[[proxy.Outcome], None]:
@@ -381,7 +349,7 @@ def _noting_owner(
     def noted(o: proxy.Outcome) -> None:
         done(o)
         if o.status == 200 and o.response_id is not None and o.engine is not None:
-            router.sessions.bind(stored.owner_key(o.response_id), o.engine, 0, 0, time.monotonic())
+            router.note_response_holder(o.response_id, o.engine, time.monotonic())
 
     return noted
 
@@ -406,7 +374,7 @@ def passthrough_handler(router: Router) -> Callable[[Request, str], Awaitable[Re
                 res, body, _how = await routed(router, request, path, data, req.trace)
             else:
                 now = time.monotonic()
-                owner = await _owner(router, held[0], now)
+                owner = await router.response_holder(held[0], now)
                 res = await router.route({}, True, now, tokenize=False, owner=owner)
                 body = None
             req.model = body.get("model") if body is not None else None
