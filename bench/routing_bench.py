@@ -26,7 +26,8 @@ Every policy sees identical inputs (same requests, token ids, arrival times, fle
 ``simulator.FastFleet`` engines on a simulated clock (vLLM 0.33 scheduler, prefix cache, exact
 KV events). The router side is kvrouter's real code: ``indexer.wire.decode_payload`` and
 ``indexer.index.PrefixIndex`` fed with every event batch the workers publish,
-``router.candidates.build_candidates`` for what the policy is told (as the router assembles it),
+``router.candidates`` (``speculative_hits``, ``build_candidates``, ``record_sent``) for what the
+policy is told and what a decision records (as the router does),
 ``router.policy`` for the decision and the speculative cache, and ``router.proxy.Ticket`` /
 ``router.workers.Worker`` for the router's own load accounting (in-flight requests and queued
 uncached prefill tokens per worker, released at first token), corrected by the workers'
@@ -79,14 +80,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import peer_report, peers
 from bench.workloads import Req, TokenSource, TraceError, load_workload
-from indexer.index import EngineId, PrefixIndex
+from indexer.index import PrefixIndex
 from indexer.wire import DecodeError, decode_payload
 from kvrouter.progress import Progress
-from router.candidates import build_candidates
+from router.candidates import build_candidates, record_sent, speculative_hits
 from router.config import WorkerSpec
 from router.policy import PolicyParams, SpeculativeCache, make_policy
 from router.proxy import Ticket
-from router.speculative import junction_tokens
 from router.workers import Worker
 from simulator.engine import EngineConfig, SimEngine
 from simulator.fleet import FastFleet
@@ -360,30 +360,12 @@ def run_policy(
             kk, kcost = keys.get(req, toks)
             t0 = time.perf_counter()
             matches = index.match_keys(kk, n_tok, engines)
-            reach: dict[EngineId, int] = {}
-            sp = spec.prompt_hits(
-                engines,
-                kk,
-                n_tok,
-                unit,
-                t,
-                index.group_specs,
-                reach,
-            )
+            sp, reach = speculative_hits(spec, index, engines, kk, n_tok, t)
             cands = build_candidates(
                 loads, matches, block_size=fs.block_size, speculative=sp, reach=reach
             )
             d = policy.choose(cands, n_tok, t)
-            junction = junction_tokens(matches.get(d.engine))
-            spec.record(
-                d.engine,
-                kk,
-                t,
-                n_tokens=n_tok,
-                junction=junction,
-                unit=unit,
-                groups=index.group_specs(d.engine),
-            )
+            record_sent(spec, index, d.engine, kk, n_tok, matches.get(d.engine), t)
             decisions.append((time.perf_counter() - t0 + kcost) * 1000)
             cost = next(c for c in d.costs if c.engine == d.engine)
             uncached = cost.uncached_tokens

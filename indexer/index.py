@@ -24,7 +24,6 @@ import msgspec
 from indexer.cap import enforce_cap
 from indexer.eagle import eagle_groups
 from indexer.engine_state import EngineState
-from indexer.hit_rules import alignment
 from indexer.ingest import Ingest
 from indexer.keys import DEFAULT_UNIT, NamespaceRoots, chain_keys, packed_keys
 from indexer.matching import GroupHit, Layouts, PrefixMatch, match_engines
@@ -293,12 +292,6 @@ class PrefixIndex:
         if e is None:
             return ()
         return tuple((eagle_groups(e.groups) if e.eagle else e.groups).values())
-
-    def hit_alignment(self, engine: EngineId) -> int:
-        """Every hit on the engine is a multiple of this (the LCM of its groups' block sizes);
-        0 while its groups are unknown."""
-        specs = self.group_specs(engine)
-        return alignment(specs) if specs else 0
 
     def resident_blocks(self, engine: EngineId) -> int:
         e = self._engines.get(engine)

@@ -6,14 +6,14 @@ A pure function of what the router knows at the moment of the decision, shared b
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping, Sequence
 
-from indexer.index import EngineId, PrefixMatch
+from indexer.index import EngineId, PrefixIndex, PrefixMatch
 from router.load import EngineLoad
 from router.policy import Candidate
-from router.speculative import junction_tokens
+from router.speculative import SpeculativeCache, junction_tokens
 
-__all__ = ["build_candidates"]
+__all__ = ["build_candidates", "record_sent", "speculative_hits"]
 
 _NONE: frozenset[EngineId] = frozenset()
 
@@ -69,3 +69,41 @@ def build_candidates(
             )
         )
     return out
+
+
+def speculative_hits(
+    spec: SpeculativeCache,
+    index: PrefixIndex,
+    engines: Iterable[EngineId],
+    keys: Sequence[int],
+    n_tokens: int,
+    now: float,
+) -> tuple[dict[EngineId, int], dict[EngineId, int]]:
+    """What the speculative entries credit a prompt on each engine, and what they show of the
+    full-attention blocks on engines with sparse groups (``build_candidates``' ``speculative``
+    and ``reach``), read with each engine's groups as its events declared them."""
+    reach: dict[EngineId, int] = {}
+    hits = spec.prompt_hits(engines, keys, n_tokens, index.unit, now, index.group_specs, reach)
+    return hits, reach
+
+
+def record_sent(
+    spec: SpeculativeCache,
+    index: PrefixIndex,
+    engine: EngineId,
+    keys: Sequence[int],
+    n_tokens: int,
+    match: PrefixMatch | None,
+    now: float,
+) -> None:
+    """The speculative entry for a prompt just sent to ``engine`` (``match``: the index's match
+    there): its replay boundary, its junction there, the blocks the engine's groups keep."""
+    spec.record(
+        engine,
+        keys,
+        now,
+        n_tokens=n_tokens,
+        junction=junction_tokens(match),
+        unit=index.unit,
+        groups=index.group_specs(engine),
+    )

@@ -27,7 +27,7 @@ from indexer.subscriber import SourceStatus, Subscriber
 from router import proxy
 from router.admission import Admission, make_admission
 from router.cache_read import reads_prefix_cache
-from router.candidates import build_candidates
+from router.candidates import build_candidates, record_sent, speculative_hits
 from router.config import Config, WorkerSpec, upstream_api_key
 from router.discovery import Discovery
 from router.errors import BodyError
@@ -43,7 +43,7 @@ from router.sessions import Binding, Sessions, SessionTable
 from router.shared_quotas import shared_quotas
 from router.shared_sessions import shared_sessions
 from router.shared_state import ExportedEngine, SharedState, make_shared_state, seed_subscriber
-from router.speculative import extension_credit, junction_tokens
+from router.speculative import extension_credit
 from router.stored_responses import owner_key
 from router.tokenize import (
     LocalTokenizer,
@@ -326,17 +326,9 @@ class Router:
         """The speculative entry for a prompt just sent to ``engine``: siblings routed before
         its events arrive find its prefix there (router/speculative.py)."""
         tok = res.tokens
-        if tok is None:
-            return
-        self.speculative.record(
-            engine,
-            tok.keys,
-            now,
-            n_tokens=tok.n_tokens,
-            junction=junction_tokens(res.matches.get(engine)),
-            unit=self.index.unit,
-            groups=self.index.group_specs(engine),
-        )
+        if tok is not None:
+            match = res.matches.get(engine)
+            record_sent(self.speculative, self.index, engine, tok.keys, tok.n_tokens, match, now)
 
     async def route_admitted(
         self, body: dict[str, Any], chat: bool, receive: Receive, key: str | None, **how: Any
@@ -430,20 +422,13 @@ class Router:
         reads_cache = reads_prefix_cache(body, chat)
         if tok is not None and engines and reads_cache:
             matches = self.index.match_keys(tok.keys, tok.n_tokens, engines)
-            speculative = self.speculative.prompt_hits(
-                engines,
-                tok.keys,
-                tok.n_tokens,
-                self.index.unit,
-                now,
-                self.index.group_specs,
-                reach,
+            speculative, reach = speculative_hits(
+                self.speculative, self.index, engines, tok.keys, tok.n_tokens, now
             )
         if bound is not None and tok is not None and reads_cache:
             e, tokens, last_key = bound
             at = tokens // self.index.unit - 1
             if 0 <= at < len(tok.keys) and tok.keys[at] == last_key:  # extends the last turn
-                speculative = dict(speculative)
                 specs = self.index.group_specs(e)
                 credit = extension_credit(specs, tokens, tok.n_tokens, self.retention(e))
                 speculative[e] = max(speculative.get(e, 0), credit)
