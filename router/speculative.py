@@ -7,6 +7,7 @@ as a candidate's ``speculative_tokens``).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -296,12 +297,7 @@ class SpeculativeCache:
         for e in engines:
             hit = self.hit_tokens(e, keys, unit, now)
             specs = groups(e) if hit and groups is not None else ()
-
-            def kept(
-                align: int, top: int, tail: int, e: Engine = e, hit: int = hit
-            ) -> dict[int, int]:
-                return self._boundaries(e, keys, unit, now, hit, align, top, tail)
-
+            kept = functools.partial(self._boundaries, e, keys, unit, now, hit)
             retention = self._retention(e) if specs else 0
             out[e], full = _credit(specs, hit, cap, kept, retention)
             if full and reach is not None:
