@@ -393,7 +393,7 @@ class Router:
         prompt to match (router/passthrough.py), so the choice is by load. ``trace``: the
         request's spans (router/tracing.py). ``owner``: the engine holding a stored response
         the request names (router/stored_responses.py), the only one it may go to while it
-        serves the model."""
+        serves the model (before a hard session binding: elsewhere the request fails)."""
         model = body.get("model")
         try:
             workers = self._serving(model)
@@ -410,11 +410,11 @@ class Router:
             trace.routing(tok, err)
         loads = [(e, w.load(e[1])) for w in workers for e in w.engines()]
         bound = None if session is None else await self._session_binding(session, now)
-        if bound is not None and self.cfg.session.mode == "hard":
-            pinned = [x for x in loads if x[0] == bound[0]]
-            loads = pinned or loads  # its engine is gone or unhealthy: route freely
         if owner is not None:  # the one engine holding what the request names
             loads = [x for x in loads if x[0] == owner] or loads
+        elif bound is not None and self.cfg.session.mode == "hard":
+            pinned = [x for x in loads if x[0] == bound[0]]
+            loads = pinned or loads  # its engine is gone or unhealthy: route freely
         engines = [e for e, _ in loads]
         matches: dict[EngineId, PrefixMatch] = {}
         speculative: dict[EngineId, int] = {}

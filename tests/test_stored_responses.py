@@ -153,3 +153,36 @@ async def test_a_holder_noted_on_one_replica_is_found_through_the_other() -> Non
                 assert r.status_code == 200 and r.headers["x-kvrouter-worker"] == holder
                 got = await client.get(other[0] + f"/v1/responses/{r.json()['id']}")
                 assert got.status_code == 200 and got.headers["x-kvrouter-worker"] == holder
+
+
+async def test_a_stored_response_wins_over_a_hard_session_binding() -> None:
+    """``session.mode: hard`` pins a session's requests to its engine, but a request naming a
+    stored answer can be served only where the answer is: it goes there."""
+    async with (
+        serve_app(_storing_worker("a")) as a,
+        serve_app(_storing_worker("b")) as b,
+        serve_app(_storing_worker("c")) as c,
+        serve_router(
+            config_for([a, b, c], policy={"speculative_ttl_s": 0.0}, session={"mode": "hard"})
+        ) as (base, router),
+        httpx.AsyncClient(timeout=30) as client,
+    ):
+        await until(lambda: all(w.models for w in router.registry.workers.values()), 10, "models")
+        r = await client.post(base + "/v1/responses", json={"model": "m", "input": "first"})
+        rid, holder = r.json()["id"], r.headers["x-kvrouter-worker"]
+        for i in range(40):  # a session bound elsewhere (its first request lands at random)
+            session = {"x-session-id": f"s{i}"}
+            r = await client.post(
+                base + "/v1/responses", json={"model": "m", "input": "x"}, headers=session
+            )
+            if r.headers["x-kvrouter-worker"] != holder:
+                break
+        bound = r.headers["x-kvrouter-worker"]
+        assert bound != holder
+        body = {"model": "m", "input": "more", "previous_response_id": rid}
+        r = await client.post(base + "/v1/responses", json=body, headers=session)
+        assert r.status_code == 200 and r.headers["x-kvrouter-worker"] == holder, r.text
+        r = await client.post(
+            base + "/v1/responses", json={"model": "m", "input": "y"}, headers=session
+        )
+        assert r.headers["x-kvrouter-worker"] == bound  # the session stays pinned otherwise
