@@ -185,8 +185,6 @@ class Exchange:
         self.subset: list[str] | None = None
         self.headers: dict[str, str] = {}
         self.path = ""
-        self.held: tuple[str, bool] | None = None
-        """``(id, cancel)`` of a request for a stored response (router/stored_responses.py)."""
         self.scan = 0
         """Bytes of a ``/v1/responses`` answer still to read for its id."""
         self.t0 = 0.0
@@ -227,7 +225,6 @@ class Exchange:
         headers = self.headers = _headers_of(rh.headers)
         self.path = headers.get(":path", "").split("?", 1)[0]
         self.chat = _ROUTES.get(self.path)
-        self.held = stored.stored_path(self.path)
         self.subset = _subset_of(req)
         try:  # a listing (GET, as the proxy's /v1/models) is checked but costs no request
             charge = headers.get(":method") != "GET"
@@ -314,10 +311,9 @@ class Exchange:
         if data and self.path in passthrough.BY_CACHE:
             body = passthrough.parse(data, self.headers.get("content-type", ""))
         msgs = passthrough.chat_messages(self.path, body) if body is not None else None
-        rid = self.held[0] if self.held is not None else None
         if self.path == stored.RESPONSES:
-            rid = stored.referenced_id(body)
             self.scan = stored.SCAN_BYTES  # its answer's id is noted (on_response_body)
+        rid = stored.named_id(self.path, body)
         owner = await self.p.owner(rid) if rid is not None else None
         if msgs is None and owner is None:
             return self.p.pick_by_load(self.subset)

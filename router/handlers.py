@@ -321,9 +321,8 @@ async def routed(
     session = session_key(request.headers, body or {}, sc.header, sc.user_field)
     dry = request.url.path == "/debug/route"
     now = time.monotonic()
-    owner = None
-    if path == stored.RESPONSES and (prev := stored.referenced_id(body)) is not None:
-        owner = await router.response_holder(prev, now)
+    rid = stored.named_id(path, body)
+    owner = await router.response_holder(rid, now) if rid is not None else None
     res = await router.route(
         routed,
         True,
@@ -370,13 +369,7 @@ def passthrough_handler(router: Router) -> Callable[[Request, str], Awaitable[Re
             charge = request.method != "GET"
             req.key = await check_request_key(request, keys, router.quotas, charge=charge)
             data = await read_body(request, cfg.server.max_body_bytes)
-            if held is None:
-                res, body, _how = await routed(router, request, path, data, req.trace)
-            else:
-                now = time.monotonic()
-                owner = await router.response_holder(held[0], now)
-                res = await router.route({}, True, now, tokenize=False, owner=owner)
-                body = None
+            res, body, _how = await routed(router, request, path, data, req.trace)
             req.model = body.get("model") if body is not None else None
             await _spend_prompt(router, req.key, res)
         except BodyError as exc:

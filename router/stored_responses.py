@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["RESPONSES", "SCAN_BYTES", "owner_key", "referenced_id", "response_id_in", "stored_path"]
+__all__ = ["RESPONSES", "SCAN_BYTES", "named_id", "owner_key", "response_id_in", "stored_path"]
 
 RESPONSES = "/v1/responses"
 
@@ -41,9 +41,13 @@ def owner_key(response_id: str) -> str:
     return "response:" + response_id
 
 
-def referenced_id(body: dict[str, Any] | None) -> str | None:
-    """The stored response a ``/v1/responses`` request continues (``previous_response_id``)."""
-    prev = body.get("previous_response_id") if body is not None else None
+def named_id(path: str, body: dict[str, Any] | None) -> str | None:
+    """The stored response a request names: the one its path is about (:func:`stored_path`),
+    or the one a ``/v1/responses`` body continues (``previous_response_id``)."""
+    held = stored_path(path)
+    if held is not None:
+        return held[0]
+    prev = body.get("previous_response_id") if path == RESPONSES and body is not None else None
     return prev if isinstance(prev, str) and prev else None
 
 
