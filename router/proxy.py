@@ -519,9 +519,8 @@ def _stream(
         if state["failed"] is not None:
             status = state["failed"]
         prompt, completion = state["prompt"], state["completion"]
-        o = Outcome(status, w.url, state["ttft"], state["cached"], prompt, None, completion)
-        o.response_id = state["id"]
-        done(o)
+        ttft, cached, rid = state["ttft"], state["cached"], state["id"]
+        done(Outcome(status, w.url, ttft, cached, prompt, None, completion, response_id=rid))
 
     return Passthrough(resp.status_code, response_headers(resp, w.url), body(), on_close)
 
@@ -582,9 +581,8 @@ async def _buffered(
         try:
             # No time to first token: the client gets every token at once, at the end
             # (kvrouter_request_duration_seconds measures that).
-            o = Outcome(resp.status_code, w.url, None, cached, prompt, None, completion)
-            o.response_id = rid
-            done(o)
+            status = resp.status_code
+            done(Outcome(status, w.url, None, cached, prompt, None, completion, response_id=rid))
         except Exception:
             log.exception("recording the outcome of a request to %s", w.url)
 
