@@ -364,7 +364,7 @@ def run_policy(
             cands = build_candidates(
                 loads, matches, block_size=fs.block_size, speculative=sp, reach=reach
             )
-            d = policy.choose(cands, n_tok, t)
+            d = policy.choose(cands, n_tok, t, keys=kk, key_tokens=index.unit)
             record_sent(spec, index, d.engine, kk, n_tok, matches.get(d.engine), t)
             decisions.append((time.perf_counter() - t0 + kcost) * 1000)
             cost = next(c for c in d.costs if c.engine == d.engine)
@@ -575,6 +575,7 @@ KNOB_GRID: dict[str, list[float]] = {
     "kv_pressure_tokens": [0.0, 2048.0, 16384.0],
     "recompute_weight": [1.0, 2.0, 4.0, 8.0],
     "follow_on_weight": [0.0, 0.25, 0.5, 1.0],
+    "new_holder_weight": [0.0, 0.5, 1.0],
 }
 
 

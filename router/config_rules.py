@@ -129,7 +129,13 @@ def _check_policy(p: PolicyParams) -> None:
         )
     if p.prefill_tokens_per_s <= 0:
         raise ConfigError("policy.prefill_tokens_per_s: must be positive")
-    for name in ("running_request_tokens", "kv_pressure_tokens", "queue_drain", "follow_on_weight"):
+    for name in (
+        "running_request_tokens",
+        "kv_pressure_tokens",
+        "queue_drain",
+        "follow_on_weight",
+        "new_holder_weight",
+    ):
         if getattr(p, name) < 0:
             raise ConfigError(f"policy.{name}: must be >= 0")
     if p.mean_prompt_tokens < 0:

@@ -446,7 +446,14 @@ class Router:
         if not cands:
             raise BodyError(503, "no workers configured")
         n = tok.n_tokens if tok is not None else 0
-        decision = self.policy.choose(cands, n, now, dry_run=dry_run)
+        decision = self.policy.choose(
+            cands,
+            n,
+            now,
+            dry_run=dry_run,
+            keys=tok.keys if tok is not None and reads_cache else (),
+            key_tokens=self.index.unit,
+        )
         await self.lora.place(model, decision, self.registry, dry_run=dry_run)
         if trace is not None:
             trace.routed(decision, len(cands), model)

@@ -138,6 +138,7 @@ def explain(router: Router, res: RouteResult, chat: bool, elapsed: float) -> dic
                     "metrics_tokens": round(wc.metrics_tokens, 3),
                     "follow_on_tokens": round(wc.follow_on_tokens, 3),
                     "junction_tokens": wc.junction_tokens,
+                    "new_holder_tokens": round(wc.new_holder_tokens, 3),
                     "expected_ttft_s": round(wc.expected_ttft_s, 6),
                     "prefill_tokens_per_s": round(wc.prefill_tokens_per_s, 1),
                     "prefill_rate": "learned" if wc.rate_learned else "configured",

@@ -22,7 +22,9 @@ utilization ``u``, the share of engines busy when requests arrive, and its mean 
 any value >= 1 fixes it; an engine unused for a window weighs it at the floor, see
 ``KvRouterPolicy.unused``). Ranking also adds what the engine's mean queue costs the requests
 expected to continue this prompt there (``KvRouterPolicy.follow_on_tokens``): a prompt placed
-on an engine pins its continuations to that engine's cache. On a hybrid model (sliding-window
+on an engine pins its continuations to that engine's cache. A copy of a prefix more of the
+traffic shares than its holders can take at an even spread ranks partly like a hit
+(``KvRouterPolicy.new_holder_credit``, ``router/popularity.py``). On a hybrid model (sliding-window
 or Mamba groups) ranking subtracts ``weight * junction``: a prefix whose full-attention blocks an
 engine holds without the other groups' (a *junction*, ``Candidate.junction_tokens``) is not a
 hit for this prompt, but computing the prompt there makes it one for every later prompt sharing
@@ -52,6 +54,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from router.load import EngineLoad
+from router.popularity import PrefixPopularity
 from router.speculative import SAMPLE_STRIDE, Engine, SpeculativeCache
 
 __all__ = [
@@ -133,6 +136,10 @@ class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
     its placement is charged (:meth:`KvRouterPolicy.follow_on_tokens`; 0 = none). Moving a
     session to a quieter engine closes about half the gap between the two queues (the one
     loses its load, the other gains it), hence a half."""
+    new_holder_weight: float = 1.0
+    """Share of a new holder's worth credited to recomputing a popular prefix away from its
+    holders (:meth:`KvRouterPolicy.new_holder_credit`; 0 = none, 1 = the whole measured
+    shortfall of holders)."""
 
 
 @dataclass(slots=True)
@@ -149,7 +156,8 @@ class EngineCost:
     """``cost_tokens`` at ``prefill_tokens_per_s``: an estimate for reading, not for ranking."""
     rank_tokens: float
     """What the ranking compares: ``cost_tokens`` plus ``(recompute_weight - 1) * uncached``
-    plus ``follow_on_tokens`` minus ``recompute_weight * junction_tokens``."""
+    plus ``follow_on_tokens`` minus ``recompute_weight * (junction_tokens +
+    new_holder_tokens)``."""
     speculative: bool
     """True when the speculative entry supplied the hit."""
     prefill_tokens_per_s: float = 0.0
@@ -161,6 +169,10 @@ class EngineCost:
     junction_tokens: int = 0
     """Tokens beyond the hit that computing the prompt there makes hittable for the prompts
     sharing them (``Candidate.junction_tokens``); ranked like cached ones."""
+    new_holder_tokens: float = 0.0
+    """Tokens of a popular prefix that computing the prompt there copies, times the share of
+    a hit an extra holder of that prefix is worth (:meth:`KvRouterPolicy.new_holder_credit`);
+    ranked like cached ones."""
 
 
 @dataclass(slots=True)
@@ -177,7 +189,9 @@ class Decision:
 class Policy:
     """``choose`` ranks the candidates for one request. ``dry_run=True`` (``/debug/route``)
     decides the same way but leaves the policy's state (round-robin turn, learned queue drain)
-    as it was, so asking why changes no later decision."""
+    as it was, so asking why changes no later decision. ``keys`` are the prompt's block keys as
+    the index chains them, ``key_tokens`` tokens each (none when the prompt was not tokenized);
+    the kvrouter policy learns from them which prefixes many requests share."""
 
     name = "base"
 
@@ -188,6 +202,8 @@ class Policy:
         now: float,
         *,
         dry_run: bool = False,
+        keys: Sequence[int] = (),
+        key_tokens: int = 0,
     ) -> Decision:
         raise NotImplementedError
 
@@ -270,6 +286,8 @@ class KvRouterPolicy(Policy):
         foreign waiting), averaged over decisions like the utilization."""
         self._hit = 0.0  # chosen engines' predicted hit tokens, averaged over decisions
         self._prompt = 0.0  # prompt tokens, averaged alike: see reuse()
+        self.popularity = PrefixPopularity(UTILIZATION_DECISIONS)
+        """Which prefixes the requests of the last decisions shared: see new_holder_credit."""
 
     def utilization(self) -> float:
         """The share of engines with prefill queued (this router's, or waiting requests it did
@@ -322,6 +340,42 @@ class KvRouterPolicy(Policy):
         if r < 1.0 or k <= 0:
             return 0.0
         return min(k * r, MAX_RECOMPUTE_WEIGHT)
+
+    def new_holder_credit(
+        self,
+        costs: Sequence[EngineCost],
+        weights: Sequence[float],
+        keys: Sequence[int],
+        key_tokens: int,
+    ) -> None:
+        """Rank recomputing a popular prefix away from its holders partly like a hit.
+
+        The prefix is the deepest one a candidate holds (GPU or CPU hit), measured at the
+        deepest sampled key inside it (:class:`PrefixPopularity`). When a share ``s`` of recent
+        requests began with it and ``h`` of the ``n`` candidates hold it, its holders receive
+        ``s`` of the requests with ``h / n`` of the engines: an even spread needs ``n * s``
+        holders, and while there are fewer, its requests queue on the holders and the rest of
+        the fleet idles. One more holder is then worth ``1 - h / (n * s)`` of a hit to the
+        requests of that prefix (``new_holder_weight`` of it is credited); nothing once there
+        are enough, and nothing for a prefix one session uses (``s`` is then about a request in
+        a window). Each candidate short of the prefix is credited that share of the tokens it
+        lacks (``EngineCost.new_holder_tokens``), subtracted from its rank at its own recompute
+        weight, as a junction is; the request still computes them (``cost_tokens``).
+        Updates ``costs`` in place."""
+        held = [x.hit_tokens + x.cpu_hit_tokens for x in costs]
+        n_keys, share = self.popularity.share(keys, max(held) // key_tokens)
+        depth = n_keys * key_tokens
+        if share <= 0.0 or depth <= 0:
+            return
+        holders = sum(1 for h in held if h >= depth)
+        worth = (1.0 - holders / (len(costs) * share)) * self.params.new_holder_weight
+        if worth <= 0.0:
+            return
+        for x, w, h in zip(costs, weights, held, strict=True):
+            lacking = depth - h - x.junction_tokens
+            if lacking > 0:
+                x.new_holder_tokens = worth * lacking
+                x.rank_tokens -= w * x.new_holder_tokens
 
     def unused(self, c: Candidate) -> bool:
         """True for an engine this router has sent nothing to over its last
@@ -466,6 +520,8 @@ class KvRouterPolicy(Policy):
         now: float,
         *,
         dry_run: bool = False,
+        keys: Sequence[int] = (),
+        key_tokens: int = 0,
     ) -> Decision:
         if not candidates:
             raise ValueError("no candidates")
@@ -478,17 +534,24 @@ class KvRouterPolicy(Policy):
         if not dry_run:
             self._observe_busy(candidates)
         follow_on = self._follow_on_queues()
+        weights = [
+            min(weight, LEARNED_WEIGHT_FLOOR) if self.unused(c) else weight for c in candidates
+        ]
         costs = [
             self.cost(
                 c,
                 prompt_tokens,
                 self.queued_estimate(c, now, commit=not dry_run),
                 self.prefill_rate(c.engine),
-                min(weight, LEARNED_WEIGHT_FLOOR) if self.unused(c) else weight,
+                w,
                 follow_on * self._mean_queue.get(c.engine, 0.0),
             )
-            for c in candidates
+            for c, w in zip(candidates, weights, strict=True)
         ]
+        if keys and key_tokens > 0:
+            self.new_holder_credit(costs, weights, keys, key_tokens)
+            if not dry_run:
+                self.popularity.count(keys)
         best = min(x.rank_tokens for x in costs)
         tie = self.params.near_tie_tokens * max(weight, 1.0)
         # Rank: near-ties of the best by in-flight requests, then a random tie-break; everything
@@ -541,6 +604,8 @@ class RoundRobinPolicy(Policy):
         now: float,
         *,
         dry_run: bool = False,
+        keys: Sequence[int] = (),
+        key_tokens: int = 0,
     ) -> Decision:
         if not candidates:
             raise ValueError("no candidates")
@@ -570,6 +635,8 @@ class LeastLoadedPolicy(Policy):
         now: float,
         *,
         dry_run: bool = False,
+        keys: Sequence[int] = (),
+        key_tokens: int = 0,
     ) -> Decision:
         if not candidates:
             raise ValueError("no candidates")
@@ -605,6 +672,8 @@ class RandomPolicy(Policy):
         now: float,
         *,
         dry_run: bool = False,
+        keys: Sequence[int] = (),
+        key_tokens: int = 0,
     ) -> Decision:
         if not candidates:
             raise ValueError("no candidates")

@@ -1,0 +1,90 @@
+"""How popular a prompt prefix is: the share of recent requests that began with it.
+
+The kvrouter policy prices recomputing a prefix away from its holders by what the recompute
+costs the fleet (``KvRouterPolicy.recompute_weight``). That is the whole story for a prefix one
+session uses. A prefix that many sessions start with (a system prompt, an agent's preamble) is
+different: all of its requests can only hit on its holders, so when it carries more than its
+holders' share of the traffic, they queue while the rest of the fleet idles, and a copy on one
+more engine is capacity every later request of that prefix uses. :meth:`PrefixPopularity.share`
+is the measurement that pricing needs; the policy turns it into a credit
+(``KvRouterPolicy.new_holder_credit``).
+
+A prefix is named by one of its keys (the index's chained block keys, so a key names the whole
+prefix up to it). Only every ``SAMPLE_STRIDE``-th key of a prompt is counted, so a prefix is
+measured at the deepest sampled key it contains: ``SAMPLE_STRIDE`` keys of resolution, and a
+prompt of ``n`` keys costs ``n / SAMPLE_STRIDE`` counter updates. Counts decay by ``e`` every
+``window`` requests, like the policy's other averages over its decisions. At most
+``max_prefixes`` keys are tracked, least recently seen forgotten first: a forgotten prefix
+restarts from 0, which only delays its credit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from router.speculative import SAMPLE_STRIDE
+
+__all__ = ["MAX_PREFIXES", "PrefixPopularity"]
+
+RESCALE_ABOVE = 1e150
+"""Stored sums are rebased when the scale passes this (every ~345 windows of requests)."""
+
+MAX_PREFIXES = 65536
+"""Keys tracked (about 100 bytes each): far more than the distinct prefixes of a window of
+requests that more than one request shares."""
+
+
+class PrefixPopularity:
+    """Decayed counts of the requests whose prompt contained each sampled key."""
+
+    def __init__(self, window: int, max_prefixes: int = MAX_PREFIXES) -> None:
+        if window < 1 or max_prefixes < 1:
+            raise ValueError("window and max_prefixes must be >= 1")
+        self._decay = 1.0 / window
+        self._step = math.exp(self._decay)
+        self._max = max_prefixes
+        self._requests = 0
+        """Requests counted so far: the clock counts decay by."""
+        self._scale = 1.0
+        """What a request counted now adds: ``e^((requests - r0) / window)``; dividing a stored
+        value by it gives the decayed count, so counting needs no exponential per key."""
+        self._seen: dict[int, float] = {}
+        """Per sampled key, its requests' scales summed; least recently seen first."""
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def share(self, keys: Sequence[int], n_keys: int) -> tuple[int, float]:
+        """For the prefix of the first ``n_keys`` keys: how many keys long the sampled prefix
+        inside it is (0 when it holds no sampled key) and the share of recent requests whose
+        prompt began with that prefix, in [0, 1].
+
+        The share is one standard error below the measured one (a count ``k`` is taken as
+        ``k - sqrt(k)``, its Poisson lower bound): the first request of a prefix, or two
+        siblings sent together, are no evidence that a share of the traffic uses it."""
+        at = min(n_keys, len(keys)) // SAMPLE_STRIDE * SAMPLE_STRIDE
+        if at == 0 or self._requests == 0:
+            return 0, 0.0
+        seen = self._seen.get(keys[at - 1])
+        if seen is None:
+            return at, 0.0
+        count = seen / self._scale
+        # The decayed number of requests counted: 1 + e^-d + e^-2d + ... over self._requests.
+        total = -math.expm1(-self._requests * self._decay) / -math.expm1(-self._decay)
+        return at, min(max(count - math.sqrt(count), 0.0) / total, 1.0)
+
+    def count(self, keys: Sequence[int]) -> None:
+        """Count one request whose prompt has these keys."""
+        self._requests += 1
+        self._scale *= self._step
+        if self._scale > RESCALE_ABOVE:  # keep the stored sums finite: same counts, new origin
+            self._seen = {k: v / self._scale for k, v in self._seen.items()}
+            self._scale = 1.0
+        seen = self._seen
+        add = self._scale
+        for i in range(SAMPLE_STRIDE - 1, len(keys), SAMPLE_STRIDE):
+            k = keys[i]
+            seen[k] = seen.pop(k, 0.0) + add
+        while len(seen) > self._max:
+            del seen[next(iter(seen))]
