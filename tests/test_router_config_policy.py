@@ -110,6 +110,8 @@ def test_policy_knobs_reach_the_policy_and_default_to_its_own_defaults():
         parse_config({"workers": [{"url": "http://a:1"}], "policy": {"recompute_weight": 0.5}})
     with pytest.raises(ConfigError, match=r"policy\.follow_on_weight"):
         parse_config({"workers": [{"url": "http://a:1"}], "policy": {"follow_on_weight": -1}})
+    with pytest.raises(ConfigError, match=r"policy\.new_holder_weight"):
+        parse_config({"workers": [{"url": "http://a:1"}], "policy": {"new_holder_weight": -1}})
     learned = parse_config({"workers": [{"url": "http://a:1"}], "policy": {"recompute_weight": 0}})
     assert learned.policy.recompute_weight == 0.0 and PolicyParams().recompute_weight == 0.0
 
