@@ -86,6 +86,7 @@ from kvrouter.progress import Progress
 from router.candidates import build_candidates, record_sent, speculative_hits
 from router.config import WorkerSpec
 from router.policy import PolicyParams, SpeculativeCache, make_policy
+from router.popularity import PromptKeys
 from router.proxy import Ticket
 from router.workers import Worker
 from simulator.engine import EngineConfig, SimEngine
@@ -364,7 +365,7 @@ def run_policy(
             cands = build_candidates(
                 loads, matches, block_size=fs.block_size, speculative=sp, reach=reach
             )
-            d = policy.choose(cands, n_tok, t, keys=kk, key_tokens=index.unit)
+            d = policy.choose(cands, n_tok, t, prompt=PromptKeys(kk, index.unit))
             record_sent(spec, index, d.engine, kk, n_tok, matches.get(d.engine), t)
             decisions.append((time.perf_counter() - t0 + kcost) * 1000)
             cost = next(c for c in d.costs if c.engine == d.engine)

@@ -35,6 +35,7 @@ from router.load import EngineLoad
 from router.lora import LoraPlacement
 from router.metrics import RouterMetrics, fleet_state
 from router.policy import Candidate, Decision, make_policy
+from router.popularity import PromptKeys
 from router.quotas import Limits, QuotaTable
 from router.recorder import Recorder
 from router.resilience import WorkerWatch, load_only
@@ -446,14 +447,11 @@ class Router:
         if not cands:
             raise BodyError(503, "no workers configured")
         n = tok.n_tokens if tok is not None else 0
-        decision = self.policy.choose(
-            cands,
-            n,
-            now,
-            dry_run=dry_run,
-            keys=tok.keys if tok is not None and reads_cache else (),
-            key_tokens=self.index.unit,
-        )
+        prompt = None
+        if tok is not None and reads_cache:  # shares are per model: its workers' namespace
+            pool = self.registry.models.namespace_of(workers[0])
+            prompt = PromptKeys(tok.keys, self.index.unit, pool)
+        decision = self.policy.choose(cands, n, now, dry_run=dry_run, prompt=prompt)
         await self.lora.place(model, decision, self.registry, dry_run=dry_run)
         if trace is not None:
             trace.routed(decision, len(cands), model)

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from router.load import EngineLoad
-from router.popularity import PrefixPopularity
+from router.popularity import PrefixPopularity, PromptKeys
 from router.speculative import SAMPLE_STRIDE, Engine, SpeculativeCache
 
 __all__ = [
@@ -189,9 +189,9 @@ class Decision:
 class Policy:
     """``choose`` ranks the candidates for one request. ``dry_run=True`` (``/debug/route``)
     decides the same way but leaves the policy's state (round-robin turn, learned queue drain)
-    as it was, so asking why changes no later decision. ``keys`` are the prompt's block keys as
-    the index chains them, ``key_tokens`` tokens each (none when the prompt was not tokenized);
-    the kvrouter policy learns from them which prefixes many requests share."""
+    as it was, so asking why changes no later decision. ``prompt``: the prompt's block keys and
+    pool (None when it was not tokenized); the kvrouter policy learns from them which prefixes
+    many requests share."""
 
     name = "base"
 
@@ -202,8 +202,7 @@ class Policy:
         now: float,
         *,
         dry_run: bool = False,
-        keys: Sequence[int] = (),
-        key_tokens: int = 0,
+        prompt: PromptKeys | None = None,
     ) -> Decision:
         raise NotImplementedError
 
@@ -345,8 +344,7 @@ class KvRouterPolicy(Policy):
         self,
         costs: Sequence[EngineCost],
         weights: Sequence[float],
-        keys: Sequence[int],
-        key_tokens: int,
+        prompt: PromptKeys,
     ) -> None:
         """Rank recomputing a popular prefix away from its holders partly like a hit.
 
@@ -363,8 +361,9 @@ class KvRouterPolicy(Policy):
         weight, as a junction is; the request still computes them (``cost_tokens``).
         Updates ``costs`` in place."""
         held = [x.hit_tokens + x.cpu_hit_tokens for x in costs]
-        n_keys, share = self.popularity.share(keys, max(held) // key_tokens)
-        depth = n_keys * key_tokens
+        unit = prompt.key_tokens
+        n_keys, share = self.popularity.share(prompt.keys, max(held) // unit, prompt.pool)
+        depth = n_keys * unit
         if share <= 0.0 or depth <= 0:
             return
         holders = sum(1 for h in held if h >= depth)
@@ -520,8 +519,7 @@ class KvRouterPolicy(Policy):
         now: float,
         *,
         dry_run: bool = False,
-        keys: Sequence[int] = (),
-        key_tokens: int = 0,
+        prompt: PromptKeys | None = None,
     ) -> Decision:
         if not candidates:
             raise ValueError("no candidates")
@@ -548,10 +546,10 @@ class KvRouterPolicy(Policy):
             )
             for c, w in zip(candidates, weights, strict=True)
         ]
-        if keys and key_tokens > 0:
-            self.new_holder_credit(costs, weights, keys, key_tokens)
+        if prompt is not None and prompt.keys and prompt.key_tokens > 0:
+            self.new_holder_credit(costs, weights, prompt)
             if not dry_run:
-                self.popularity.count(keys)
+                self.popularity.count(prompt.keys, prompt.pool)
         best = min(x.rank_tokens for x in costs)
         tie = self.params.near_tie_tokens * max(weight, 1.0)
         # Rank: near-ties of the best by in-flight requests, then a random tie-break; everything
@@ -604,8 +602,7 @@ class RoundRobinPolicy(Policy):
         now: float,
         *,
         dry_run: bool = False,
-        keys: Sequence[int] = (),
-        key_tokens: int = 0,
+        prompt: PromptKeys | None = None,
     ) -> Decision:
         if not candidates:
             raise ValueError("no candidates")
@@ -635,8 +632,7 @@ class LeastLoadedPolicy(Policy):
         now: float,
         *,
         dry_run: bool = False,
-        keys: Sequence[int] = (),
-        key_tokens: int = 0,
+        prompt: PromptKeys | None = None,
     ) -> Decision:
         if not candidates:
             raise ValueError("no candidates")
@@ -672,8 +668,7 @@ class RandomPolicy(Policy):
         now: float,
         *,
         dry_run: bool = False,
-        keys: Sequence[int] = (),
-        key_tokens: int = 0,
+        prompt: PromptKeys | None = None,
     ) -> Decision:
         if not candidates:
             raise ValueError("no candidates")

@@ -3,7 +3,10 @@ serve its model (or adapter), unknown models get OpenAI's 404, and /v1/models is
 
 from __future__ import annotations
 
+import math
+
 import httpx
+import pytest
 from test_router_support import config_for, serve_router, until, words
 
 from simulator.testing import running_fleet
@@ -73,3 +76,40 @@ async def test_prompts_are_tokenized_by_a_worker_of_their_model() -> None:
                 e = (await c.post(base + "/debug/route", json=body)).json()
                 assert e["tokenize_error"] is None, e["tokenize_error"]
                 assert e["tokenization"] != "failed" and e["prompt_tokens"] > 0
+
+
+async def test_a_system_prompt_shared_by_one_models_requests_is_popular_within_that_model():
+    """Prefix popularity is counted per model: model-a's eight requests all open with one
+    system prompt while model-b brings twelve others. Against model-a's own requests the prompt
+    is all of its traffic (a share just under 2/3 once taken one standard error low), so a copy
+    on model-a's other worker is credited; against all twenty it would be under a third, no
+    credit on two workers."""
+    with (
+        running_fleet(2, model="model-a", **FAST) as a,
+        running_fleet(1, model="model-b", **FAST) as b,
+    ):
+        cfg = config_for([*a, *b])
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
+            await until(
+                lambda: all(w.subscribed for w in router.registry.workers.values()), 30, "subs"
+            )
+            for i in range(12):
+                body = {"model": "model-b", "prompt": words(300, f"other{i}"), "max_tokens": 1}
+                assert (await c.post(base + "/v1/completions", json=body)).status_code == 200
+            system = words(300, "model-a-system-prompt")
+            holders = set()
+            for i in range(8):
+                body = {"model": "model-a", "prompt": f"{system} turn{i}", "max_tokens": 1}
+                r = await c.post(base + "/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                holders.add(r.headers["x-kvrouter-worker"])
+            assert len(holders) == 1  # the credit stays below recomputing the prompt
+            (holder,) = holders
+            probe = {"model": "model-a", "prompt": f"{system} probe"}
+            e = (await c.post(base + "/debug/route", json=probe)).json()
+            credit = {w["url"]: w["cost"]["new_holder_tokens"] for w in e["workers"]}
+            k = sum(math.exp(-j / 256) for j in range(8))
+            share = (k - math.sqrt(k)) / k
+            (other,) = {w.url for w in a} - {holder}
+            want = {holder: 0.0, other: (1 - 1 / (2 * share)) * 256}
+            assert credit == pytest.approx(want, abs=1e-3)  # /debug/route rounds to 3 places

@@ -16,7 +16,7 @@ from test_router_support import config_for, serve_router, until, words
 
 from router.load import EngineLoad
 from router.policy import UTILIZATION_DECISIONS, Candidate, KvRouterPolicy, PolicyParams
-from router.popularity import PrefixPopularity
+from router.popularity import PrefixPopularity, PromptKeys
 from router.speculative import SAMPLE_STRIDE
 from simulator.testing import running_fleet
 
@@ -82,6 +82,23 @@ def test_counts_stay_exact_across_a_rebase_of_the_stored_sums():
     assert pop.share(prompt(2, 16, 0), 16)[1] == pytest.approx(expected_share(others, 1))
 
 
+def test_shares_are_of_the_pools_own_requests():
+    """A system prompt every request of model A opens with is all of A's traffic, though A
+    brings a quarter of the router's requests: the share is counted against A's requests."""
+    pop = PrefixPopularity(window=UTILIZATION_DECISIONS)
+    history = []
+    for i in range(200):
+        if i % 4 == 0:
+            pop.count(prompt(1, 16, i), pool="model-a")
+            history.append(True)
+        else:
+            pop.count(prompt(1000 + i, 16, i), pool="model-b")
+    k = sum(math.exp(-(199 - i) / 256) for i in range(0, 200, 4))
+    assert pop.share(prompt(1, 16, 0), 16, "model-a")[1] == pytest.approx((k - math.sqrt(k)) / k)
+    assert pop.share(prompt(1, 16, 0), 16, "model-a")[1] > 0.8
+    assert pop.share(prompt(1, 16, 0), 16, "unknown") == (0, 0.0)  # no request of that pool
+
+
 def test_the_table_is_bounded_and_forgets_the_least_recently_seen_first():
     pop = PrefixPopularity(window=256, max_prefixes=4)
     for p in (1, 2, 3, 4):
@@ -95,6 +112,11 @@ def test_the_table_is_bounded_and_forgets_the_least_recently_seen_first():
     assert pop.share(prompt(1, 16, 9), 16)[1] > 0.0
     with pytest.raises(ValueError):
         PrefixPopularity(window=0)
+    pools = PrefixPopularity(window=256, max_pools=2)
+    for pool in ("a", "b", "c"):  # "a" forgotten: its share reads 0 until it is counted again
+        pools.count(prompt(1, 16, 0), pool)
+    assert pools.share(prompt(1, 16, 0), 16, "a") == (0, 0.0)
+    assert pools.share(prompt(1, 16, 0), 16, "c")[1] > 0.0
 
 
 # -------------------------------------------------------------------------------- the credit
@@ -117,7 +139,7 @@ def warmed(share_every: int, holders: int, weight: float = 1.0) -> KvRouterPolic
         keys = prompt(1, SYSTEM, i) if i % share_every == 0 else prompt(1000 + i, SYSTEM, i)
         held = SYSTEM * KEY_TOKENS if i % share_every == 0 else 0
         cands = [cand(e, held if j < holders else 0) for j, e in enumerate(ENGINES)]
-        p.choose(cands, len(keys) * KEY_TOKENS, i * 0.1, keys=keys, key_tokens=KEY_TOKENS)
+        p.choose(cands, len(keys) * KEY_TOKENS, i * 0.1, prompt=PromptKeys(keys, KEY_TOKENS))
     return p
 
 
@@ -141,7 +163,7 @@ def test_a_copy_of_a_prefix_half_the_traffic_shares_ranks_partly_like_a_hit():
     _, share = p.popularity.share(keys, SYSTEM)
     assert share == pytest.approx(expected_share([i % 2 == 0 for i in range(200)], 256))
     assert 0.4 < share < 0.5
-    d = p.choose(new_session(1, 2000), n, 30.0, keys=keys, key_tokens=KEY_TOKENS)
+    d = p.choose(new_session(1, 2000), n, 30.0, prompt=PromptKeys(keys, KEY_TOKENS))
     worth = 1 - 1 / (8 * share)
     credited = {c.engine: c.new_holder_tokens for c in d.costs}
     assert credited["e0"] == 0.0
@@ -153,7 +175,7 @@ def test_a_copy_of_a_prefix_half_the_traffic_shares_ranks_partly_like_a_hit():
     assert other.cost_tokens == n  # the request still computes the whole prompt there
     assert d.engine != "e0"  # 2,000 + 128 * 2 against 1,152 * 2 - about 700 * 2
     off = warmed(share_every=2, holders=1, weight=0.0)
-    d = off.choose(new_session(1, 2000), n, 30.0, keys=keys, key_tokens=KEY_TOKENS)
+    d = off.choose(new_session(1, 2000), n, 30.0, prompt=PromptKeys(keys, KEY_TOKENS))
     assert d.engine == "e0" and all(c.new_holder_tokens == 0 for c in d.costs)
 
 
@@ -165,7 +187,12 @@ def test_a_copy_of_a_prefix_half_the_traffic_shares_ranks_partly_like_a_hit():
 def test_no_credit_where_the_holders_can_take_the_prefixs_traffic(share_every, holders):
     keys = prompt(1, SYSTEM, 777)
     p = warmed(share_every=share_every, holders=holders)
-    d = p.choose(new_session(holders, 2000), len(keys) * KEY_TOKENS, 30.0, keys=keys, key_tokens=16)
+    d = p.choose(
+        new_session(holders, 2000),
+        len(keys) * KEY_TOKENS,
+        30.0,
+        prompt=PromptKeys(keys, KEY_TOKENS),
+    )
     assert all(c.new_holder_tokens == 0 for c in d.costs)
     assert d.engine in ENGINES[:holders]
 
@@ -175,9 +202,11 @@ def test_asking_why_counts_nothing():
     p = warmed(share_every=2, holders=1)
     before = p.popularity.share(keys, SYSTEM)
     for _ in range(5):
-        p.choose(new_session(1, 2000), 1152, 30.0, keys=keys, key_tokens=16, dry_run=True)
+        p.choose(
+            new_session(1, 2000), 1152, 30.0, prompt=PromptKeys(keys, KEY_TOKENS), dry_run=True
+        )
     assert p.popularity.share(keys, SYSTEM) == before
-    p.choose(new_session(1, 2000), 1152, 30.0, keys=keys, key_tokens=16)
+    p.choose(new_session(1, 2000), 1152, 30.0, prompt=PromptKeys(keys, KEY_TOKENS))
     assert p.popularity.share(keys, SYSTEM)[1] > before[1]
 
 
