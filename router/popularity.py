@@ -111,8 +111,7 @@ class PrefixPopularity:
         while len(pools) > self._max_pools:
             del pools[next(iter(pools))]
         seen = self._seen
-        for i in range(SAMPLE_STRIDE - 1, len(keys), SAMPLE_STRIDE):
-            k = keys[i]
+        for k in keys[SAMPLE_STRIDE - 1 :: SAMPLE_STRIDE]:
             seen[k] = seen.pop(k, 0.0) + add
         while len(seen) > self._max:
             del seen[next(iter(seen))]
