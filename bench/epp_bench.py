@@ -264,7 +264,8 @@ async def floors(tmp: str, ports: list[int]) -> dict[str, Any]:
     """The do-nothing ext_proc server's CPU per request (duplex and response body NONE) and per
     streamed chunk, on asyncio and on grpcio's thread pool."""
     every = ",".join(f"127.0.0.1:{p}" for p in ports)
-    port, threaded_port = find_port_block(1), find_port_block(1)
+    port = find_port_block(2)
+    threaded_port = port + 1
     out: dict[str, Any] = {}
     with (
         running_floor(tmp, port, every) as floor,

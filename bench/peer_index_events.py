@@ -29,7 +29,6 @@ import gc
 import json
 import multiprocessing as mp
 import os
-import socket
 import struct
 import subprocess
 import sys
@@ -44,6 +43,8 @@ sys.path.insert(0, str(HERE.parent))
 
 import zmq  # noqa: E402
 from subscriber_bench import ACTIVE, BLOCK, CHUNK_BLOCKS, REQ_TOKENS, _plan  # noqa: E402
+
+from simulator.testing import find_port_block  # noqa: E402
 
 MODEL = "bench-model"
 POLL_S = 0.05
@@ -233,12 +234,6 @@ async def run_kvrouter(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http(port: int, path: str, body: Any = None) -> bytes:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(
@@ -263,7 +258,7 @@ def proc_cpu_s(pid: int) -> float:
 
 
 def run_dynamo(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
-    port = free_port()
+    port = find_port_block(1)
     log = open(HERE / "out" / "dynamo-indexer.log", "w")  # noqa: SIM115 (lives with the process)
     cmd = [args.dynamo_python, "-m", "dynamo.indexer", "--block-size", str(BLOCK)]
     proc = subprocess.Popen(

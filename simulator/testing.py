@@ -9,8 +9,10 @@ an HTTP server to answer.
 
 Keyword flags map to CLI flags (``block_size=16`` -> ``--block-size 16``; ``True`` -> a bare
 flag; ``False``/``None`` -> omitted; lists repeat the flag). Ports: a contiguous block of
-free ports is found by binding them all first; if the subprocess still fails to bind (a
-race with another process) it is retried on a new block. Startup is bounded (``timeout``).
+free ports is found by binding them all first, outside the kernel's ephemeral range (a port
+from that range can be handed to any outgoing connection between the check and the server's
+bind); if the subprocess still fails to bind (a race with another process) it is retried on a
+new block. Startup is bounded (``timeout``).
 
 Benches and the demo use ``wait_http_ok`` too: they import the simulator anyway, and
 ``router`` must not.
@@ -65,11 +67,39 @@ def _ports_free(ports: list[int]) -> bool:
             s.close()
 
 
-def find_port_block(n: int, lo: int = 20000, hi: int = 60000) -> int:
-    """Base of ``n`` consecutive currently-free TCP ports."""
+# Linux's default ephemeral range and the BSDs' (49152-65535) together, for when the kernel's
+# own cannot be read.
+_FALLBACK_EPHEMERAL = (32768, 65535)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return _FALLBACK_EPHEMERAL
+
+
+def find_port_block(n: int, lo: int = 20000, hi: int = 65535) -> int:
+    """Base of ``n`` consecutive currently-free TCP ports in ``[lo, hi]``, none of them in the
+    kernel's ephemeral range (where an outgoing connection could take one before the caller
+    binds it)."""
+    eph_lo, eph_hi = _ephemeral_range()
+    bases = [
+        b
+        for b in (range(lo, min(eph_lo, hi + 1) - n + 1), range(max(lo, eph_hi + 1), hi - n + 2))
+        if len(b)
+    ]
+    if not bases:
+        raise RuntimeError(
+            f"no {n} ports in {lo}-{hi} outside the ephemeral range {eph_lo}-{eph_hi}"
+        )
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    weights = [len(b) for b in bases]
     for _ in range(200):
-        base = rng.randrange(lo, hi - n)
+        span = rng.choices(bases, weights)[0]
+        base = rng.choice(span)
         if _ports_free(list(range(base, base + n))):
             return base
     raise RuntimeError("no free port block found")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -31,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from simulator.testing import find_port_block
 
 __all__ = [
     "BLOCK",
@@ -191,15 +192,8 @@ def write_model(py: Path, model: str, out: Path) -> Path:
 
 
 def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    base = find_port_block(n)
+    return list(range(base, base + n))
 
 
 @dataclass(frozen=True)

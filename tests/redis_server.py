@@ -25,6 +25,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from simulator.testing import find_port_block
+
 __all__ = ["RedisServer", "redis_server", "redis_url", "require_redis_server"]
 
 BINARY = "redis-server"
@@ -38,12 +40,6 @@ def require_redis_server() -> str:
             "'scripts/setup.sh --with-redis' or 'apt-get install -y redis-server')"
         )
     return path
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ping(port: int, timeout: float = 0.2) -> bool:
@@ -61,7 +57,7 @@ class RedisServer:
 
     def __init__(self, binary: str, port: int | None = None, timeout: float = 10.0) -> None:
         self.binary = binary
-        self.port = port or _free_port()
+        self.port = port or find_port_block(1)
         self.timeout = timeout
         self.proc: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="kvrouter-redis-")
@@ -95,7 +91,7 @@ class RedisServer:
                 time.sleep(0.02)
             last = self._reap()
             if "Address already in use" in last:
-                self.port = _free_port()  # lost a race for the port: try another one
+                self.port = find_port_block(1)  # lost a race for the port: try another one
                 continue
             break
         raise RuntimeError(f"redis-server did not answer PING on port {self.port}: {last[-1000:]}")

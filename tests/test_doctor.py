@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import httpx
 import pytest
 
 from router.doctor import Options, Report, diagnose, main
-from simulator.testing import running_fleet
+from simulator.testing import find_port_block, running_fleet
 
 SIM = {"block_size": 16, "num_gpu_blocks": 512}
 # Short waits keep the failing cases quick; a healthy simulated worker answers in milliseconds.
@@ -39,12 +38,6 @@ def fleet_check(doc: dict[str, Any], name: str) -> dict[str, Any]:
 def failing(doc: dict[str, Any]) -> set[str]:
     rows = [c for w in doc["workers"] for c in w["checks"]]
     return {c["check"] for c in rows if c["status"] == "fail"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_healthy_fleet_exits_zero_with_a_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -143,7 +136,8 @@ def test_configured_endpoints_unreachable(
     """Endpoints given with the URL (or in a kvrouter config) are used instead of
     /kv_event_sources; a port nobody publishes on is reported as unreachable."""
     with running_fleet(1, **SIM) as (w,):
-        dead, dead_replay = free_port(), free_port()
+        dead = find_port_block(2)
+        dead_replay = dead + 1
         cfg = tmp_path / "kvrouter.yaml"
         cfg.write_text(
             f"workers:\n  - url: {w.url}\n    events: tcp://127.0.0.1:{dead}\n"
@@ -205,7 +199,7 @@ def test_adapters_on_some_workers_are_a_warning(capsys: pytest.CaptureFixture[st
 
 
 def test_unreachable_worker_and_total_deadline(capsys: pytest.CaptureFixture[str]) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{find_port_block(1)}"
     code, doc = run(capsys, dead)
     assert code == 1 and check(doc, dead, "reach")["status"] == "fail"
     with running_fleet(1, **SIM) as (w,):

@@ -70,7 +70,10 @@ def router_url() -> Iterator[str]:
                         break
                 except httpx.HTTPError:
                     pass
-                assert time.monotonic() < deadline and proc.poll() is None, "router start"
+                if time.monotonic() >= deadline or proc.poll() is not None:
+                    errf.seek(0)
+                    err = errf.read().decode(errors="replace")
+                    pytest.fail(f"router did not start (exit {proc.poll()}): {err[-2000:]}")
                 time.sleep(0.1)
             yield url
             assert proc.poll() is None, "the router process died"

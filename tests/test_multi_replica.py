@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ import yaml
 from redis_server import RedisServer, redis_server
 from test_router_support import until, words
 
-from simulator.testing import WorkerInfo, running_fleet
+from simulator.testing import WorkerInfo, find_port_block, running_fleet
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -42,12 +41,6 @@ def fleet() -> Iterator[list[WorkerInfo]]:
 def redis() -> Iterator[RedisServer]:
     with redis_server() as srv:
         yield srv
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RouterProc:
@@ -93,7 +86,7 @@ async def router(
         yaml.safe_dump(cfg, f)
         path = f.name
     log_path = path + ".log"
-    port = _free_port()
+    port = find_port_block(1)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTER_")}
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen(

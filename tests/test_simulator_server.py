@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from simulator.hashing import RequestHasher
-from simulator.testing import WorkerInfo, running_fleet
+from simulator.testing import WorkerInfo, _ephemeral_range, find_port_block, running_fleet
 
 DEADLINE = 10.0
 _rng = random.Random(7)
@@ -616,3 +616,15 @@ def test_tokenize_gives_the_engine_tokens(fleet: list[WorkerInfo]) -> None:
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (
             (len(ids) - 1) // 16 * 16
         )
+
+
+def test_test_ports_stay_out_of_the_ephemeral_range() -> None:
+    """A port an outgoing connection can be given (the kernel's ephemeral range) is never handed
+    to a server a test is about to start: the server's bind would lose that race (uvicorn exits
+    3)."""
+    eph_lo, eph_hi = _ephemeral_range()
+    for n in (1, 3, 12):
+        for _ in range(50):
+            base = find_port_block(n)
+            assert all(not eph_lo <= p <= eph_hi for p in range(base, base + n)), (base, n)
+            assert base >= 20000 and base + n - 1 <= 65535

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import socket
 import threading
 import time
 from typing import Any
@@ -28,6 +27,7 @@ from indexer.wire import decode_payload
 from router.config import WorkerSpec
 from router.metrics import RouterMetrics, fleet_state
 from router.workers import Worker
+from simulator.testing import find_port_block
 from tests import test_subscriber
 from tests.test_source_state import Driver, run_case
 from tests.test_subscriber import (
@@ -238,12 +238,6 @@ def test_outcome_does_not_depend_on_which_socket_shows_the_restart() -> None:
 # ---------------------------------------------------------------------- end to end
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class HeldReplayPublisher(VllmPublisher):
     """Serves replay requests only once :attr:`ready` is set: a request that arrives while the
     process is still starting waits in its ROUTER, as it would in a real restarting vLLM."""
@@ -310,7 +304,7 @@ async def _restart_scenario(make, replay_first: bool, worker: str = "w"):
     (from the new one) comes before any live message of the new one. Otherwise the old one
     repairs it and the new one shows itself on the live stream first."""
     new_pub, new_sub = make
-    rport = _free_port()
+    rport = find_port_block(1)
     pub = new_pub(replay_endpoint=None if replay_first else f"tcp://127.0.0.1:{rport}")
     sub = await new_sub(reconnect_backoff_s=(0.05, 0.1), replay_timeout_s=DEADLINE)
     sub.add_worker(worker, pub.endpoint, f"tcp://127.0.0.1:{rport}", model=MODEL)
