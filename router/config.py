@@ -167,6 +167,9 @@ class RedisConfig(_Section):
     key_prefix: str = "{kvrouter}"
     heartbeat_ttl_s: float = 10.0
     snapshot_interval_s: float = 30.0
+    op_timeout_s: float = 0.1
+    """Socket timeout of one ordinary Redis operation (abandoned after twice this); the first
+    one over it marks Redis down. A Redis in another zone, or a loaded one, needs more."""
 
 
 class SessionConfig(_Section):

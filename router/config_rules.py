@@ -193,6 +193,8 @@ def _check_discovery_and_redis(k: KubernetesDiscoveryConfig, r: RedisConfig) -> 
         raise ConfigError("redis.heartbeat_ttl_s: must be positive")
     if r.snapshot_interval_s <= 0:
         raise ConfigError("redis.snapshot_interval_s: must be positive")
+    if not 0 < r.op_timeout_s <= 10:
+        raise ConfigError("redis.op_timeout_s: must be in (0, 10] seconds")
 
 
 def _check_verify(v: VerifyConfig) -> None:

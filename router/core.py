@@ -116,6 +116,7 @@ class Router:
             key_prefix=cfg.redis.key_prefix,
             heartbeat_ttl_s=cfg.redis.heartbeat_ttl_s,
             snapshot_interval_s=cfg.redis.snapshot_interval_s,
+            op_timeout_s=cfg.redis.op_timeout_s,
             speculative_ttl_s=cfg.policy.speculative_ttl_s,
             local_loads=self._local_loads,
             snapshot_engines=self.index.engines,

@@ -91,6 +91,7 @@ def make_shared_state(
     key_prefix: str = "{kvrouter}",
     heartbeat_ttl_s: float = 10.0,
     snapshot_interval_s: float = 30.0,
+    op_timeout_s: float = 0.1,
     **kw: Any,
 ) -> SharedState:
     """:class:`RedisSharedState` when ``redis_url`` is set, else the embedded one."""
@@ -100,6 +101,7 @@ def make_shared_state(
             key_prefix=key_prefix,
             heartbeat_ttl_s=heartbeat_ttl_s,
             snapshot_interval_s=snapshot_interval_s,
+            op_timeout_s=op_timeout_s,
             **kw,
         )
     return SharedState(**kw)

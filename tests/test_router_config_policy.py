@@ -112,6 +112,15 @@ def test_policy_knobs_reach_the_policy_and_default_to_its_own_defaults():
         parse_config({"workers": [{"url": "http://a:1"}], "policy": {"follow_on_weight": -1}})
     with pytest.raises(ConfigError, match=r"policy\.new_holder_weight"):
         parse_config({"workers": [{"url": "http://a:1"}], "policy": {"new_holder_weight": -1}})
+    with pytest.raises(ConfigError, match=r"redis\.op_timeout_s"):
+        parse_config({"workers": [{"url": "http://a:1"}], "redis": {"op_timeout_s": 0}})
+    slow = parse_config(
+        {
+            "workers": [{"url": "http://a:1"}],
+            "redis": {"url": "redis://r:6379/0", "op_timeout_s": 0.5},
+        }
+    )
+    assert Router(slow).shared.op_timeout_s == 0.5  # type: ignore[attr-defined]
     learned = parse_config({"workers": [{"url": "http://a:1"}], "policy": {"recompute_weight": 0}})
     assert learned.policy.recompute_weight == 0.0 and PolicyParams().recompute_weight == 0.0
 

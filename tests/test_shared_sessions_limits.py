@@ -40,14 +40,15 @@ def redis() -> Iterator[RedisServer]:
 
 @asynccontextmanager
 async def replicas(
-    ws: list[WorkerInfo], redis_url: str, **sections: dict[str, Any]
+    ws: list[WorkerInfo], redis_url: str, op_timeout_s: float = 0.1, **sections: dict[str, Any]
 ) -> AsyncIterator[tuple[Replica, Replica]]:
     """Replicas A and B (in-process, each on its own port, different random seeds), both
     connected to Redis on return."""
     out: list[Replica] = []
+    shared = {"url": redis_url, "key_prefix": "{kvt}", "op_timeout_s": op_timeout_s}
     async with contextlib.AsyncExitStack() as stack:
         for seed in (1, 2):
-            cfg = config_for(ws, redis={"url": redis_url, "key_prefix": "{kvt}"}, **sections)
+            cfg = config_for(ws, redis=shared, **sections)
             app, _admin, router = create_apps(cfg, seed=seed)
             out.append((await stack.enter_async_context(serve_app(app)), router))
         await until(lambda: all(r.shared.up for _, r in out), 20, "both replicas on Redis")
@@ -74,11 +75,18 @@ async def test_a_session_bound_on_one_replica_stays_on_its_engine_through_the_ot
     """KV events off and no speculative entries: neither replica's index knows where the
     conversation's prefix is, so only the shared binding keeps its turns on one engine. A
     binding is written to Redis off the request path, so each turn waits for its replica's
-    write, as a client waits for a whole answer between turns (here one token long)."""
+    write, as a client waits for a whole answer between turns (here one token long). One
+    Redis write over its timeout would mark Redis down and drop that binding (counted, by
+    design); a loaded CI machine is not the slow Redis this test is about, so the timeout is
+    10x the default."""
     with running_fleet(4, **FAST) as ws:
         async with (
             replicas(
-                ws, redis.url, session={"mode": "soft"}, policy={"speculative_ttl_s": 0.0}
+                ws,
+                redis.url,
+                op_timeout_s=1.0,
+                session={"mode": "soft"},
+                policy={"speculative_ttl_s": 0.0},
             ) as ((a, ra), (b, rb)),
             httpx.AsyncClient(timeout=30) as c,
         ):
