@@ -12,9 +12,8 @@ from typing import Any
 
 import httpx
 import pytest
-from test_router_support import config_for, serve_router, until, words
+from test_router_support import cand, config_for, serve_router, until, words
 
-from router.load import EngineLoad
 from router.policy import UTILIZATION_DECISIONS, Candidate, KvRouterPolicy, PolicyParams
 from router.popularity import PrefixPopularity, PromptKeys
 from router.speculative import SAMPLE_STRIDE
@@ -120,10 +119,6 @@ def test_the_table_is_bounded_and_forgets_the_least_recently_seen_first():
 
 
 # -------------------------------------------------------------------------------- the credit
-
-
-def cand(engine: str, gpu: int = 0, **load: Any) -> Candidate:
-    return Candidate(engine, gpu, 0, EngineLoad(**load))
 
 
 ENGINES = [f"e{i}" for i in range(8)]

@@ -7,13 +7,13 @@ import subprocess
 import sys
 
 import pytest
+from test_router_support import cand
 
 from router.config import ConfigError, load_config, parse_config, parse_worker_arg
 from router.load import EngineLoad
 from router.policy import (
     LEARNED_WEIGHT_FLOOR,
     UTILIZATION_DECISIONS,
-    Candidate,
     KvRouterPolicy,
     PolicyParams,
     RoundRobinPolicy,
@@ -151,10 +151,6 @@ def test_cli_reports_config_error(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ policy
-
-
-def cand(w: str, gpu: int = 0, cpu: int = 0, spec: int = 0, **load: float) -> Candidate:
-    return Candidate(w, gpu, cpu, EngineLoad(**load), speculative_tokens=spec)  # type: ignore[arg-type]
 
 
 def test_prefers_cached_prefix_and_counts_cpu_at_discount():

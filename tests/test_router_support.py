@@ -16,6 +16,8 @@ from fastapi import FastAPI, Request, Response
 from router.app import create_apps
 from router.config import Config, WorkerSpec
 from router.core import Router
+from router.load import EngineLoad
+from router.policy import Candidate
 
 
 async def until(
@@ -146,3 +148,9 @@ def write_tokenizer(out: Any, vocab_size: int = 2048, template: str = CHAT_TEMPL
     cfg = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
     (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
     return str(out)
+
+
+def cand(w: str, gpu: int = 0, cpu: int = 0, spec: int = 0, **load: float) -> Candidate:
+    """A candidate engine ``w`` holding ``gpu`` / ``cpu`` tokens (``spec`` speculatively) under
+    the load ``load`` (:class:`EngineLoad` fields)."""
+    return Candidate(w, gpu, cpu, EngineLoad(**load), speculative_tokens=spec)  # type: ignore[arg-type]
