@@ -142,6 +142,10 @@ def _check_policy(p: PolicyParams) -> None:
         raise ConfigError("policy.mean_prompt_tokens: must be >= 0")
     if not 0.0 <= p.kv_pressure_threshold <= 1.0:
         raise ConfigError("policy.kv_pressure_threshold: must be within [0, 1]")
+    if not 0.0 <= p.hit_loss_budget <= 1.0:
+        raise ConfigError(
+            "policy.hit_loss_budget: must be within [0, 1] (a share of prompt tokens; 1 = none)"
+        )
 
 
 def _check_workers(workers: list[WorkerSpec]) -> None:

@@ -14,6 +14,7 @@ import msgspec
 
 from indexer.subscriber import SourceStatus
 from router.core import Router, RouteResult
+from router.policy import KvRouterPolicy
 from router.status import rows
 from router.workers import Worker
 
@@ -147,9 +148,18 @@ def explain(router: Router, res: RouteResult, chat: bool, elapsed: float) -> dic
             }
         )
     tok = res.tokens
+    p = router.policy
+    hit_loss = None
+    if isinstance(p, KvRouterPolicy):
+        hit_loss = {
+            "budget": p.params.hit_loss_budget,
+            "debt_tokens": round(p.hit_debt_tokens, 1),
+            "added_weight": round(p.hit_loss_weight(), 4),
+        }
     return {
         "kind": "chat" if chat else "completion",
         "policy": router.policy.name,
+        "hit_loss": hit_loss,
         "namespace": res.namespace,
         "prompt_tokens": tok.n_tokens if tok else None,
         "tokenization": tok.source if tok else "failed",

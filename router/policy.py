@@ -140,6 +140,12 @@ class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
     """Share of a new holder's worth credited to recomputing a popular prefix away from its
     holders (:meth:`KvRouterPolicy.new_holder_credit`; 0 = none, 1 = the whole measured
     shortfall of holders)."""
+    hit_loss_budget: float = 0.003
+    """Share of prompt tokens the router may give up in cache hits, once its first window of
+    decisions is past, by sending requests away from the engine that caches most of their
+    prompt (:meth:`KvRouterPolicy.hit_loss_weight`). Each such move saves that request
+    queueing but computes the prefix a second time; beyond the budget the recompute weight
+    rises until only the moves that save the most queueing pass. 1 = no budget."""
 
 
 @dataclass(slots=True)
@@ -220,6 +226,8 @@ def _draws(rng: random.Random, dry_run: bool) -> random.Random:
 UTILIZATION_DECISIONS = 256
 """Decisions the utilization averages over (exponentially; a plain mean before that many)."""
 MAX_RECOMPUTE_WEIGHT = 16.0
+HIT_LOSS_GAIN = 4.0
+"""Recompute weight added per mean prompt of cache hit given up beyond ``hit_loss_budget``."""
 """Ceiling of the learned weight: near full utilization there is no steady state to model."""
 LEARNED_WEIGHT_FLOOR = 1.1
 """Least learned weight. At 1 (an idle fleet) waiting for a prefix queued on its holder and
@@ -287,6 +295,8 @@ class KvRouterPolicy(Policy):
         self._prompt = 0.0  # prompt tokens, averaged alike: see reuse()
         self.popularity = PrefixPopularity(UTILIZATION_DECISIONS)
         """Which prefixes the requests of the last decisions shared: see new_holder_credit."""
+        self._hit_debt = 0.0
+        """Hit tokens given up beyond the budget (negative: budget saved): see hit_loss_weight."""
 
     def utilization(self) -> float:
         """The share of engines with prefill queued (this router's, or waiting requests it did
@@ -309,6 +319,40 @@ class KvRouterPolicy(Policy):
         queueing = 1.0 / max(1.0 - self._busy, 1e-9)
         learned = max(queueing, LEARNED_WEIGHT_FLOOR) + kv_weight(kv_usage)
         return min(learned, MAX_RECOMPUTE_WEIGHT)
+
+    def hit_loss_weight(self) -> float:
+        """What the hit-loss budget adds to every candidate's recompute weight now.
+
+        A request sent away from the engine caching the longest prefix of its prompt gives up
+        that hit to skip the holder's queue. Each such move is the cheaper one for its request,
+        but they come in runs: a long prompt with no cached prefix lands on the holder of a
+        popular one, and its requests leave one after another, each computing the prefix
+        again. The budget is a token bucket: every decision adds ``hit_loss_budget`` of its
+        prompt, up to one window's worth (``hit_loss_budget * UTILIZATION_DECISIONS`` mean
+        prompts, so a rare move needs no saving up), every decision takes the hit it gave up.
+        While it is in debt the weight rises by ``HIT_LOSS_GAIN`` per mean prompt owed, so only
+        the moves that save the most queueing pass. The first window is not counted (the bucket
+        starts empty after it): a cold fleet's first moves make the copies that later requests
+        hit, and the mean prompt is not known yet. docs/benchmarks.md has the A/B."""
+        if self._hit_debt <= 0.0 or self._prompt <= 0.0:
+            return 0.0
+        return min(HIT_LOSS_GAIN * self._hit_debt / self._prompt, MAX_RECOMPUTE_WEIGHT)
+
+    @property
+    def hit_debt_tokens(self) -> float:
+        """Hit tokens given up beyond the budget (negative: budget saved up)."""
+        return self._hit_debt
+
+    def _observe_hit_loss(
+        self, costs: Sequence[EngineCost], chosen: EngineCost, prompt: int
+    ) -> None:
+        budget = self.params.hit_loss_budget
+        if budget >= 1.0 or self._decisions <= UTILIZATION_DECISIONS:
+            return
+        best = max(x.hit_tokens + x.cpu_hit_tokens for x in costs)
+        lost = best - chosen.hit_tokens - chosen.cpu_hit_tokens
+        saved = budget * UTILIZATION_DECISIONS * self._prompt
+        self._hit_debt = max(self._hit_debt + lost - budget * prompt, -saved)
 
     def reuse(self) -> float:
         """How many times a prompt token computed on the fleet is read from cache afterwards, on
@@ -532,8 +576,10 @@ class KvRouterPolicy(Policy):
         if not dry_run:
             self._observe_busy(candidates)
         follow_on = self._follow_on_queues()
+        owed = self.hit_loss_weight()
         weights = [
-            min(weight, LEARNED_WEIGHT_FLOOR) if self.unused(c) else weight for c in candidates
+            (min(weight, LEARNED_WEIGHT_FLOOR) if self.unused(c) else weight) + owed
+            for c in candidates
         ]
         costs = [
             self.cost(
@@ -569,6 +615,7 @@ class KvRouterPolicy(Policy):
         if not dry_run:
             self._last_sent[chosen.engine] = self._decisions
             self._observe_decision(costs, chosen, prompt_tokens)
+            self._observe_hit_loss(costs, chosen, prompt_tokens)
         near_count = sum(1 for x in costs if x.rank_tokens <= best + tie)
         if chosen.hit_tokens or chosen.cpu_hit_tokens:
             reason = (

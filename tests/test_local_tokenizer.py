@@ -57,6 +57,8 @@ async def test_local_tokenizer_agrees_with_the_workers_and_saves_their_tokenize(
             before = await _tokenize_calls(c, fleet)
             e = (await c.post(base + "/debug/route", json={"prompt": prompt})).json()
             assert (e["tokenization"], e["prompt_tokens"]) == ("local", len(want_prompt))
+            # the hit-loss budget's state: nothing spent before the first window of decisions
+            assert e["hit_loss"] == {"budget": 0.003, "debt_tokens": 0.0, "added_weight": 0.0}
             e = (await c.post(base + "/debug/route", json=chat)).json()
             assert (e["tokenization"], e["prompt_tokens"]) == ("local", len(want_chat))
             assert await _tokenize_calls(c, fleet) == before  # no worker was asked

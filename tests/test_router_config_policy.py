@@ -112,6 +112,11 @@ def test_policy_knobs_reach_the_policy_and_default_to_its_own_defaults():
         parse_config({"workers": [{"url": "http://a:1"}], "policy": {"follow_on_weight": -1}})
     with pytest.raises(ConfigError, match=r"policy\.new_holder_weight"):
         parse_config({"workers": [{"url": "http://a:1"}], "policy": {"new_holder_weight": -1}})
+    for budget in (-0.1, 1.5):
+        with pytest.raises(ConfigError, match=r"policy\.hit_loss_budget"):
+            parse_config(
+                {"workers": [{"url": "http://a:1"}], "policy": {"hit_loss_budget": budget}}
+            )
     with pytest.raises(ConfigError, match=r"redis\.op_timeout_s"):
         parse_config({"workers": [{"url": "http://a:1"}], "redis": {"op_timeout_s": 0}})
     slow = parse_config(
@@ -515,3 +520,70 @@ def test_a_worker_reporting_its_retention_interval_overrides_the_configured_one(
     assert r.retention(("http://a:1", 0)) is None and r.retention(("http://b:1", 0)) == 0
     assert r.speculative.retention_of is not None
     assert r.speculative.retention_of(("http://a:1", 0)) is None
+
+
+def _hit_loss_policy(budget: float) -> KvRouterPolicy:
+    """A policy a window past its first one (which the budget does not count), none of its
+    decisions having given up a hit: the budget is saved up in full."""
+    params = PolicyParams(
+        near_tie_tokens=0,
+        recompute_weight=2.0,
+        follow_on_weight=0.0,
+        new_holder_weight=0.0,
+        hit_loss_budget=budget,
+    )
+    p = KvRouterPolicy(params, seed=0)
+    for i in range(2 * UTILIZATION_DECISIONS + 1):
+        p.choose([cand("a", running=1), cand("b", running=1)], 5000, 0.01 * i)
+    return p
+
+
+@pytest.mark.parametrize("budget", [0.003, 1.0])
+def test_hit_loss_budget_keeps_a_prefix_on_its_holder_once_spent(budget: float) -> None:
+    """A long prompt queued on the holder of a 4,000-token prefix sends that prefix's requests
+    away (recomputing it costs 2 x 1,000 + 2 x 5,000 ranked tokens, waiting on the holder
+    12,000 + 1,000 + 1,000). The first move spends the budget and more: the recompute weight
+    then rises by 4 per mean prompt owed, and the next request waits on its holder. Without a
+    budget every request leaves. ``/debug/route`` (a dry run) spends nothing."""
+    p = _hit_loss_policy(budget)
+    assert p.hit_loss_weight() == 0.0
+
+    def picks() -> str:
+        cands = [
+            cand("a", gpu=4000, queued_prefill_tokens=12000, running=1),
+            cand("b", running=1),
+        ]
+        return p.choose(cands, 5000, 3.0).engine  # type: ignore[return-value]
+
+    saved = -p.hit_debt_tokens
+    if budget >= 1.0:
+        assert [picks() for _ in range(5)] == ["b"] * 5 and p.hit_loss_weight() == 0.0
+        return
+    assert saved == pytest.approx(budget * UTILIZATION_DECISIONS * 5000)
+    before = p.choose(
+        [cand("a", gpu=4000, queued_prefill_tokens=12000), cand("b")], 5000, 3.0, dry_run=True
+    )
+    assert before.engine == "b" and p.hit_debt_tokens == -saved
+    assert picks() == "b"  # the move the saved budget pays for
+    # 4,000 given up, 15 earned, 3,840 saved: 145 owed, a quarter of a mean prompt's weight
+    assert p.hit_debt_tokens == pytest.approx(4000 - 15 - saved)
+    owed_weight = p.hit_loss_weight()
+    assert owed_weight == pytest.approx(4 * p.hit_debt_tokens / 5000, rel=0.01)
+    assert picks() == "b"  # still cheaper elsewhere at weight 2 + 0.12...
+    assert p.hit_loss_weight() > owed_weight
+    assert [picks() for _ in range(3)] == ["a"] * 3  # ...no longer once the debt has grown
+
+
+def test_hit_loss_budget_ignores_the_first_window() -> None:
+    """A cold fleet's first moves make the copies later requests hit: the budget starts
+    counting once a window of decisions is past."""
+    params = PolicyParams(near_tie_tokens=0, recompute_weight=2.0, follow_on_weight=0.0)
+    p = KvRouterPolicy(params, seed=0)
+    for i in range(10):
+        d = p.choose(
+            [cand("a", gpu=4000, queued_prefill_tokens=12000, running=1), cand("b", running=1)],
+            5000,
+            0.01 * i,
+        )
+        assert d.engine == "b"
+    assert p.hit_debt_tokens == 0.0 and p.hit_loss_weight() == 0.0
