@@ -15,20 +15,21 @@ The kvrouter policy picks the engine with the lowest *expected time to first tok
            an adapter slot
     expected TTFT = cost / prefill_tokens_per_s
 
-Ranking adds ``(weight - 1) * uncached``: recomputing a prefix elsewhere also delays every
-request that queues behind it there and evicts cached prefixes to store the copy
-(``recompute_weight``: learned by default as ``1 / (1 - u) + k / (1 - k)`` from the fleet's
-utilization ``u``, the share of engines busy when requests arrive, and its mean KV usage ``k``;
-any value >= 1 fixes it; an engine unused for a window weighs it at the floor, see
-``KvRouterPolicy.unused``). Ranking also adds what the engine's mean queue costs the requests
-expected to continue this prompt there (``KvRouterPolicy.follow_on_tokens``): a prompt placed
-on an engine pins its continuations to that engine's cache. A copy of a prefix more of the
+Ranking adds ``(weight - 1) * uncached``: recomputing a prefix elsewhere also delays every request
+that queues behind it there and evicts cached prefixes to store the copy (``recompute_weight``:
+learned by default as ``1 / (1 - u) + k / (1 - k)`` from the fleet's utilization ``u``, the share
+of engines busy when requests arrive, and its mean KV usage ``k``; any value >= 1 fixes it; an
+engine unused for a window weighs it at the floor, see ``KvRouterPolicy.unused``; raised while the
+router has given up more cache hits than ``hit_loss_budget`` allows, see
+``KvRouterPolicy.hit_loss_weight``). Ranking also adds what the engine's mean queue costs the
+requests expected to continue this prompt there (``KvRouterPolicy.follow_on_tokens``): a prompt
+placed on an engine pins its continuations to that engine's cache. A copy of a prefix more of the
 traffic shares than its holders can take at an even spread ranks partly like a hit
 (``KvRouterPolicy.new_holder_credit``, ``router/popularity.py``). On a hybrid model (sliding-window
 or Mamba groups) ranking subtracts ``weight * junction``: a prefix whose full-attention blocks an
-engine holds without the other groups' (a *junction*, ``Candidate.junction_tokens``) is not a
-hit for this prompt, but computing the prompt there makes it one for every later prompt sharing
-it, so it ranks like the hit it becomes.
+engine holds without the other groups' (a *junction*, ``Candidate.junction_tokens``) is not a hit
+for this prompt, but computing the prompt there makes it one for every later prompt sharing it, so
+it ranks like the hit it becomes.
 
 Hits are the larger of what the index shows and what a short-lived speculative entry predicts
 (a prefix this router just sent there, before the worker's events arrive). Herd protection:
@@ -226,9 +227,9 @@ def _draws(rng: random.Random, dry_run: bool) -> random.Random:
 UTILIZATION_DECISIONS = 256
 """Decisions the utilization averages over (exponentially; a plain mean before that many)."""
 MAX_RECOMPUTE_WEIGHT = 16.0
+"""Ceiling of the learned weight: near full utilization there is no steady state to model."""
 HIT_LOSS_GAIN = 4.0
 """Recompute weight added per mean prompt of cache hit given up beyond ``hit_loss_budget``."""
-"""Ceiling of the learned weight: near full utilization there is no steady state to model."""
 LEARNED_WEIGHT_FLOOR = 1.1
 """Least learned weight. At 1 (an idle fleet) waiting for a prefix queued on its holder and
 recomputing it on an idle engine tie, and the near-tie rule (fewest in-flight requests) sends
