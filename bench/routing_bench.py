@@ -843,7 +843,9 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
             "requests": len(reqs),
             "prompt_tokens_mean": round(statistics.fmean(r.n_tokens for r in reqs), 1),
             "load": float(main_load),
-            "speed_up": round(speeds[main_load], 4),
+            # unrounded: ``--speed`` with this value replays the same arrival times (a peer
+            # scraping every 50 ms decides differently on arrivals 1e-5 s apart)
+            "speed_up": speeds[main_load],
             "offered_rps": round(base_rate * speeds[main_load], 4),
             "capacity": cap,
             "fleet": asdict(fs) | {"kv_tokens_per_worker": fs.gpu_blocks * fs.block_size},
