@@ -14,6 +14,7 @@ from router.load import EngineLoad
 from router.policy import (
     LEARNED_WEIGHT_FLOOR,
     UTILIZATION_DECISIONS,
+    Candidate,
     KvRouterPolicy,
     PolicyParams,
     RoundRobinPolicy,
@@ -522,6 +523,15 @@ def test_a_worker_reporting_its_retention_interval_overrides_the_configured_one(
     assert r.speculative.retention_of(("http://a:1", 0)) is None
 
 
+def _queued_holder() -> list[Candidate]:
+    """``a`` holds 4,000 tokens of a 5,000-token prompt behind a 12,000-token queue; ``b``
+    holds nothing and queues nothing."""
+    return [
+        cand("a", gpu=4000, queued_prefill_tokens=12000, running=1),
+        cand("b", running=1),
+    ]
+
+
 def _hit_loss_policy(budget: float) -> KvRouterPolicy:
     """A policy a window past its first one (which the budget does not count), none of its
     decisions having given up a hit: the budget is saved up in full."""
@@ -549,23 +559,17 @@ def test_hit_loss_budget_keeps_a_prefix_on_its_holder_once_spent(budget: float) 
     assert p.hit_loss_weight() == 0.0
 
     def picks() -> str:
-        cands = [
-            cand("a", gpu=4000, queued_prefill_tokens=12000, running=1),
-            cand("b", running=1),
-        ]
-        return p.choose(cands, 5000, 3.0).engine  # type: ignore[return-value]
+        return p.choose(_queued_holder(), 5000, 3.0).engine  # type: ignore[return-value]
 
     saved = -p.hit_debt_tokens
     if budget >= 1.0:
         assert [picks() for _ in range(5)] == ["b"] * 5 and p.hit_loss_weight() == 0.0
         return
     assert saved == pytest.approx(budget * UTILIZATION_DECISIONS * 5000)
-    before = p.choose(
-        [cand("a", gpu=4000, queued_prefill_tokens=12000), cand("b")], 5000, 3.0, dry_run=True
-    )
+    before = p.choose(_queued_holder(), 5000, 3.0, dry_run=True)
     assert before.engine == "b" and p.hit_debt_tokens == -saved
     assert picks() == "b"  # the move the saved budget pays for
-    # 4,000 given up, 15 earned, 3,840 saved: 145 owed, a quarter of a mean prompt's weight
+    # 4,000 given up, 15 earned, 3,840 saved: 145 owed, 4 x 145 / 5,000 = 0.116 of weight
     assert p.hit_debt_tokens == pytest.approx(4000 - 15 - saved)
     owed_weight = p.hit_loss_weight()
     assert owed_weight == pytest.approx(4 * p.hit_debt_tokens / 5000, rel=0.01)
@@ -580,10 +584,5 @@ def test_hit_loss_budget_ignores_the_first_window() -> None:
     params = PolicyParams(near_tie_tokens=0, recompute_weight=2.0, follow_on_weight=0.0)
     p = KvRouterPolicy(params, seed=0)
     for i in range(10):
-        d = p.choose(
-            [cand("a", gpu=4000, queued_prefill_tokens=12000, running=1), cand("b", running=1)],
-            5000,
-            0.01 * i,
-        )
-        assert d.engine == "b"
+        assert p.choose(_queued_holder(), 5000, 0.01 * i).engine == "b"
     assert p.hit_debt_tokens == 0.0 and p.hit_loss_weight() == 0.0
