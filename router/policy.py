@@ -48,6 +48,7 @@ The routing benchmark drives this module directly with a simulated clock:
 from __future__ import annotations
 
 import copy
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -298,6 +299,10 @@ class KvRouterPolicy(Policy):
         """Which prefixes the requests of the last decisions shared: see new_holder_credit."""
         self._hit_debt = 0.0
         """Hit tokens given up beyond the budget (negative: budget saved): see hit_loss_weight."""
+        self._counting_hit_loss = False
+        self._repeated = 0.0
+        """The share of a prompt's tokens that recent prompts already began with, averaged over
+        decisions like the hit rate: see hit_loss_weight."""
 
     def utilization(self) -> float:
         """The share of engines with prefill queued (this router's, or waiting requests it did
@@ -332,9 +337,17 @@ class KvRouterPolicy(Policy):
         prompt, up to one window's worth (``hit_loss_budget * UTILIZATION_DECISIONS`` mean
         prompts, so a rare move needs no saving up), every decision takes the hit it gave up.
         While it is in debt the weight rises by ``HIT_LOSS_GAIN`` per mean prompt owed, so only
-        the moves that save the most queueing pass. The first window is not counted (the bucket
-        starts empty after it): a cold fleet's first moves make the copies that later requests
-        hit, and the mean prompt is not known yet. docs/benchmarks.md has the A/B."""
+        the moves that save the most queueing pass.
+
+        In the first window, what counts depends on the traffic. Where prompts mostly repeat
+        what recent prompts began with (shared system prompts, sessions' histories: each
+        computed token is read again at least once), a cold fleet's moves make the copies that
+        later requests hit, so they are not counted. Where prompts mostly do not (long
+        conversations that share little), a move gives up its own request's hit and nothing
+        else: a decision is counted when the repeated share measured so far, plus
+        ``1 / sqrt(decisions)`` (two standard errors of a share, at most), is under a half.
+        The bucket starts full if the first decision counted is in the first window (there was
+        no window to save it in), empty if it comes after. docs/benchmarks.md has the A/Bs."""
         if self._hit_debt <= 0.0 or self._prompt <= 0.0:
             return 0.0
         return min(HIT_LOSS_GAIN * self._hit_debt / self._prompt, MAX_RECOMPUTE_WEIGHT)
@@ -348,12 +361,24 @@ class KvRouterPolicy(Policy):
         self, costs: Sequence[EngineCost], chosen: EngineCost, prompt: int
     ) -> None:
         budget = self.params.hit_loss_budget
-        if budget >= 1.0 or self._decisions <= UTILIZATION_DECISIONS:
+        if budget >= 1.0:
             return
+        n = self._decisions
+        if n <= UTILIZATION_DECISIONS and self._repeated + 1.0 / math.sqrt(n) >= 0.5:
+            return
+        saved = budget * UTILIZATION_DECISIONS * self._prompt
+        if not self._counting_hit_loss:
+            self._counting_hit_loss = True
+            if n <= UTILIZATION_DECISIONS:
+                self._hit_debt = -saved  # no window yet to save it in
         best = max(x.hit_tokens + x.cpu_hit_tokens for x in costs)
         lost = best - chosen.hit_tokens - chosen.cpu_hit_tokens
-        saved = budget * UTILIZATION_DECISIONS * self._prompt
         self._hit_debt = max(self._hit_debt + lost - budget * prompt, -saved)
+
+    def _observe_repeated(self, prompt: PromptKeys, prompt_tokens: int) -> None:
+        depth = self.popularity.seen_depth(prompt.keys) * prompt.key_tokens
+        share = min(depth / prompt_tokens, 1.0) if prompt_tokens > 0 else 0.0
+        self._repeated += self._alpha() * (share - self._repeated)
 
     def reuse(self) -> float:
         """How many times a prompt token computed on the fleet is read from cache afterwards, on
@@ -596,6 +621,7 @@ class KvRouterPolicy(Policy):
         if prompt is not None and prompt.keys and prompt.key_tokens > 0:
             self.new_holder_credit(costs, weights, prompt)
             if not dry_run:
+                self._observe_repeated(prompt, prompt_tokens)
                 self.popularity.count(prompt.keys, prompt.pool)
         best = min(x.rank_tokens for x in costs)
         tie = self.params.near_tie_tokens * max(weight, 1.0)

@@ -98,6 +98,18 @@ class PrefixPopularity:
         count = seen / self._scale
         return at, min(max(count - math.sqrt(count), 0.0) / total, 1.0)
 
+    def seen_depth(self, keys: Sequence[int]) -> int:
+        """How many keys long the prefix of ``keys`` is that recently counted prompts already
+        began with, to ``SAMPLE_STRIDE`` keys: what one cache holding every recent prompt would
+        hit. Read it before :meth:`count` counts this prompt."""
+        seen = self._seen
+        depth = 0
+        for k in keys[SAMPLE_STRIDE - 1 :: SAMPLE_STRIDE]:
+            if k not in seen:
+                break
+            depth += SAMPLE_STRIDE
+        return depth
+
     def count(self, keys: Sequence[int], pool: str = "") -> None:
         """Count one request of ``pool`` whose prompt has these keys."""
         self._scale *= self._step

@@ -81,6 +81,18 @@ def test_counts_stay_exact_across_a_rebase_of_the_stored_sums():
     assert pop.share(prompt(2, 16, 0), 16)[1] == pytest.approx(expected_share(others, 1))
 
 
+def test_seen_depth_is_what_one_cache_of_every_recent_prompt_would_hit():
+    pop = PrefixPopularity(window=64)
+    head = list(range(4 * SAMPLE_STRIDE))
+    assert pop.seen_depth(head) == 0
+    pop.count(head)
+    assert pop.seen_depth(head) == 4 * SAMPLE_STRIDE
+    # the same head, then a new tail: hit up to the last sampled key they share
+    other = head[: 2 * SAMPLE_STRIDE] + [10**6 + k for k in range(2 * SAMPLE_STRIDE)]
+    assert pop.seen_depth(other) == 2 * SAMPLE_STRIDE
+    assert pop.seen_depth(head[: SAMPLE_STRIDE - 1]) == 0  # shorter than a sample
+
+
 def test_shares_are_of_the_pools_own_requests():
     """A system prompt every request of model A opens with is all of A's traffic, though A
     brings a quarter of the router's requests: the share is counted against A's requests."""

@@ -21,6 +21,7 @@ from router.policy import (
     SpeculativeCache,
     make_policy,
 )
+from router.popularity import PromptKeys
 
 # ------------------------------------------------------------------------------------ config
 
@@ -578,11 +579,34 @@ def test_hit_loss_budget_keeps_a_prefix_on_its_holder_once_spent(budget: float) 
     assert [picks() for _ in range(3)] == ["a"] * 3  # ...no longer once the debt has grown
 
 
-def test_hit_loss_budget_ignores_the_first_window() -> None:
-    """A cold fleet's first moves make the copies later requests hit: the budget starts
-    counting once a window of decisions is past."""
-    params = PolicyParams(near_tie_tokens=0, recompute_weight=2.0, follow_on_weight=0.0)
+def _first_window_picks(repeating: bool) -> tuple[list[str], KvRouterPolicy]:
+    """Ten requests of 5,000 tokens, each finding ``_queued_holder``'s 4,000-token prefix
+    behind a queue, whose prompts repeat the same keys or are each new."""
+    params = PolicyParams(
+        near_tie_tokens=0, recompute_weight=2.0, follow_on_weight=0.0, new_holder_weight=0.0
+    )
     p = KvRouterPolicy(params, seed=0)
+    picks = []
     for i in range(10):
-        assert p.choose(_queued_holder(), 5000, 0.01 * i).engine == "b"
+        first = 0 if repeating else 1000 * i
+        keys = PromptKeys(range(first, first + 5000 // 16), 16)
+        picks.append(str(p.choose(_queued_holder(), 5000, 0.01 * i, prompt=keys).engine))
+    return picks, p
+
+
+def test_hit_loss_budget_ignores_a_cold_fleet_whose_prompts_repeat() -> None:
+    """Where prompts mostly repeat earlier ones, a cold fleet's first moves make the copies
+    later requests hit: nothing of the first window is counted."""
+    picks, p = _first_window_picks(repeating=True)
+    assert picks == ["b"] * 10
     assert p.hit_debt_tokens == 0.0 and p.hit_loss_weight() == 0.0
+
+
+def test_hit_loss_budget_counts_from_the_start_where_prompts_do_not_repeat() -> None:
+    """Where prompts share little, a move gives up its own request's hit and nothing else:
+    once the measured repeated share is clearly under a half (from the fifth decision here),
+    moves are counted against a full bucket, and the debt soon keeps the prefix's requests
+    on its holder."""
+    picks, p = _first_window_picks(repeating=False)
+    assert picks[:5] == ["b"] * 5 and "a" in picks
+    assert p.hit_debt_tokens > 0 and p.hit_loss_weight() > 0
