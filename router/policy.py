@@ -376,7 +376,7 @@ class KvRouterPolicy(Policy):
         self._hit_debt = max(self._hit_debt + lost - budget * prompt, -saved)
 
     def _observe_repeated(self, prompt: PromptKeys, prompt_tokens: int) -> None:
-        depth = self.popularity.seen_depth(prompt.keys) * prompt.key_tokens
+        depth = self.popularity.count(prompt.keys, prompt.pool) * prompt.key_tokens
         share = min(depth / prompt_tokens, 1.0) if prompt_tokens > 0 else 0.0
         self._repeated += self._alpha() * (share - self._repeated)
 
@@ -622,7 +622,6 @@ class KvRouterPolicy(Policy):
             self.new_holder_credit(costs, weights, prompt)
             if not dry_run:
                 self._observe_repeated(prompt, prompt_tokens)
-                self.popularity.count(prompt.keys, prompt.pool)
         best = min(x.rank_tokens for x in costs)
         tie = self.params.near_tie_tokens * max(weight, 1.0)
         # Rank: near-ties of the best by in-flight requests, then a random tie-break; everything

@@ -98,20 +98,10 @@ class PrefixPopularity:
         count = seen / self._scale
         return at, min(max(count - math.sqrt(count), 0.0) / total, 1.0)
 
-    def seen_depth(self, keys: Sequence[int]) -> int:
-        """How many keys long the prefix of ``keys`` is that recently counted prompts already
-        began with, to ``SAMPLE_STRIDE`` keys: what one cache holding every recent prompt would
-        hit. Read it before :meth:`count` counts this prompt."""
-        seen = self._seen
-        depth = 0
-        for k in keys[SAMPLE_STRIDE - 1 :: SAMPLE_STRIDE]:
-            if k not in seen:
-                break
-            depth += SAMPLE_STRIDE
-        return depth
-
-    def count(self, keys: Sequence[int], pool: str = "") -> None:
-        """Count one request of ``pool`` whose prompt has these keys."""
+    def count(self, keys: Sequence[int], pool: str = "") -> int:
+        """Count one request of ``pool`` whose prompt has these keys. Returns how many keys long
+        the prefix of ``keys`` is that the prompts counted before it already began with, to
+        ``SAMPLE_STRIDE`` keys: what one cache holding every recent prompt would hit."""
         self._scale *= self._step
         if self._scale > RESCALE_ABOVE:  # keep the stored sums finite: same counts, new origin
             self._seen = {k: v / self._scale for k, v in self._seen.items()}
@@ -123,7 +113,15 @@ class PrefixPopularity:
         while len(pools) > self._max_pools:
             del pools[next(iter(pools))]
         seen = self._seen
+        depth = 0
+        known = True  # every sampled key so far was counted before (stored sums are > 0)
         for k in keys[SAMPLE_STRIDE - 1 :: SAMPLE_STRIDE]:
-            seen[k] = seen.pop(k, 0.0) + add
+            before = seen.pop(k, 0.0)
+            seen[k] = before + add
+            if known and before > 0.0:
+                depth += SAMPLE_STRIDE
+            else:
+                known = False
         while len(seen) > self._max:
             del seen[next(iter(seen))]
+        return depth

@@ -81,16 +81,18 @@ def test_counts_stay_exact_across_a_rebase_of_the_stored_sums():
     assert pop.share(prompt(2, 16, 0), 16)[1] == pytest.approx(expected_share(others, 1))
 
 
-def test_seen_depth_is_what_one_cache_of_every_recent_prompt_would_hit():
+def test_count_returns_what_one_cache_of_every_earlier_prompt_would_hit():
     pop = PrefixPopularity(window=64)
     head = list(range(4 * SAMPLE_STRIDE))
-    assert pop.seen_depth(head) == 0
-    pop.count(head)
-    assert pop.seen_depth(head) == 4 * SAMPLE_STRIDE
+    assert pop.count(head) == 0
+    assert pop.count(head) == 4 * SAMPLE_STRIDE
     # the same head, then a new tail: hit up to the last sampled key they share
     other = head[: 2 * SAMPLE_STRIDE] + [10**6 + k for k in range(2 * SAMPLE_STRIDE)]
-    assert pop.seen_depth(other) == 2 * SAMPLE_STRIDE
-    assert pop.seen_depth(head[: SAMPLE_STRIDE - 1]) == 0  # shorter than a sample
+    assert pop.count(other) == 2 * SAMPLE_STRIDE
+    assert pop.count(head[: SAMPLE_STRIDE - 1]) == 0  # shorter than a sample
+    # a key seen only after a gap does not extend the prefix
+    gap = [10**7 + k for k in range(SAMPLE_STRIDE)] + head[SAMPLE_STRIDE:]
+    assert pop.count(gap) == 0
 
 
 def test_shares_are_of_the_pools_own_requests():
