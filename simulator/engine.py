@@ -401,15 +401,25 @@ class SimEngine:
         self, now: float, budget: int, scheduled: list[tuple[Request, int]]
     ) -> int:
         """Admit waiting requests in queue order into this step's batch (``scheduled``) while
-        ``budget``, ``max_num_seqs`` and free blocks allow; returns the prefill tokens added."""
+        ``budget``, ``max_num_seqs`` and free blocks allow; returns the prefill tokens added.
+
+        A request that cannot get its blocks stops the queue for every request that holds none,
+        as vLLM's scan stops there; requests behind it that already hold blocks (a finished or
+        running CPU load) still go. Stopping for those too strands them: the head waits for
+        blocks that only their completion frees, and nothing runs again: the KV-offloading
+        deadlock vLLM avoids by keeping such loads from queuing behind requests holding none."""
         c, kv = self.config, self.kv
         added = 0
         skipped: list[Request] = []
+        blocked = False
         # vLLM's Scheduler.schedule: a waiting request whose adapter would be one more than
         # max_loras distinct adapters in the batch is skipped until a slot frees up.
         loras = {r.lora_id for r in self.running if r.lora_id}
         while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
             req = self.waiting[0]
+            if blocked and not any(req.blocks):
+                skipped.append(self.waiting.popleft())
+                continue
             if req.lora_id and req.lora_id not in loras and len(loras) >= c.max_loras:
                 skipped.append(self.waiting.popleft())
                 continue
@@ -424,7 +434,9 @@ class SimEngine:
                     if req.status == WAITING_FOR_REMOTE_KVS:
                         skipped.append(self.waiting.popleft())
                         continue
-                    break
+                    blocked = True
+                    skipped.append(self.waiting.popleft())
+                    continue
                 new_groups, new_tokens = self._hit_groups, self._hit_tokens
             else:
                 new_groups, new_tokens = None, 0
@@ -435,7 +447,9 @@ class SimEngine:
                     req.hit_done = False
                     self.prefix_queries -= len(req.all_token_ids)
                     self.prefix_hits -= new_tokens
-                break
+                blocked = True
+                skipped.append(self.waiting.popleft())
+                continue
             req.num_computed = base
             self.waiting.popleft()
             if req.lora_id:

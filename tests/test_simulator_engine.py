@@ -439,6 +439,35 @@ def test_cpu_lookup_follows_offloading_connector_rules() -> None:
     assert req.cached_tokens + req.cpu_loaded_tokens == 255  # the last token is recomputed
 
 
+def test_a_loaded_request_behind_a_head_that_cannot_fit_still_runs() -> None:
+    """A request whose CPU load holds GPU blocks, queued behind one that needs more blocks than
+    are free (a preempted request goes back to the queue's front): the head waits for blocks
+    only the loaded request's completion frees, so the loaded one must go past it. Stopping
+    the scan at the head leaves nothing running and the engine stepping empty forever."""
+    base = list(range(300, 300 + 257))
+    eng, now, _ = _offloaded(base, 1e6)
+    eng.add_request("again", base, 1, now)
+    now = eng.schedule(max(now, eng.next_step_time(now)))  # its CPU load starts: holds blocks
+    eng.finish_step()
+    loaded = eng.requests["again"]
+    assert loaded.cpu_loaded_tokens > 0 and any(loaded.blocks)
+    eng.add_request("big", list(range(9000, 9000 + 470)), 1, now)
+    big = eng.requests["big"]
+    eng.waiting.remove(big)
+    eng.waiting.appendleft(big)  # where _preempt puts a preempted request
+    assert eng.kv.blocks_for_tokens(470) > eng.kv.pool.num_free()
+    later = [9500 + i for i in range(40)]
+    eng.add_request("later", later, 1, now)  # holds nothing: waits behind the head, FCFS
+    behind = eng.requests["later"]
+    for _ in range(200):
+        if not eng.has_work():
+            break
+        now = eng.schedule(max(now, eng.next_step_time(now)))
+        eng.finish_step()
+    assert not eng.has_work(), f"stuck: waiting {[r.request_id for r in eng.waiting]}"
+    assert loaded.first_token_s < big.first_token_s <= behind.first_token_s
+
+
 def test_preempted_request_reports_its_first_admission_hit() -> None:
     """vLLM sets num_cached_tokens once: a request preempted after computing its prompt is
     re-admitted, finds its own freed blocks cached, and still reports the first hit (0 here)."""
