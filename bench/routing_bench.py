@@ -101,6 +101,9 @@ DEFAULT_TRACE = str(
     Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 )
 CAPACITY_REQUESTS = 2000
+STALL_S = 600.0
+"""Simulated seconds without a finished request, work left, after the last arrival: a stalled
+fleet, reported instead of stepping empty forever (the longest prompt takes seconds)."""
 QUICK_POLICIES = ("round_robin", "kvrouter", *peers.NAMES, "pooled_ideal")
 OUT_DIR = Path(__file__).resolve().parent / "out"
 PROGRESS = Progress()
@@ -384,12 +387,17 @@ def run_policy(
             prefilling[w][req.rid] = (fleet.engines[w].requests[req.rid], ticket)
     # drain: keep the poll loop going so the state stays consistent until everything finished
     t = reqs[-1].arrival_s / speed if reqs else 0.0
+    done_at, progress_t = n_done, t
     while n_done < len(reqs):
         nxt = fleet.next_event_time()
         if nxt == math.inf:
             break
         t = max(t + 10.0, nxt)
         advance(t)
+        if n_done > done_at:
+            done_at, progress_t = n_done, t
+        elif t - progress_t > STALL_S:
+            raise _stalled(name, fleet, len(reqs) - n_done)
     first = reqs[0].arrival_s / speed if reqs else 0.0
     span = max(last_finish - first, 1e-9)
     mean_busy = statistics.fmean(busy) if busy else 0.0
@@ -504,13 +512,27 @@ def _first_token_times(
         out.extend((c.first_token_s, c.prompt_tokens) for c in fleet.completed())
         if not rejects(fleet, req.n_tokens):
             fleet.submit(i % fs.workers, req.rid, src.tokens(req), req.max_tokens, t)
+    progress_t = fleet.now
     while len(out) < len(reqs):
         nxt = fleet.next_event_time()
         if nxt == math.inf:
             break
         fleet.run_until(nxt + 10.0)
-        out.extend((c.first_token_s, c.prompt_tokens) for c in fleet.completed())
+        done = fleet.completed()
+        out.extend((c.first_token_s, c.prompt_tokens) for c in done)
+        if done:
+            progress_t = fleet.now
+        elif fleet.now - progress_t > STALL_S:
+            raise _stalled("round_robin (capacity run)", fleet, len(reqs) - len(out))
     return out
+
+
+def _stalled(name: str, fleet: FastFleet, unfinished: int) -> RuntimeError:
+    stuck = [e for e, eng in enumerate(fleet.engines) if eng.has_work()]
+    return RuntimeError(
+        f"{name}: no request finished in {STALL_S:.0f} simulated seconds, {unfinished} "
+        f"unfinished on engines {stuck}: the simulated engines stopped making progress"
+    )
 
 
 def run_all(
