@@ -60,6 +60,7 @@ class EngineConfig:
     decode_s_per_token: float = 0.02  # one decode step (per generated token)
     step_overhead_s: float = 0.0005
     slowdown: float = 1.0  # fault: multiply every step duration
+    admit_waiting: bool = True  # fault (False): a stalled scheduler, waiting requests stay put
     # CPU tier
     cpu_chunks: int = 0
     cpu_chunk_tokens: int = 256
@@ -409,6 +410,8 @@ class SimEngine:
         blocks that only their completion frees, and nothing runs again: the KV-offloading
         deadlock vLLM avoids by keeping such loads from queuing behind requests holding none."""
         c, kv = self.config, self.kv
+        if not c.admit_waiting:
+            return 0
         added = 0
         skipped: list[Request] = []
         blocked = False

@@ -17,6 +17,7 @@ KNOWN = frozenset(
         "events_enabled",
         "unannounced_reset",
         "fail_lora_load",
+        "stall_scheduler",
     }
 )
 
@@ -27,6 +28,7 @@ class Faults:
         self.drop_event_fraction = 0.0
         self.stall_http = False
         self.slowdown = 1.0
+        self.stall_scheduler = False
         self.events_enabled = True
         self.unstall = asyncio.Event()
 
@@ -35,6 +37,7 @@ class Faults:
             "drop_event_fraction": self.drop_event_fraction,
             "stall_http": self.stall_http,
             "slowdown": self.slowdown,
+            "stall_scheduler": self.stall_scheduler,
             "events_enabled": self.events_enabled,
             "fail_lora_load": self.loras.fail_loads if self.loras is not None else False,
         }
@@ -59,6 +62,12 @@ class Faults:
             self.slowdown = float(v)
             for r in runners:
                 r.engine.config.slowdown = self.slowdown
+        if "stall_scheduler" in data:
+            # The scheduler admits no waiting request while /health still answers: how vLLM's
+            # scheduler looks when it deadlocks under KV pressure (running 0, waiting N).
+            self.stall_scheduler = bool(data["stall_scheduler"])
+            for r in runners:
+                r.engine.config.admit_waiting = not self.stall_scheduler
         if "events_enabled" in data:
             self.events_enabled = bool(data["events_enabled"])
             for r in runners:
