@@ -59,6 +59,9 @@ class ServerConfig(_Section):
     pipelines); uvicorn's records and the access lines (router/access.py) use it too."""
     connect_timeout_s: float = 5.0
     first_byte_timeout_s: float = 600.0
+    worker_stall_s: float = 30.0
+    """A worker whose /metrics shows an engine with requests waiting and none running for this
+    long is skipped until it runs requests again (its scheduler stalled; 0: never skipped)."""
     max_connections_per_worker: int = 256
     request_timeout_s: float | None = None
     """Total time for one request, streaming included (None: no limit)."""

@@ -485,9 +485,9 @@ class Router:
         return await self.sessions.lookup(session, now)
 
     def _serving(self, model: Any) -> list[Worker]:
-        """The workers a request for ``model`` may go to: healthy ones that serve it (all of
-        them while no worker is healthy). BodyError 404 when the fleet does not serve it."""
-        workers = self.registry.healthy() or list(self.registry.workers.values())
+        """The workers a request for ``model`` may go to: routable ones that serve it (all of
+        them while none is). BodyError 404 when the fleet does not serve it."""
+        workers = self.registry.routable() or list(self.registry.workers.values())
         serving = [w for w in workers if w.serves(model)]
         if serving or not workers:
             return serving
@@ -576,6 +576,7 @@ def _registry(cfg: Config, on_events_ready: Callable[[Worker], None]) -> WorkerR
         pool_timeout_s=sc.pool_timeout_s,
         on_events_ready=on_events_ready,
         upstream_api_key=upstream_api_key(cfg),
+        stall_after_s=sc.worker_stall_s,
     )
 
 

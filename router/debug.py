@@ -35,6 +35,7 @@ def debug_index(router: Router) -> dict[str, Any]:
                 "url": w.url,
                 "healthy": w.healthy,
                 "health_error": w.last_health_error,
+                "stalled": w.stalled,
                 "events_endpoint": w.events_endpoint,
                 "replay_endpoint": w.replay_endpoint,
                 "subscribed": w.subscribed,

@@ -129,13 +129,13 @@ class Picker:
     # ---------------------------------------------------------------- choosing
 
     def _eligible(self, subset: list[str] | None) -> dict[str, Any]:
-        """Healthy workers by URL (every worker while none is healthy, as the proxy routes:
+        """Routable workers by URL (every worker while none is, as the proxy routes:
         one missed probe under load marks a worker unhealthy, and refusing everything then
         would turn a slow health check into an outage), within the gateway's subset hint when
         it sent one. An entry ``ip:port`` names that endpoint; a bare ``ip`` names every port
         of that host."""
         reg = self.router.registry
-        healthy = {w.url: w for w in reg.healthy() or reg.workers.values()}
+        healthy = {w.url: w for w in reg.routable() or reg.workers.values()}
         if subset is None:
             return healthy
         allowed = set(subset)

@@ -57,6 +57,11 @@ class _StateCollector(Collector):
         healthy = GaugeMetricFamily(
             "kvrouter_worker_healthy", "1 if the worker's /health answers", labels=["worker"]
         )
+        stalled = GaugeMetricFamily(
+            "kvrouter_worker_stalled",
+            "1 if the worker is skipped: an engine there has requests waiting and none running",
+            labels=["worker"],
+        )
         degraded = GaugeMetricFamily(
             "kvrouter_worker_degraded",
             "1 if the index of this worker cannot be trusted (gap without replay, overflow)",
@@ -91,6 +96,7 @@ class _StateCollector(Collector):
             url = w["url"]
             inflight.add_metric([url], w.get("inflight", 0))
             healthy.add_metric([url], 1.0 if w.get("healthy") else 0.0)
+            stalled.add_metric([url], 1.0 if w.get("stalled") else 0.0)
             degraded.add_metric([url], 1.0 if w.get("degraded") else 0.0)
             for medium, n in w.get("resident", {}).items():
                 resident.add_metric([url, medium], n)
@@ -101,7 +107,7 @@ class _StateCollector(Collector):
             decode.add_metric([url], w.get("decode_errors", 0))
             restarts.add_metric([url], w.get("restarts", 0))
             resync_restarts.add_metric([url], w.get("resync_restarts", 0))
-        yield from (inflight, healthy, degraded, resident, events, gaps, replays, decode)
+        yield from (inflight, healthy, stalled, degraded, resident, events, gaps, replays, decode)
         yield from (restarts, resync_restarts)
 
 
@@ -310,6 +316,7 @@ def fleet_state(
             {
                 "url": w.url,
                 "healthy": w.healthy,
+                "stalled": w.stalled is not None,
                 "inflight": w.inflight,
                 "degraded": any(r.degraded for r in rows),
                 "resident": resident,

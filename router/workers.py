@@ -4,7 +4,9 @@ One :class:`Worker` per vLLM API server (base URL); one *engine* ``(url, dp_rank
 data-parallel rank, which is what the index and the policy see. Background loops per worker:
 
 * ``GET /health`` and ``GET /metrics`` every ``poll_interval_s`` with bounded timeouts; a worker
-  that fails its health check is skipped until it passes again;
+  that fails its health check is skipped until it passes again, and so is one whose /metrics
+  has shown an engine with requests waiting and none running for ``stall_after_s`` (a stalled
+  scheduler: vLLM's deadlock under KV pressure keeps /health answering while nothing runs);
 * event-source discovery: ``workers[].events`` from config, else ``GET /kv_event_sources``
   (vLLM >= 0.32: ``{"0": {"endpoint", "replay_endpoint", "topic", ...}}`` per DP rank, ``*``
   replaced by the worker's host), retried until it answers, then handed to the subscriber.
@@ -127,6 +129,11 @@ class Worker:
     retention: int | None = NOT_REPORTED
     """Its ``--prefix-cache-retention-interval``, as its /metrics reports it
     (router/speculative.py)."""
+    stalled: str | None = None
+    """Why the worker is skipped although its /health answers (see ``WorkerRegistry.routable``),
+    None while it is not."""
+    queue_stuck_since: float | None = None
+    """Since when every poll showed an engine there with requests waiting and none running."""
 
     @property
     def url(self) -> str:
@@ -227,10 +234,14 @@ class WorkerRegistry:
         probe_timeout_s: float = 1.0,
         on_events_ready: Callable[[Worker], None] | None = None,
         upstream_api_key: str | None = None,
+        stall_after_s: float = 30.0,
     ) -> None:
         """``upstream_api_key``: sent as ``Authorization: Bearer`` on every call to a worker
-        (proxied requests, /tokenize, health, metrics, discovery), whatever the client sent."""
+        (proxied requests, /tokenize, health, metrics, discovery), whatever the client sent.
+        ``stall_after_s``: how long an engine may show requests waiting and none running before
+        its worker is taken out of routing (0: never)."""
         self.poll_interval_s = poll_interval_s
+        self.stall_after_s = stall_after_s
         self._authorization = None if upstream_api_key is None else f"Bearer {upstream_api_key}"
         self.probe_timeout_s = probe_timeout_s
         self.models = ModelNames(model_name)
@@ -337,6 +348,10 @@ class WorkerRegistry:
     def healthy(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.healthy]
 
+    def routable(self) -> list[Worker]:
+        """Healthy workers whose schedulers are not stalled: where requests may go."""
+        return [w for w in self.workers.values() if w.healthy and w.stalled is None]
+
     def tokenizer_workers(self, among: list[Worker] | None = None) -> list[Worker]:
         """Healthy workers (of ``among`` when given: the ones serving the request's model,
         whose tokenizer is the one that counts), rotated so /tokenize calls spread out."""
@@ -393,10 +408,42 @@ class WorkerRegistry:
                 w.lora_slots = parse_lora_info(r.text)
                 w.retention = parse_retention(r.text)
                 w.metrics_ts = time.monotonic()
+                self._observe_stall(w, parsed, w.metrics_ts)
                 if self.on_metrics is not None:
                     self.on_metrics(w.url, parsed)
         except httpx.HTTPError:
             pass
+
+    def _observe_stall(self, w: Worker, parsed: dict[int, dict[str, float]], now: float) -> None:
+        """Take ``w`` out of routing while an engine there has had requests waiting and none
+        running for ``stall_after_s``; back in at the first poll that shows otherwise.
+
+        An engine with nothing running admits a waiting request at its next step unless its
+        scheduler cannot: a CPU load in flight takes milliseconds to seconds, a deadlocked
+        scheduler (vLLM under KV pressure, with /health still answering) for ever. Requests
+        sent there wait until ``first_byte_timeout_s``; its cache stays indexed, since the
+        engine keeps it."""
+        stuck = sorted(
+            rank
+            for rank, v in parsed.items()
+            if v.get("waiting", 0.0) > 0 and v.get("running", 0.0) == 0
+        )
+        if not stuck or self.stall_after_s <= 0:
+            if w.stalled is not None:
+                log.warning("worker %s runs requests again: routable", w.url)
+            w.stalled, w.queue_stuck_since = None, None
+            return
+        if w.queue_stuck_since is None:
+            w.queue_stuck_since = now
+        age = now - w.queue_stuck_since
+        if w.stalled is None and age >= self.stall_after_s:
+            waiting = sum(int(parsed[r].get("waiting", 0)) for r in stuck)
+            w.stalled = (
+                f"DP rank(s) {stuck}: {waiting} requests waiting and none running for "
+                f"{age:.0f} s; its scheduler admits nothing (vLLM deadlocks this way under KV "
+                "pressure while /health answers): restart the worker"
+            )
+            log.warning("worker %s is stalled and skipped: %s", w.url, w.stalled)
 
     def mark_failed(self, w: Worker, why: str) -> None:
         """A connect failure seen by the proxy: skip the worker until its next good probe."""

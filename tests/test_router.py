@@ -173,6 +173,39 @@ async def test_shared_system_prompt_goes_to_its_worker_and_debug_route_explains(
             assert d["process_rss_bytes"] > 0 and d["totals"]["resident_blocks"] > 0
 
 
+async def test_a_worker_whose_scheduler_stalls_is_skipped_until_it_runs_again():
+    """vLLM's scheduler can deadlock under KV pressure with /health still answering: requests
+    wait, none run. The router takes such a worker out of routing, whatever it caches, says why
+    in /debug/index and /metrics, and routes to it again once it runs requests."""
+    body = {"model": "sim-model", "prompt": words(400, "stalled"), "max_tokens": 2}
+    with running_fleet(2, num_gpu_blocks=512, **FAST) as ws:
+        a, b = ws[0].url, ws[1].url
+        cfg = config_for(ws, server={"worker_stall_s": 1.0})
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
+            await until(lambda: all(w.subscribed for w in router.registry.workers.values()), 20)
+            assert (await c.post(a + "/v1/completions", json=body)).status_code == 200
+            assert (await wait_indexed(c, base, body, a, 384))["chosen"] == a
+            r = await c.post(a + "/sim/faults", json={"stall_scheduler": True})
+            assert r.status_code == 200
+            stuck = asyncio.create_task(c.post(a + "/v1/completions", json=body))
+            worker = router.registry.workers[a]
+            await until(lambda: worker.stalled, 15, "the stalled worker to be skipped")
+            assert "waiting and none running" in worker.stalled and not stuck.done()
+            d = (await c.get(base + "/debug/index")).json()
+            row = next(x for x in d["workers"] if x["url"] == a)
+            assert row["healthy"] and row["stalled"] == worker.stalled
+            m = (await c.get(base + "/metrics")).text
+            assert re.search(rf'kvrouter_worker_stalled{{worker="{re.escape(a)}"}} 1\.0', m), m
+            for _ in range(3):  # its cache is still the best, but nothing would run there
+                r = await c.post(base + "/v1/completions", json=body)
+                assert r.status_code == 200 and r.headers["x-kvrouter-worker"] == b
+            r = await c.post(a + "/sim/faults", json={"stall_scheduler": False})
+            assert r.status_code == 200
+            assert (await stuck).status_code == 200
+            await until(lambda: worker.stalled is None, 15, "the worker to be routable again")
+            assert a in {w.url for w in router.registry.routable()}
+
+
 async def test_eviction_changes_routing():
     prompt = words(480, "evict-me")
     half = " ".join(prompt.split()[:240])
