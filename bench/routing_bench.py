@@ -711,6 +711,19 @@ def main(argv: list[str] | None = None) -> dict:
         help="default: mooncake if the conversation trace is beside the checkout, else chat",
     )
     ap.add_argument("--trace", default=None, help="Mooncake-format JSONL (implies mooncake)")
+    ap.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        default=None,
+        help="tokens per hash_ids entry (default: inferred from the lines; Mooncake 512, "
+        "Qwen Bailian 16)",
+    )
+    ap.add_argument(
+        "--trace-time-unit",
+        choices=("ms", "s"),
+        default=None,
+        help="timestamp unit (default: s for lines with chat_id, the Bailian schema; else ms)",
+    )
     ap.add_argument("--quick", action="store_true", help="trace prefix; < 2 min")
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
     ap.add_argument("--scale", type=float, default=1.0, help="synthetic workload size factor")
@@ -784,6 +797,8 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
     """One run at ``args.seed``; prints its JSON when ``emit``."""
     if args.trace:
         args.workload = "mooncake"
+    if args.trace_block_tokens is not None and args.trace_block_tokens < 1:
+        raise SystemExit(f"--trace-block-tokens must be >= 1, got {args.trace_block_tokens}")
     trace = args.trace or DEFAULT_TRACE
     if args.workload is None:
         args.workload = default_workload()
@@ -796,7 +811,15 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
     PROGRESS = Progress(quiet=args.json, bar=args.jobs == 1)  # processes share a terminal
     scale = args.scale * (0.4 if args.quick and args.workload != "mooncake" else 1.0)
     try:
-        reqs = load_workload(args.workload, trace, limit, args.seed, scale)
+        reqs, trace_format = load_workload(
+            args.workload,
+            trace,
+            limit,
+            args.seed,
+            scale,
+            args.trace_block_tokens,
+            args.trace_time_unit,
+        )
     except TraceError as exc:
         raise SystemExit(str(exc)) from None
     except OSError as exc:
@@ -864,6 +887,7 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
         "config": {
             "requests": len(reqs),
             "prompt_tokens_mean": round(statistics.fmean(r.n_tokens for r in reqs), 1),
+            "trace_format": asdict(trace_format) if trace_format else None,
             "load": float(main_load),
             # unrounded: ``--speed`` with this value replays the same arrival times (a peer
             # scraping every 50 ms decides differently on arrivals 1e-5 s apart)

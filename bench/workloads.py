@@ -7,8 +7,10 @@ are built lazily at arrival time (the full Mooncake trace is ~145 M prompt token
 bounded cache of segment token lists.
 
 * ``mooncake``: the Mooncake FAST'25 trace format (``timestamp`` ms, ``input_length``,
-  ``output_length``, ``hash_ids`` of 512-token blocks). Block id ``h`` becomes 512 tokens from a
-  generator seeded with ``h``; the last block is cut to ``input_length`` (traces/README.md).
+  ``output_length``, ``hash_ids`` of 512-token blocks), and the same fields as Alibaba's Qwen
+  Bailian traces write them (timestamps in seconds, 16-token blocks; :func:`read_trace`). Block
+  id ``h`` becomes a block of tokens from a generator seeded with ``h``; the last block is cut
+  to ``input_length``.
 * ``chat``: conversations with shared system prompts (Zipf popularity), each turn = previous
   prompt + previous answer + a new user message, think time between turns.
 * ``agentic``: agent loops: a shared tool/system preamble, a task prompt, then many steps
@@ -28,7 +30,18 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Req", "TokenSource", "TraceError", "agentic", "chat", "load_workload", "mooncake"]
+__all__ = [
+    "Req",
+    "TokenSource",
+    "TraceError",
+    "TraceFormat",
+    "agentic",
+    "chat",
+    "infer_block_tokens",
+    "load_workload",
+    "mooncake",
+    "read_trace",
+]
 
 VOCAB_LO, VOCAB_HI = 100, 32000
 MOONCAKE_BLOCK = 512
@@ -53,10 +66,16 @@ class Req:
 
 
 class TokenSource:
-    """Expands segments to token ids; a bounded LRU of segment token lists."""
+    """Expands segments to token ids; an LRU of segment token lists, ``max_tokens`` in all.
 
-    def __init__(self, max_segments: int = 20_000) -> None:
-        self.max_segments = max_segments
+    numpy draws bounded integers one after another from the seeded stream, so ``length``
+    tokens of seed ``h`` are the prefix of any longer draw of ``h``: a trace's last block, cut
+    to its request's ``input_length``, is the prefix of the same block listed whole elsewhere.
+    """
+
+    def __init__(self, max_tokens: int = 10_000_000) -> None:
+        self.max_tokens = max_tokens
+        self._held = 0
         self._cache: OrderedDict[tuple[int, int], list[int]] = OrderedDict()
 
     def segment(self, seed: int, length: int) -> list[int]:
@@ -65,14 +84,11 @@ class TokenSource:
         if toks is not None:
             self._cache.move_to_end(key)
             return toks
-        full = max(length, MOONCAKE_BLOCK) if seed < _SYS_BASE else length
-        # A cut Mooncake block is the prefix of the full block (same seed, same stream).
-        toks = (
-            np.random.default_rng(seed).integers(VOCAB_LO, VOCAB_HI, full, dtype=np.int64)[:length]
-        ).tolist()
+        toks = np.random.default_rng(seed).integers(VOCAB_LO, VOCAB_HI, length).tolist()
         self._cache[key] = toks
-        if len(self._cache) > self.max_segments:
-            self._cache.popitem(last=False)
+        self._held += length
+        while self._held > self.max_tokens and len(self._cache) > 1:
+            self._held -= len(self._cache.popitem(last=False)[1])
         return toks
 
     def tokens(self, req: Req) -> list[int]:
@@ -82,9 +98,58 @@ class TokenSource:
         return out
 
 
-def mooncake(path: str | Path, limit: int | None = None) -> list[Req]:
-    """Requests of a Mooncake-format trace (first ``limit`` lines), arrival in seconds."""
-    reqs: list[Req] = []
+@dataclass(frozen=True, slots=True)
+class TraceFormat:
+    """How a trace's lines read: tokens per ``hash_ids`` entry, and the timestamps' unit."""
+
+    block_tokens: int
+    block_tokens_from: str
+    """``"inferred"`` (from the lines' lengths) or ``"given"``."""
+    time_unit: str
+    """``"ms"`` (Mooncake) or ``"s"`` (Alibaba's Qwen Bailian traces)."""
+    time_unit_from: str
+
+
+BLOCK_CANDIDATES = tuple(1 << k for k in range(4, 15))  # 16 .. 16384 tokens per hash id
+# Trace block ids at or above this are renumbered below it (first seen, first numbered), so a
+# trace of 64-bit hashes never reaches the synthetic workloads' seed ranges.
+_TRACE_ID_LIMIT = 1 << 39
+
+
+def infer_block_tokens(lines: list[tuple[int, int]]) -> int | None:
+    """Tokens per hash id: the candidate for which ``len(hash_ids) == ceil(input_length / B)``
+    on the most lines of ``(input_length, len(hash_ids))``, larger first on a tie (one-block
+    lines fit every candidate above their length). None when no line has two or more ids."""
+    if not any(k >= 2 for _, k in lines):
+        return None
+    votes = dict.fromkeys(BLOCK_CANDIDATES, 0)
+    for n, k in lines:
+        if k >= 2:
+            for b in BLOCK_CANDIDATES:
+                votes[b] += -(-n // b) == k
+    return max(BLOCK_CANDIDATES, key=lambda b: (votes[b], b))
+
+
+def read_trace(
+    path: str | Path,
+    limit: int | None = None,
+    block_tokens: int | None = None,
+    time_unit: str | None = None,
+) -> tuple[list[Req], TraceFormat]:
+    """Requests of a Mooncake-format trace (first ``limit`` lines), arrival in seconds.
+
+    Mooncake's traces list 512-token blocks and millisecond timestamps; Alibaba's Qwen Bailian
+    traces (``chat_id``, ``parent_chat_id``, ``turn``, ``type`` besides) list 16-token blocks
+    and timestamps in seconds. Unless given, the block size is inferred from the lines
+    (:func:`infer_block_tokens`; 512 when no line lists two blocks) and the unit is seconds
+    exactly when the lines carry ``chat_id``.
+    """
+    if block_tokens is not None and block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    if time_unit not in (None, "ms", "s"):
+        raise ValueError(f"time_unit must be 'ms' or 's', got {time_unit!r}")
+    rows: list[tuple[float, int, int, list[int]]] = []
+    bailian = False
     with open(path) as f:
         for i, line in enumerate(f):
             if limit is not None and i >= limit:
@@ -92,26 +157,47 @@ def mooncake(path: str | Path, limit: int | None = None) -> list[Req]:
             if not line.strip():
                 continue
             try:
-                ts, n, out, hashes = _mooncake_fields(line)
+                ts, n, out, hashes, has_chat_id = _mooncake_fields(line)
             except (ValueError, KeyError, TypeError) as exc:
                 raise TraceError(f"{path}: line {i + 1}: {exc}") from None
-            segs = []
-            left = n
-            for h in hashes:
-                if left <= 0:
-                    break
-                take = min(MOONCAKE_BLOCK, left)
-                segs.append((int(h), take))
-                left -= take
-            if left > 0:  # input_length longer than the listed blocks: unique filler
-                segs.append((_MSG_BASE + (1 << 30) + i, left))
-            reqs.append(Req(f"m{i}", ts / 1000.0, tuple(segs), n, max(1, out)))
+            bailian = bailian or has_chat_id
+            rows.append((ts, n, out, hashes))
+    fmt = TraceFormat(
+        block_tokens=block_tokens
+        or infer_block_tokens([(n, len(h)) for _, n, _, h in rows])
+        or MOONCAKE_BLOCK,
+        block_tokens_from="given" if block_tokens else "inferred",
+        time_unit=time_unit or ("s" if bailian else "ms"),
+        time_unit_from="given" if time_unit else "inferred",
+    )
+    per_s = 1.0 if fmt.time_unit == "s" else 1000.0
+    renumbered: dict[int, int] = {}
+    reqs: list[Req] = []
+    for i, (ts, n, out, hashes) in enumerate(rows):
+        segs = []
+        left = n
+        for h in hashes:
+            if left <= 0:
+                break
+            if h >= _TRACE_ID_LIMIT:
+                h = renumbered.setdefault(h, _TRACE_ID_LIMIT - 1 - len(renumbered))
+            take = min(fmt.block_tokens, left)
+            segs.append((h, take))
+            left -= take
+        if left > 0:  # input_length longer than the listed blocks: unique filler
+            segs.append((_MSG_BASE + (1 << 30) + i, left))
+        reqs.append(Req(f"m{i}", ts / per_s, tuple(segs), n, max(1, out)))
     reqs.sort(key=lambda q: q.arrival_s)
-    return reqs
+    return reqs, fmt
 
 
-def _mooncake_fields(line: str) -> tuple[float, int, int, list[int]]:
-    """``(timestamp ms, input_length, output_length, hash_ids)`` of one trace line."""
+def mooncake(path: str | Path, limit: int | None = None) -> list[Req]:
+    """Requests of a Mooncake-format trace, its format inferred (:func:`read_trace`)."""
+    return read_trace(path, limit)[0]
+
+
+def _mooncake_fields(line: str) -> tuple[float, int, int, list[int], bool]:
+    """``(timestamp, input_length, output_length, hash_ids, has chat_id)`` of one trace line."""
     try:
         r = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -129,7 +215,7 @@ def _mooncake_fields(line: str) -> tuple[float, int, int, list[int]]:
         isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hashes
     ):
         raise ValueError("hash_ids must be a list of non-negative integers")
-    return float(ts), int(n), int(out), hashes
+    return float(ts), int(n), int(out), hashes, "chat_id" in r
 
 
 def _zipf_pick(rng: random.Random, n: int, s: float = 1.1) -> int:
@@ -221,17 +307,24 @@ def agentic(
 
 
 def load_workload(
-    name: str, trace: str | None = None, limit: int | None = None, seed: int = 0, scale: float = 1.0
-) -> list[Req]:
-    """``scale`` multiplies the number of conversations / tasks of synthetic workloads."""
+    name: str,
+    trace: str | None = None,
+    limit: int | None = None,
+    seed: int = 0,
+    scale: float = 1.0,
+    trace_block_tokens: int | None = None,
+    trace_time_unit: str | None = None,
+) -> tuple[list[Req], TraceFormat | None]:
+    """The requests, and how the trace read (None for a synthetic workload). ``scale``
+    multiplies the number of conversations / tasks of synthetic workloads."""
     if name == "mooncake":
         if trace is None:
             raise ValueError("mooncake workload needs a trace path")
-        return mooncake(trace, limit)
+        return read_trace(trace, limit, trace_block_tokens, trace_time_unit)
     if name == "chat":
         reqs = chat(n_conversations=max(1, int(600 * scale)), seed=seed)
     elif name == "agentic":
         reqs = agentic(n_tasks=max(1, int(120 * scale)), seed=seed)
     else:
         raise ValueError(f"unknown workload {name!r}")
-    return reqs[:limit] if limit is not None else reqs
+    return (reqs[:limit] if limit is not None else reqs), None

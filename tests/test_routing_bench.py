@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import peer_index, peer_report, peers, routing_bench
-from bench.workloads import Req, TokenSource, TraceError, chat, mooncake
+from bench.workloads import Req, TokenSource, TraceError, chat, mooncake, read_trace
 from indexer.wire import BlockRemoved, BlockStored
 from simulator.hashing import RequestHasher
 
@@ -153,6 +153,106 @@ def test_mooncake_blocks_share_exact_prefixes(tmp_path):
     assert ta[:1024] == tb[:1024] and ta[1024:1030] != tb[1024:1030]
     assert tc == ta[:600]  # a cut block is the prefix of the full block
     assert a.arrival_s == 0 and b.arrival_s == 0.005
+
+
+def _bailian_line(chat_id: int, parent: int, t_s: float, n: int, ids: list[int]) -> str:
+    return json.dumps(
+        {
+            "chat_id": chat_id,
+            "parent_chat_id": parent,
+            "timestamp": t_s,
+            "input_length": n,
+            "output_length": 5,
+            "type": "text",
+            "turn": 1 if parent < 0 else 2,
+            "hash_ids": ids,
+        }
+    )
+
+
+def test_a_bailian_trace_reads_as_16_token_blocks_in_seconds(tmp_path):
+    """Alibaba's Qwen Bailian traces list 16-token blocks with timestamps in seconds: read at
+    Mooncake's 512 tokens a block, two prompts sharing 16 tokens would share 512."""
+    trace = tmp_path / "bailian.jsonl"
+    trace.write_text(
+        "\n".join(
+            [
+                _bailian_line(1, -1, 0.5, 40, [11, 12, 13]),
+                _bailian_line(2, 1, 2.25, 70, [11, 12, 13, 14, 15]),
+                _bailian_line(3, -1, 3.0, 100, [11, 99, 98, 97, 96, 95, 94]),
+            ]
+        )
+        + "\n"
+    )
+    (a, b, c), fmt = read_trace(trace)
+    assert (fmt.block_tokens, fmt.block_tokens_from, fmt.time_unit) == (16, "inferred", "s")
+    assert (a.arrival_s, b.arrival_s, c.arrival_s) == (0.5, 2.25, 3.0)
+    src = TokenSource()
+    ta, tb, tc = src.tokens(a), src.tokens(b), src.tokens(c)
+    assert (len(ta), len(tb), len(tc)) == (40, 70, 100)
+    assert tb[:40] == ta  # the second turn extends the first, its cut block included
+    assert tc[:16] == ta[:16] and tc[16:32] != ta[16:32]  # one shared block, 16 tokens
+    (_, _, c512), given = read_trace(trace, block_tokens=512, time_unit="ms")
+    assert (given.block_tokens_from, given.time_unit_from) == ("given", "given")
+    assert src.tokens(c512)[:100] != tc and c512.arrival_s == 0.003
+
+
+def test_trace_block_ids_past_2_39_are_renumbered_apart_from_synthetic_seeds(tmp_path):
+    trace = tmp_path / "big.jsonl"
+    big = [2**63 + 5, 2**40 + 1]
+    trace.write_text(
+        json.dumps({"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": big})
+        + "\n"
+        + json.dumps(
+            {"timestamp": 1, "input_length": 700, "output_length": 1, "hash_ids": big[:1] + [7]}
+        )
+        + "\n"
+    )
+    (a, b), fmt = read_trace(trace)
+    assert fmt.block_tokens == 512
+    assert a.segments[0][0] == b.segments[0][0] < 2**39
+    assert a.segments[1][0] not in (b.segments[0][0], b.segments[1][0])
+    src = TokenSource()
+    assert src.tokens(a)[:512] == src.tokens(b)[:512]
+
+
+def test_the_bench_replays_a_bailian_trace_and_reports_how_it_read_it(tmp_path, capsys):
+    trace = tmp_path / "bailian.jsonl"
+    lines, cid = [], 0
+    for conv in range(12):
+        parent = -1
+        for turn in range(3):
+            cid += 1
+            ids = [1, 2, 3] + [100 * conv + k for k in range(10 * (turn + 1))]
+            t = conv * 0.7 + turn * 2.0
+            lines.append(_bailian_line(cid, parent, t, 16 * len(ids) - 3, ids))
+            parent = cid
+    trace.write_text("\n".join(lines) + "\n")
+    routing_bench.main(
+        [
+            "--trace",
+            str(trace),
+            "--workers",
+            "3",
+            "--speed",
+            "1",
+            "--policies",
+            "round_robin,kvrouter",
+            "--json",
+            "--out",
+            str(tmp_path / "c.png"),
+        ]
+    )
+    out = _last_json(capsys)
+    assert out["config"]["trace_format"] == {
+        "block_tokens": 16,
+        "block_tokens_from": "inferred",
+        "time_unit": "s",
+        "time_unit_from": "inferred",
+    }
+    assert out["config"]["requests"] == 36 and out["rejected"]["kvrouter"] == 0
+    pol = out["policies"]
+    assert pol["kvrouter"]["hit_rate"] > pol["round_robin"]["hit_rate"] > 0
 
 
 def test_chat_turns_extend_the_previous_prompt():
