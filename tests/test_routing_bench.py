@@ -204,7 +204,7 @@ def test_trace_block_ids_past_2_39_are_renumbered_apart_from_synthetic_seeds(tmp
         json.dumps({"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": big})
         + "\n"
         + json.dumps(
-            {"timestamp": 1, "input_length": 700, "output_length": 1, "hash_ids": big[:1] + [7]}
+            {"timestamp": 1, "input_length": 700, "output_length": 1, "hash_ids": [big[0], 7]}
         )
         + "\n"
     )
