@@ -4,17 +4,10 @@
 * ``goodput``: per policy, the highest offered load up to which every tested load keeps p90
   TTFT within the SLO (a policy that meets it at every tested load is censored at the top).
 * ``targets``: kvrouter against the best peer product (bench/peers.py) on each metric, all
-  limits computed from this run's numbers. With ``pooled_ideal`` in the run each target also
-  carries a ``bound``: the best any placement on this fleet can do on that metric, and
-  ``excluded`` when the bound alone puts the limit out of reach.
-
-Bounds. Hit rate: ``pooled_ideal``'s, one cache with the whole fleet's KV (an upper bound).
-TTFT: ``pooled_ideal``'s hits, each request prefilled with no queueing at all by one worker of
-the fleet (``ttft_floor_one_worker_s`` and its p90): a request is prefilled by one worker
-whatever the placement, so neither the mean nor the p90 of a fleet's TTFT goes below it. The
-pooled engine's own TTFT is lower (it prefills one request 8 workers fast), which is why a
-limit on the fleet relative to ``pooled_ideal`` can lie below this bound. Goodput has no
-bound here: it is flagged ``censored`` when the tested loads do not bracket it.
+  limits computed from this run's numbers. Given the workload's ``bounds`` (bench/bounds.py:
+  what no placement beats, from the requests alone), each hit-rate and TTFT target also
+  carries a ``bound`` and ``excluded`` when the bound alone puts the limit out of reach.
+  Goodput has no bound: it is flagged ``censored`` when the tested loads do not bracket it.
 
 ``over_seeds``: the same targets from runs that differ only in ``--seed`` (the policies' random
 tie-breaks; for the synthetic workloads, the trace), so a target met or missed by less than the
@@ -25,8 +18,9 @@ A mean-TTFT target that is missed also carries ``queueing``: kvrouter's mean TTF
 its no-queueing floor at the hits it got (``ttft_floor_s``) and the rest, the queueing its
 placement left; ``allowed_s`` is the queueing the limit leaves at that floor, and every peer's
 and ``pooled_ideal``'s own queueing (mean TTFT - its floor) is given alongside. A limit whose
-allowed queueing is below what every measured policy queues at this load is out of reach of
-placement at these hits; only more hits (a lower floor) would bring it closer.
+allowed queueing is below what every measured policy queues at this load asks for less
+queueing than any router measured reaches at these hits (a comparison, not a bound: the
+bound is ``bound``); more hits (a lower floor) would leave more.
 """
 
 from __future__ import annotations
@@ -79,16 +73,17 @@ def targets(
     good: dict[str, float],
     peer_names: tuple[str, ...],
     conversation_trace: bool,
+    bounds: dict | None = None,
 ) -> dict[str, dict]:
-    """Each target: ``value`` (kvrouter), ``limit``, ``best_peer``, ``load``, ``met``."""
+    """Each target: ``value`` (kvrouter), ``limit``, ``best_peer``, ``load``, ``met``, and
+    ``bound`` from ``bounds`` (bench/bounds.py) where it has one."""
     load, pol = _at_load(by_load)
     k = pol.get("kvrouter")
     present = [p for p in peer_names if p in pol]
     out: dict[str, dict] = {}
     if not k:
         return out
-
-    pooled = pol.get("pooled_ideal")
+    b = bounds or {}
 
     def check(
         name: str,
@@ -96,7 +91,7 @@ def targets(
         limit: float,
         ok: bool,
         best: str | None,
-        bound: tuple[str, float | None, bool] | None = None,
+        bound: tuple[str, bool] | None = None,
     ) -> None:
         out[name] = {
             "value": round(value, 4),
@@ -105,23 +100,13 @@ def targets(
             "load": float(load),
             "met": bool(ok),
         }
-        if bound is not None and bound[1] is not None:
-            what, b, upper = bound
-            excluded = limit > b if upper else limit < b
-            out[name]["bound"] = {"what": what, "value": round(b, 4), "excluded": bool(excluded)}
+        if bound is not None and bound[0] in b:
+            key, upper = bound
+            excluded = limit > b[key] if upper else limit < b[key]
+            out[name]["bound"] = {"what": key, "value": b[key], "excluded": bool(excluded)}
         if not ok and name.startswith("ttft_mean") and "ttft_floor_s" in k:
             others = {p: pol[p] for p in (*present, "pooled_ideal") if p in pol}
             out[name]["queueing"] = _queueing(k, limit, others)
-
-    def floor(key: str) -> tuple[str, float | None, bool] | None:
-        if pooled is None or key not in pooled:
-            return None
-        what = "no-queueing TTFT at pooled_ideal's hits, one worker prefilling (lower bound)"
-        return (what, pooled[key], False)
-
-    hit_bound = None
-    if pooled is not None:
-        hit_bound = ("pooled_ideal hit rate (upper bound)", pooled["hit_rate"], True)
 
     if present:
         best = min(present, key=lambda p: pol[p]["ttft_mean_s"])
@@ -132,7 +117,7 @@ def targets(
             lim,
             k["ttft_mean_s"] <= lim,
             best,
-            floor("ttft_floor_one_worker_s"),
+            ("ttft_mean_lower_s", False),
         )
         best = min(present, key=lambda p: pol[p]["ttft_p90_s"])
         lim = P90_RATIO * pol[best]["ttft_p90_s"]
@@ -142,7 +127,7 @@ def targets(
             lim,
             k["ttft_p90_s"] <= lim,
             best,
-            floor("ttft_floor_one_worker_p90_s"),
+            ("ttft_p90_lower_s", False),
         )
         best = max(present, key=lambda p: pol[p]["hit_rate"])
         lim = pol[best]["hit_rate"] - HIT_MARGIN
@@ -152,7 +137,7 @@ def targets(
             lim,
             k["hit_rate"] >= lim,
             best,
-            hit_bound,
+            ("hit_rate_upper", True),
         )
         if len(by_load) > 1 and "kvrouter" in good:
             best = max(present, key=lambda p: good.get(p, 0.0))
@@ -176,7 +161,7 @@ def targets(
             lim,
             k["ttft_mean_s"] <= lim,
             None,
-            floor("ttft_floor_one_worker_s"),
+            ("ttft_mean_lower_s", False),
         )
     return out
 

@@ -39,7 +39,8 @@ uncached prefill tokens per worker, released at first token), corrected by the w
 * ``dynamo``, ``llm_d``, ``sglang``, ``vllm_router_kv_aware``, ``aibrix``: the peer products,
   each with its own view of the caches and its own load signal (``bench/peers.py``);
 * ``pooled_ideal``: not a policy: one engine with the whole fleet's KV blocks, CPU chunks,
-  prefill rate, token budget and sequence slots. An upper bound on the hit rate.
+  prefill rate, token budget and sequence slots: what one engine as large as the fleet does
+  (not a bound: bench/bounds.py has those).
 
 Offered load: arrival times are divided by a speed-up chosen so the offered request rate is
 ``--load`` (default 0.8) times the fleet's *round-robin capacity*, measured first by a
@@ -79,6 +80,7 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import peer_report, peers
+from bench.bounds import workload_bounds
 from bench.workloads import Req, TokenSource, TraceError, load_workload
 from indexer.index import PrefixIndex
 from indexer.wire import DecodeError, decode_payload
@@ -167,9 +169,7 @@ class RunResult:
     completed: int
     preemptions: int = 0
     ttft_floor: list[float] = field(default_factory=list)
-    ttft_floor_one_worker: list[float] = field(default_factory=list)
-    """``pooled_ideal`` only: each request's floor at the pooled engine's hit, prefilled by one
-    worker of the fleet (its rate and budget): no routing on the fleet goes below it."""
+    """Each request's TTFT with no queueing at the hit it got (:func:`_prefill_floor`)."""
     prefill_steps: int = 0
     prefill_steps_with_decode: int = 0
     rejected: int = 0
@@ -196,15 +196,6 @@ class RunResult:
                 self.prefill_steps_with_decode / max(self.prefill_steps, 1), 4
             ),
             "rejected": self.rejected,
-        } | self._one_worker_floor()
-
-    def _one_worker_floor(self) -> dict[str, float]:
-        f = sorted(self.ttft_floor_one_worker)
-        if not f:
-            return {}
-        return {
-            "ttft_floor_one_worker_s": round(statistics.fmean(f), 4),
-            "ttft_floor_one_worker_p90_s": round(pct(f, 90), 4),
         }
 
 
@@ -283,8 +274,6 @@ def run_policy(
     hit_tokens = prompt_tokens = 0
     ttfts: list[float] = []
     floors: list[float] = []
-    one_worker: list[float] = []
-    wcfg = fs.engine() if pooled else None
     ecfg = fleet.config
     last_finish = 0.0
 
@@ -306,8 +295,6 @@ def run_policy(
             prompt_tokens += c.prompt_tokens
             ttfts.append(c.first_token_s - c.arrival_s)
             floors.append(_prefill_floor(c.prompt_tokens, gpu_hit, cpu_hit, ecfg))
-            if wcfg is not None:
-                one_worker.append(_prefill_floor(c.prompt_tokens, gpu_hit, cpu_hit, wcfg))
             last_finish = max(last_finish, c.finish_s)
             if peer is not None:
                 peer.finished(c.request_id)
@@ -411,7 +398,6 @@ def run_policy(
         completed=n_done,
         preemptions=preempted[0],
         ttft_floor=floors,
-        ttft_floor_one_worker=one_worker,
         prefill_steps=mixed[0],
         prefill_steps_with_decode=mixed[1],
         rejected=rejected,
@@ -433,8 +419,9 @@ def _prefill_floor(prompt: int, gpu_hit: int, cpu_hit: int, cfg: EngineConfig) -
     """The TTFT this request would have had with no queueing at all: its own uncached tokens in
     full-budget chunks on the engine that served it, each chunk's step also carrying a decode
     (``prefill_steps_with_decode`` shows that nearly every prefill step does at these loads),
-    plus loading its CPU hits. No routing decision can bring a request below this at the hit
-    it got, so ``ttft_floor_s`` bounds what a policy can reach at its hit rate."""
+    plus loading its CPU hits: what a policy's TTFT would be at its hits on a fleet with no
+    queue, the part of its TTFT placement cannot remove. A step with no decode is shorter, so
+    this is a measure, not a bound (bench/bounds.py has those)."""
     u = max(prompt - gpu_hit - cpu_hit, 1)
     chunks = math.ceil(u / cfg.max_num_batched_tokens)
     step = cfg.step_overhead_s + cfg.decode_s_per_token
@@ -855,6 +842,18 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
     src = TokenSource()
     unit = math.gcd(16, fs.block_size)
     keys = KeyCache(unit)
+    probe = FastFleet(1, fs.engine(events=False))
+    engine_cfg = probe.config
+    bounds = workload_bounds(
+        [(r.n_tokens, keys.get(r, src.tokens(r))[0]) for r in reqs],
+        unit=unit,
+        block_size=fs.block_size,
+        prefill_tokens_per_s=engine_cfg.prefill_tokens_per_s,
+        max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
+        step_overhead_s=engine_cfg.step_overhead_s,
+        rejected=lambda n: rejects(probe, n),
+        percentile=pct,
+    )
     if args.policies is None:
         args.policies = ",".join(QUICK_POLICIES if args.quick else POLICIES + peers.NAMES)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -912,7 +911,10 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
     result["rejected"] = {n: s["rejected"] for n, s in result["policies"].items()}
     result["config"]["slo_p90_s"] = args.slo_p90_s
     conversation = Path(trace).name == Path(DEFAULT_TRACE).name and args.workload == "mooncake"
-    result["targets"] = peer_report.targets(by_load, result["goodput"], peers.NAMES, conversation)
+    result["bounds"] = bounds
+    result["targets"] = peer_report.targets(
+        by_load, result["goodput"], peers.NAMES, conversation, bounds
+    )
     if args.sweep_knobs:
         only = None if args.sweep_knobs == "all" else args.sweep_knobs.split(",")
         result["knob_sweep"] = sweep_knobs(

@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import peer_index, peer_report, peers, routing_bench
+from bench.bounds import earlier_shared_prefix_units, workload_bounds
 from bench.workloads import Req, TokenSource, TraceError, chat, mooncake, read_trace
 from indexer.wire import BlockRemoved, BlockStored
 from simulator.hashing import RequestHasher
@@ -414,26 +415,24 @@ def test_seeds_run_the_whole_bench_once_each_and_count_targets_met(tmp_path, cap
         routing_bench.main([*base, "--seeds", "0,x"])
 
 
-def test_targets_carry_bounds_from_the_pooled_engine():
-    """Each target names the best any placement can do, computed from the run: the pooled
-    engine's hit rate (an upper bound), and the no-queueing TTFT at its hits with one worker
-    prefilling each request (a lower bound); a limit beyond the bound is marked excluded."""
+def test_targets_carry_the_workloads_bounds():
+    """Each hit-rate and TTFT target names the best any placement can do on the workload
+    (bench/bounds.py); a limit beyond the bound is marked excluded."""
 
-    def s(hit: float, mean: float, p90: float, **extra: float) -> dict[str, float]:
-        return {"hit_rate": hit, "ttft_mean_s": mean, "ttft_p90_s": p90} | extra
+    def s(hit: float, mean: float, p90: float) -> dict[str, float]:
+        return {"hit_rate": hit, "ttft_mean_s": mean, "ttft_p90_s": p90}
 
     pol = {
         "kvrouter": s(0.15, 1.0, 2.0),
         "sglang": s(0.17, 2.0, 4.0),
         "dynamo": s(0.10, 1.1, 2.5),
-        "pooled_ideal": s(
-            0.16, 0.6, 1.2, ttft_floor_one_worker_s=0.7, ttft_floor_one_worker_p90_s=1.5
-        ),
+        "pooled_ideal": s(0.16, 0.6, 1.2),
     }
-    t = peer_report.targets({"0.8": pol}, {}, peers.NAMES, conversation_trace=True)
+    bounds = {"hit_rate_upper": 0.16, "ttft_mean_lower_s": 0.7, "ttft_p90_lower_s": 1.5}
+    t = peer_report.targets({"0.8": pol}, {}, peers.NAMES, True, bounds)
     hit = t["hit_rate >= best peer - 0.005"]
     assert hit["limit"] == pytest.approx(0.165) and not hit["met"]
-    assert hit["bound"]["value"] == 0.16 and hit["bound"]["excluded"]  # above the pooled cache
+    assert hit["bound"] == {"what": "hit_rate_upper", "value": 0.16, "excluded": True}
     mean = t["ttft_mean <= 0.85 * best peer"]
     assert mean["limit"] == pytest.approx(0.935) and mean["bound"]["value"] == 0.7
     assert not mean["bound"]["excluded"]
@@ -441,9 +440,66 @@ def test_targets_carry_bounds_from_the_pooled_engine():
     assert p90["bound"]["value"] == 1.5 and not p90["bound"]["excluded"]
     pooled = t["ttft_mean <= 1.3 * pooled_ideal (conversation trace)"]
     assert pooled["limit"] == pytest.approx(0.78) and not pooled["bound"]["excluded"]
-    pol["pooled_ideal"]["ttft_floor_one_worker_s"] = 0.8  # the floor alone passes the limit
-    t = peer_report.targets({"0.8": pol}, {}, peers.NAMES, conversation_trace=True)
+    bounds["ttft_mean_lower_s"] = 0.8  # the bound alone passes the limit
+    t = peer_report.targets({"0.8": pol}, {}, peers.NAMES, True, bounds)
     assert t["ttft_mean <= 1.3 * pooled_ideal (conversation trace)"]["bound"]["excluded"]
+    assert (
+        "bound"
+        not in peer_report.targets({"0.8": pol}, {}, peers.NAMES, True)[
+            "ttft_p90 <= 0.9 * best peer"
+        ]
+    )
+
+
+def test_workload_bounds_hold_for_every_policy_and_count_only_earlier_prompts(tmp_path, capsys):
+    """The hit-rate bound credits a prompt only the prefix some earlier prompt shares (whole
+    blocks, an unbounded cache); the TTFT bounds prefill the rest alone with nothing queued.
+    No policy, pooled_ideal included, beats either on a run."""
+    keys = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9, 9], [7]]
+    assert earlier_shared_prefix_units(keys) == [0, 3, 2, 0]
+    got = workload_bounds(
+        [(64, keys[0]), (64, keys[1]), (70, keys[2]), (16, keys[3]), (10**6, [])],
+        unit=16,
+        block_size=32,
+        prefill_tokens_per_s=1000.0,
+        max_num_batched_tokens=32,
+        step_overhead_s=0.5,
+        rejected=lambda n: n > 1000,
+        percentile=routing_bench.pct,
+    )
+    # hits: 0, 48 -> 32 (whole 32-token blocks), 32, 0 of 64 + 64 + 70 + 16 tokens
+    assert got["hit_rate_upper"] == round(64 / 214, 4)
+    lower = [0.064 + 2 * 0.5, 0.032 + 0.5, 0.038 + 2 * 0.5, 0.016 + 0.5]
+    assert got["ttft_mean_lower_s"] == round(sum(lower) / 4, 4)
+    assert got["ttft_p90_lower_s"] == round(max(lower), 4)
+
+    routing_bench.main(
+        [
+            "--workload",
+            "chat",
+            "--scale",
+            "0.05",
+            "--speed",
+            "2.0",
+            "--workers",
+            "3",
+            "--gpu-blocks",
+            "3000",
+            "--policies",
+            "round_robin,kvrouter,vllm_router_kv_aware,pooled_ideal",
+            "--json",
+            "--out",
+            str(tmp_path / "c.png"),
+        ]
+    )
+    out = _last_json(capsys)
+    b = out["bounds"]
+    for name, p in out["policies"].items():
+        assert p["hit_rate"] <= b["hit_rate_upper"], name
+        assert p["ttft_mean_s"] >= b["ttft_mean_lower_s"], name
+        assert p["ttft_p90_s"] >= b["ttft_p90_lower_s"], name
+    assert out["policies"]["pooled_ideal"]["hit_rate"] > 0.5 * b["hit_rate_upper"]
+    assert out["targets"]["hit_rate >= best peer - 0.005"]["bound"]["what"] == "hit_rate_upper"
 
 
 def test_a_missed_mean_ttft_target_splits_floor_and_queueing():
