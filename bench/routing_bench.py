@@ -862,6 +862,13 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
             raise SystemExit(f"unknown policy {p!r}")
     t_start = time.perf_counter()
     base_rate = len(reqs) / max(reqs[-1].arrival_s - reqs[0].arrival_s, 1e-9)
+    if all(rejects(probe, r.n_tokens) for r in reqs):
+        raise SystemExit(
+            f"every request is refused by the workers (prompts of {min(r.n_tokens for r in reqs)}"
+            f" tokens or more; max_model_len {fs.max_model_len}, KV cache "
+            f"{fs.gpu_blocks * fs.block_size} tokens): nothing to replay "
+            "(--max-model-len, --gpu-blocks)"
+        )
     if args.speed is not None:
         cap = {
             "method": "fixed --speed",

@@ -543,6 +543,18 @@ def test_malformed_trace_line_names_the_line(tmp_path):
             routing_bench.main(["--trace", str(trace), "--speed", "1"])
 
 
+def test_a_trace_every_worker_refuses_is_a_clear_error(tmp_path):
+    """Nothing to replay (every prompt past max_model_len): an error naming the limits and the
+    flags that move them, not a crash in the capacity run."""
+    trace = tmp_path / "long.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 2000, "output_length": 3, "hash_ids": [1, 2, 3, 4]}\n'
+    )
+    for extra in ([], ["--speed", "1"]):
+        with pytest.raises(SystemExit, match=r"refused.*max_model_len 1024.*--max-model-len"):
+            routing_bench.main(["--trace", str(trace), "--max-model-len", "1024", *extra])
+
+
 def test_llm_d_scores_scraped_load_not_dispatches():
     """llm-d's queue and KV scores come from a scrape every 50 ms, never from its own
     dispatches: a burst of cold requests inside one interval sees the same load everywhere and
