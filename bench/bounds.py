@@ -17,8 +17,7 @@ own hit). So, with an unbounded cache and every earlier request on the same engi
   no loading, no queue). The p90 of per-request lower bounds bounds the p90 too (sorting
   keeps the order between two lists that dominate each other entry by entry).
 
-Requests a worker refuses (``rejected``) are left out of both, as they are of every policy's
-figures.
+Requests a worker refuses are left out by the caller, as they are of every policy's figures.
 """
 
 from __future__ import annotations
@@ -58,13 +57,12 @@ def workload_bounds(
     prefill_tokens_per_s: float,
     max_num_batched_tokens: int,
     step_overhead_s: float,
-    rejected: Callable[[int], bool],
     percentile: Callable[[list[float], float], float],
 ) -> dict[str, float | str]:
-    """``prompts``: ``(prompt tokens, content keys)`` per request, in the order they are
-    routed; keys one per ``unit`` tokens. Returns the bounds of the module docstring, the p90
-    by ``percentile`` (sorted values, percent): the one the policies' figures use."""
-    kept = [(n, k) for n, k in prompts if not rejected(n)]
+    """``prompts``: ``(prompt tokens, content keys)`` per request the workers accept, in the
+    order they are routed; keys one per ``unit`` tokens. Returns the bounds of the module
+    docstring, the p90 by ``percentile`` (sorted values, percent), the policies' own."""
+    kept = list(prompts)
     if not kept:
         return {}
     shared = earlier_shared_prefix_units([k for _, k in kept])

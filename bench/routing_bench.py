@@ -10,10 +10,11 @@
 
 The last line printed is one JSON object (``workload``, ``workers``, ``config``, ``policies``
 at ``--load``, ``sweep`` per policy and load, ``goodput`` per policy: the highest load keeping
-p90 TTFT <= ``--slo-p90-s``, ``rejected`` per policy, ``targets``: bench/peer_report.py);
-PNG charts of TTFT and hit rate by policy and of p90 TTFT by load are written to
-``bench/out/routing_<workload>.png`` and ``..._p90_by_load.png``. Prompts a worker refuses
-(``max_model_len``, KV cache) are counted in ``rejected`` and never routed.
+p90 TTFT <= ``--slo-p90-s``, ``rejected`` per policy, ``bounds``: bench/bounds.py, ``targets``:
+bench/peer_report.py); PNG charts of TTFT and hit rate by policy and of p90 TTFT by load are
+written to ``bench/out/routing_<workload>.png`` and ``..._p90_by_load.png``. Requests a worker
+refuses (prompt plus output length past ``max_model_len``, a prompt larger than the KV cache)
+are counted in ``rejected`` and never routed.
 Progress and a one-line summary per policy go to stderr (nothing with ``--json``).
 
 Default fleet (cache-bound; see ``FleetSpec``): 8 workers, 16-token blocks, 50,000 blocks
@@ -173,7 +174,7 @@ class RunResult:
     prefill_steps: int = 0
     prefill_steps_with_decode: int = 0
     rejected: int = 0
-    """Requests the workers refuse (prompt too long for ``max_model_len`` or the KV cache)."""
+    """Requests the workers refuse (:func:`rejects`)."""
 
     def summary(self) -> dict[str, float]:
         t = sorted(self.ttft)
@@ -336,7 +337,7 @@ def run_policy(
     for req in PROGRESS.iterate(reqs, name, len(reqs)):
         t = req.arrival_s / speed
         advance(t)
-        if rejects(fleet, req.n_tokens):
+        if rejects(fleet, req):
             rejected += 1  # vLLM answers HTTP 400 before scheduling: no worker state changes
             continue
         toks = src.tokens(req)
@@ -404,14 +405,16 @@ def run_policy(
     )
 
 
-def rejects(fleet: FastFleet, prompt_tokens: int) -> bool:
-    """Whether a worker refuses the prompt outright, as vLLM's admission does (HTTP 400): empty,
-    no room for one output token within ``max_model_len``, or more blocks than the KV cache."""
+def rejects(fleet: FastFleet, req: Req) -> bool:
+    """Whether a worker refuses the request outright, as vLLM's OpenAI server does (HTTP 400):
+    an empty prompt, a prompt and ``max_tokens`` (the trace's output length) past
+    ``max_model_len``, or a prompt of more blocks than the KV cache."""
     cfg = fleet.config
+    n = req.n_tokens
     return (
-        prompt_tokens == 0
-        or prompt_tokens >= cfg.max_model_len
-        or fleet.engines[0].kv.blocks_for_tokens(prompt_tokens) > cfg.num_gpu_blocks - 1
+        n == 0
+        or n + req.max_tokens > cfg.max_model_len
+        or fleet.engines[0].kv.blocks_for_tokens(n) > cfg.num_gpu_blocks - 1
     )
 
 
@@ -474,8 +477,9 @@ def measure_capacity(
     lo, hi = pct([t for t, _ in firsts], 10), pct([t for t, _ in firsts], 90)
     tokens = sum(n for t, n in firsts if lo <= t <= hi)
     cap_tps = tokens / max(hi - lo, 1e-9)
-    # Prompts the workers refuse are never served: they do not set the offered load.
-    mean_prompt = statistics.fmean(r.n_tokens for r in reqs if r.n_tokens < fs.max_model_len)
+    # Requests the workers refuse are never served: they do not set the offered load.
+    probe = FastFleet(1, fs.engine(events=False))
+    mean_prompt = statistics.fmean(r.n_tokens for r in reqs if not rejects(probe, r))
     return {
         "method": f"saturation run on the first {len(sub)} requests: round robin offered 2x the "
         "no-cache analytic capacity; capacity = prompt tokens of the requests whose first token "
@@ -497,7 +501,7 @@ def _first_token_times(
         t = req.arrival_s / speed
         fleet.run_until(t)
         out.extend((c.first_token_s, c.prompt_tokens) for c in fleet.completed())
-        if not rejects(fleet, req.n_tokens):
+        if not rejects(fleet, req):
             fleet.submit(i % fs.workers, req.rid, src.tokens(req), req.max_tokens, t)
     progress_t = fleet.now
     while len(out) < len(reqs):
@@ -845,13 +849,12 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
     probe = FastFleet(1, fs.engine(events=False))
     engine_cfg = probe.config
     bounds = workload_bounds(
-        [(r.n_tokens, keys.get(r, src.tokens(r))[0]) for r in reqs],
+        [(r.n_tokens, keys.get(r, src.tokens(r))[0]) for r in reqs if not rejects(probe, r)],
         unit=unit,
         block_size=fs.block_size,
         prefill_tokens_per_s=engine_cfg.prefill_tokens_per_s,
         max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
         step_overhead_s=engine_cfg.step_overhead_s,
-        rejected=lambda n: rejects(probe, n),
         percentile=pct,
     )
     if args.policies is None:
@@ -862,12 +865,13 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
             raise SystemExit(f"unknown policy {p!r}")
     t_start = time.perf_counter()
     base_rate = len(reqs) / max(reqs[-1].arrival_s - reqs[0].arrival_s, 1e-9)
-    if all(rejects(probe, r.n_tokens) for r in reqs):
+    if all(rejects(probe, r) for r in reqs):
+        shortest = min(reqs, key=lambda r: r.n_tokens + r.max_tokens)
         raise SystemExit(
-            f"every request is refused by the workers (prompts of {min(r.n_tokens for r in reqs)}"
-            f" tokens or more; max_model_len {fs.max_model_len}, KV cache "
-            f"{fs.gpu_blocks * fs.block_size} tokens): nothing to replay "
-            "(--max-model-len, --gpu-blocks)"
+            "every request is refused by the workers (the shortest: a prompt of "
+            f"{shortest.n_tokens} tokens and {shortest.max_tokens} to generate; max_model_len "
+            f"{fs.max_model_len}, KV cache {fs.gpu_blocks * fs.block_size} tokens): nothing "
+            "to replay (--max-model-len, --gpu-blocks)"
         )
     if args.speed is not None:
         cap = {

@@ -311,8 +311,11 @@ def test_hit_rate_counts_the_first_admission_not_a_preempted_requests_own_blocks
     assert res.hit_rate == 0.0
 
 
-def _conversation_trace(path: Path, n: int = 40, long_at: tuple[int, ...] = ()) -> None:
-    """Eight conversations growing turn by turn; requests at ``long_at`` get a long prompt."""
+def _conversation_trace(
+    path: Path, n: int = 40, long_at: tuple[int, ...] = (), long_answer_at: tuple[int, ...] = ()
+) -> None:
+    """Eight conversations growing turn by turn; requests at ``long_at`` get a 40k-token prompt,
+    those at ``long_answer_at`` ask for a 40k-token answer."""
     lines = []
     for i in range(n):
         conv, turn = i % 8, i // 8
@@ -325,7 +328,7 @@ def _conversation_trace(path: Path, n: int = 40, long_at: tuple[int, ...] = ()) 
                 {
                     "timestamp": i * 500,
                     "input_length": length,
-                    "output_length": 4,
+                    "output_length": 40_000 if i in long_answer_at else 4,
                     "hash_ids": hashes,
                 }
             )
@@ -334,10 +337,11 @@ def _conversation_trace(path: Path, n: int = 40, long_at: tuple[int, ...] = ()) 
 
 
 def test_peers_sweep_goodput_and_rejected_prompts(tmp_path, capsys):
-    """Every peer runs the trace to the end; prompts over max_model_len are refused (HTTP 400 in
-    vLLM), counted per policy and never routed; the sweep, goodput and targets come out."""
+    """Every peer runs the trace to the end; a prompt, or a prompt and the answer it asks for,
+    over max_model_len is refused (HTTP 400 in vLLM), counted per policy and never routed; the
+    sweep, goodput and targets come out."""
     trace = tmp_path / "t.jsonl"
-    _conversation_trace(trace, long_at=(5, 17))
+    _conversation_trace(trace, long_at=(5,), long_answer_at=(17,))
     policies = ["kvrouter", *peers.NAMES]
     routing_bench.main(
         [
@@ -458,13 +462,12 @@ def test_workload_bounds_hold_for_every_policy_and_count_only_earlier_prompts(tm
     keys = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9, 9], [7]]
     assert earlier_shared_prefix_units(keys) == [0, 3, 2, 0]
     got = workload_bounds(
-        [(64, keys[0]), (64, keys[1]), (70, keys[2]), (16, keys[3]), (10**6, [])],
+        [(64, keys[0]), (64, keys[1]), (70, keys[2]), (16, keys[3])],
         unit=16,
         block_size=32,
         prefill_tokens_per_s=1000.0,
         max_num_batched_tokens=32,
         step_overhead_s=0.5,
-        rejected=lambda n: n > 1000,
         percentile=routing_bench.pct,
     )
     # hits: 0, 48 -> 32 (whole 32-token blocks), 32, 0 of 64 + 64 + 70 + 16 tokens
