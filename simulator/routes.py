@@ -16,6 +16,8 @@ Bad input gets a 4xx OpenAI-style error body ``{"error": {"message", "type", "pa
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -88,11 +90,33 @@ def make_app(w: Worker) -> FastAPI:
 def _add_generation_routes(app: FastAPI, w: Worker) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await w.generate(await w.read_json(request), chat=False)
+        data = await w.read_json(request)
+        return await _cancelled_on_disconnect(request, w.generate(data, chat=False))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await w.generate(await w.read_json(request), chat=True)
+        data = await w.read_json(request)
+        return await _cancelled_on_disconnect(request, w.generate(data, chat=True))
+
+
+async def _cancelled_on_disconnect(request: Request, handler: Awaitable[Response]) -> Response:
+    """vLLM's ``with_cancellation``: a client that disconnects before the answer cancels the
+    handler, which aborts the request in the engine (a stream is aborted by its own generator)."""
+    task = asyncio.ensure_future(handler)
+    gone = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        gone.cancel()
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    return Response(status_code=499)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _add_tokenizer_routes(app: FastAPI, w: Worker) -> None:

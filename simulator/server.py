@@ -367,14 +367,15 @@ class Worker:
         n_out = 0
         prompt_tokens = cached = 0
         try:
-            if g.chat:
-                yield chunks.role()
             while True:
                 out = await asyncio.wait_for(q.get(), self.s.request_timeout_s)
                 prompt_tokens, cached = out.prompt_tokens, out.cached_tokens
                 fin = g.finish if out.finished else None
                 if out.token is None:
                     break
+                if g.chat and n_out == 0:
+                    # vLLM sends the role with the request's first output, after its prefill.
+                    yield chunks.role()
                 n_out += 1
                 yield chunks.token(self.tokenizer.decode([out.token]), fin)
                 if out.finished:

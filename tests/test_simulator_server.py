@@ -406,6 +406,44 @@ def test_faults(fleet: list[WorkerInfo], ctx: zmq.Context) -> None:
         sub.close()
 
 
+def test_a_chat_stream_starts_at_its_first_token_and_a_client_that_leaves_aborts(
+    fleet: list[WorkerInfo],
+) -> None:
+    """As in vLLM: a chat stream's first chunk (the role) comes with the first token, not
+    before the prefill, and a client that disconnects, streaming or not, aborts its request."""
+    w = fleet[0]
+    faults = w.url + "/sim/faults"
+
+    def waiting() -> int:
+        state = httpx.get(w.url + "/sim/state", timeout=DEADLINE).json()
+        return sum(e["waiting"] for e in state["engines"])
+
+    def until_empty() -> None:
+        end = time.monotonic() + DEADLINE
+        while waiting():
+            assert time.monotonic() < end, "the abandoned request is still waiting"
+            time.sleep(0.02)
+
+    chat = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2}
+    url = w.url + "/v1/chat/completions"
+    try:
+        httpx.post(faults, json={"stall_scheduler": True}, timeout=DEADLINE)
+        with httpx.Client(timeout=httpx.Timeout(DEADLINE, read=0.5)) as c:
+            with c.stream("POST", url, json={**chat, "stream": True}) as r:
+                assert r.status_code == 200  # the head comes at once
+                with pytest.raises(httpx.ReadTimeout):
+                    next(r.iter_raw())  # nothing before the first token
+            until_empty()
+            with pytest.raises(httpx.ReadTimeout):
+                c.post(w.url + "/v1/completions", json={"prompt": toks(30), "max_tokens": 2})
+            until_empty()
+    finally:
+        httpx.post(faults, json={"stall_scheduler": False}, timeout=DEADLINE)
+    with httpx.stream("POST", url, json={**chat, "stream": True}, timeout=DEADLINE) as r:
+        first = next(r.iter_lines())
+    assert '"role":"assistant"' in first.replace(" ", "")
+
+
 def test_restart_engine_clears_cache(fleet: list[WorkerInfo]) -> None:
     w = fleet[0]
     p = toks(64)
