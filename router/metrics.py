@@ -193,7 +193,8 @@ class RouterMetrics:
         self.upstream_failures = Counter(
             "kvrouter_upstream_failures_total",
             "Failed attempts to forward a request to a worker, by reason (router.proxy."
-            "FAILURE_REASONS); only worker_gone, pool_timeout, connect and declined are retried",
+            "FAILURE_REASONS); only worker_gone, pool_timeout, connect, declined and stalled are "
+            "retried",
             ["reason"],
             registry=r,
         )

@@ -15,6 +15,12 @@
   from :data:`FAILURE_REASONS`.
 * A client disconnect cancels the upstream request (the upstream connection is closed, which
   makes vLLM abort the request), for streaming and non-streaming responses alike.
+* **A request waiting on a stalled engine** (the registry found requests waiting and none
+  running there for ``server.worker_stall_s``, router/workers.py) is aborted the same way,
+  before its first token: nothing ran it and nothing reached the client. Still before its
+  response head (a buffered answer), the next-best worker that is not stalled is tried, else
+  503; a stream whose head was forwarded ends with a 503 error event. Without this it would
+  wait for ``first_byte_timeout_s``.
 * Bounds (:class:`ProxyLimits`): connect / first-byte (read) / pool timeouts per request, and
   an optional total ``server.request_timeout_s``. A worker at ``max_connections_per_worker``
   makes the request wait up to ``server.pool_timeout_s`` for a connection, then the next-best
@@ -79,9 +85,19 @@ _usage_dec = msgspec.json.Decoder()
 
 
 class Ticket:
-    """The router's own load accounting for one request on one engine (idempotent release)."""
+    """The router's own load accounting for one request on one engine (idempotent release),
+    and what aborts the request if that engine's scheduler stalls before its first token."""
 
-    __slots__ = ("_done", "_first", "_on_released", "ld", "uncached")
+    __slots__ = (
+        "_done",
+        "_first",
+        "_on_released",
+        "_waiting",
+        "ld",
+        "on_stall",
+        "stalled",
+        "uncached",
+    )
 
     def __init__(
         self, w: Worker, rank: int, uncached: int, on_released: Callable[[], None] | None = None
@@ -95,10 +111,23 @@ class Ticket:
         self._done = False
         self._on_released = on_released
         """Told when the queued prefill drops (the admission queue waits for that)."""
+        self._waiting = w.awaiting_first.setdefault(rank, set())
+        self._waiting.add(self)
+        self.on_stall: Callable[[], None] | None = None
+        """Aborts the request where it waits now (set by the proxy at each stage)."""
+        self.stalled: str | None = None
+        """Why the engine will not run it (``WorkerRegistry``), once told."""
+
+    def stall(self, reason: str) -> None:
+        if not self._first and self.stalled is None:
+            self.stalled = reason
+            if self.on_stall is not None:
+                self.on_stall()
 
     def first_token(self) -> None:
         if not self._first:
             self._first = True
+            self._waiting.discard(self)
             self.ld.prefilling_requests -= 1
             self.ld.queued_prefill_tokens -= self.uncached
             if self._on_released is not None:
@@ -138,11 +167,17 @@ FAILURE_REASONS = (
     "protocol",  # sent, then the connection closed or the answer was malformed
     "status_5xx",  # the worker answered another 5xx status
     "mid_response",  # the response broke after its head (stream or buffered body)
+    "stalled",  # aborted before its first token: the engine's scheduler admits nothing
 )
 """Why an attempt failed: the label values of ``kvrouter_upstream_failures_total``."""
 
-RETRYABLE = frozenset({"worker_gone", "pool_timeout", "connect", "declined"})
-"""Failures after which the request provably did not run: only these try the next worker."""
+RETRYABLE = frozenset({"worker_gone", "pool_timeout", "connect", "declined", "stalled"})
+"""Failures after which the request did not run: only these try the next worker. A stalled
+engine ran nothing for ``server.worker_stall_s``, and the request is aborted there first."""
+
+
+class WorkerStalled(Exception):
+    """The engine a request waits on will not run it (``Ticket.stall``)."""
 
 
 @dataclass
@@ -243,11 +278,24 @@ class _ClientGone(Exception):
     pass
 
 
-async def _race(coro: Awaitable[Any], watcher: asyncio.Future[None]) -> Any:
-    """Await ``coro`` unless the client disconnects first (then cancel it: _ClientGone)."""
+async def _race(
+    coro: Awaitable[Any], watcher: asyncio.Future[None], ticket: Ticket | None = None
+) -> Any:
+    """Await ``coro`` unless the client disconnects first (then cancel it: _ClientGone) or,
+    with ``ticket``, its engine is found stalled first (then cancel it: WorkerStalled)."""
     task = asyncio.ensure_future(coro)
-    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if ticket is not None:
+        ticket.on_stall = task.cancel
+        if ticket.stalled is not None:
+            task.cancel()
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if ticket is not None:
+            ticket.on_stall = None
     if task.done():
+        if ticket is not None and ticket.stalled is not None and task.cancelled():
+            raise WorkerStalled(ticket.stalled)
         return task.result()
     task.cancel()
     with anyio.CancelScope(shield=True), contextlib.suppress(BaseException):
@@ -261,10 +309,11 @@ async def _send(
     started: UpstreamResponse | None,
     deadline: float | None,
     watcher: asyncio.Future[None],
+    ticket: Ticket,
 ) -> UpstreamResponse:
     try:
         return await _race(
-            _within(w.client.send(req, stream=True, started=started), deadline), watcher
+            _within(w.client.send(req, stream=True, started=started), deadline), watcher, ticket
         )
     except BaseException:
         if started is not None:
@@ -378,6 +427,10 @@ async def _forward(
             ctx.failed(att.engine, "worker_gone")
             last_error = f"worker {att.engine[0]} left the fleet"
             continue
+        if w.stalled is not None:  # found stalled since the route was chosen
+            ctx.failed(att.engine, "stalled")
+            last_error, last_status = f"worker {w.url} is stalled: {w.stalled}", 503
+            continue
         retry_left = i + 1 < len(attempts)
         hdrs = list(headers)
         if w.dp_size > 1:
@@ -391,11 +444,17 @@ async def _forward(
             except Exception:  # bookkeeping: never the reason a sent request is lost
                 log.exception("recording the request sent to %s", w.url)
         try:
-            resp = await _send(w, req, started, ctx.deadline, watcher)
+            resp = await _send(w, req, started, ctx.deadline, watcher, ticket)
         except _ClientGone:
             ticket.finish()
             done(Outcome(499, w.url, None, None))
             return Response(status_code=499)
+        except WorkerStalled as exc:
+            ticket.finish()
+            ctx.failed(att.engine, "stalled")
+            log.warning("request aborted on %s before its first token: stalled", w.url)
+            last_error, last_status = f"worker {w.url} is stalled: {exc}", 503
+            continue
         except Exception as exc:
             ticket.finish()
             reason, status, message = _send_failure(w, exc)
@@ -444,8 +503,20 @@ def _send_failure(w: Worker, exc: Exception) -> tuple[str, int, str]:
     raise exc
 
 
+def _abort_on_stall(ticket: Ticket, resp: UpstreamResponse) -> None:
+    """From now until its first token, a stall of the request's engine ends the read of
+    ``resp`` with WorkerStalled (and closing ``resp`` then aborts the request in vLLM)."""
+
+    def abort() -> None:
+        resp.abort(WorkerStalled(ticket.stalled or "stalled"))
+
+    ticket.on_stall = abort
+    if ticket.stalled is not None:
+        abort()
+
+
 def _stream(
-    resp: httpx.Response,
+    resp: UpstreamResponse,
     w: Worker,
     ticket: Ticket,
     t0: float,
@@ -464,6 +535,7 @@ def _stream(
     }
     sse = resp.headers.get("content-type", "").startswith("text/event-stream")
     strip = StreamUsageFilter() if ctx.strip_usage and sse else None
+    _abort_on_stall(ticket, resp)
 
     async def body() -> AsyncIterator[bytes]:
         it = resp.aiter_raw().__aiter__()
@@ -489,6 +561,15 @@ def _stream(
                     yield sse_error_event(f"worker {w.url} {what}", etype, code)
                     return
                 raise UpstreamBroken(what) from None
+            except WorkerStalled as exc:
+                state["failed"] = 503
+                ctx.failed(engine, "stalled")
+                log.warning("stream aborted on %s before its first token: stalled", w.url)
+                message = f"worker {w.url} is stalled: {exc}; send the request again"
+                if sse and boundary:
+                    yield sse_error_event(message, "service_unavailable", 503)
+                    return
+                raise UpstreamBroken(message) from None
             if state["ttft"] is None:
                 state["ttft"] = time.perf_counter() - t0
                 ticket.first_token()
@@ -541,6 +622,7 @@ async def _buffered(
     data = resp.take_complete()
     try:
         if data is None:
+            _abort_on_stall(ticket, resp)
             data = await _race(_within(read(), ctx.deadline), watcher)
     except _ClientGone:
         ticket.finish()
@@ -555,6 +637,15 @@ async def _buffered(
             await resp.aclose()
         done(Outcome(504, w.url, None, None))
         return error_response(504, f"worker {w.url} timed out mid-response", "timeout")
+    except WorkerStalled as exc:
+        ticket.finish()
+        ctx.failed(engine, "stalled")
+        with anyio.CancelScope(shield=True):
+            await resp.aclose()
+        done(Outcome(503, w.url, None, None))
+        return error_response(
+            503, f"worker {w.url} is stalled: {exc}; send the request again", "service_unavailable"
+        )
     except httpx.HTTPError as exc:
         ticket.finish()
         ctx.failed(engine, "mid_response")

@@ -281,6 +281,11 @@ class UpstreamResponse:
     async def aclose(self) -> None:
         self._release()
 
+    def abort(self, exc: Exception) -> None:
+        """End the read with ``exc`` (a pending head or body wait raises it); the connection
+        is closed, not reused, when the response is released."""
+        self._error(exc)
+
     def _release(self) -> None:
         if self._released:
             return

@@ -7,6 +7,8 @@ data-parallel rank, which is what the index and the policy see. Background loops
   that fails its health check is skipped until it passes again, and so is one whose /metrics
   has shown an engine with requests waiting and none running for ``stall_after_s`` (a stalled
   scheduler: vLLM's deadlock under KV pressure keeps /health answering while nothing runs);
+  the requests this router has waiting there for a first token are told (``StallListener``),
+  and the proxy takes them back;
 * event-source discovery: ``workers[].events`` from config, else ``GET /kv_event_sources``
   (vLLM >= 0.32: ``{"0": {"endpoint", "replay_endpoint", "topic", ...}}`` per DP rank, ``*``
   replaced by the worker's host), retried until it answers, then handed to the subscriber.
@@ -20,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -34,6 +36,7 @@ from router.upstream import UpstreamClient
 __all__ = [
     "NOT_REPORTED",
     "ModelNames",
+    "StallListener",
     "Worker",
     "WorkerRegistry",
     "parse_retention",
@@ -110,6 +113,13 @@ def parse_retention(text: str) -> int | None:
     return int(value) if value.isdigit() else NOT_REPORTED
 
 
+class StallListener(Protocol):
+    """A request sent to an engine that has not had its first token (router/proxy.py)."""
+
+    def stall(self, reason: str) -> None:
+        """The engine's scheduler is stalled: nothing there will run this request."""
+
+
 @dataclass
 class Worker:
     spec: WorkerSpec
@@ -134,6 +144,9 @@ class Worker:
     None while it is not."""
     queue_stuck_since: float | None = None
     """Since when every poll showed an engine there with requests waiting and none running."""
+    awaiting_first: dict[int, set[StallListener]] = field(default_factory=dict)
+    """Per DP rank, this router's requests there without a first token: the ones told when
+    that rank's scheduler is found stalled."""
 
     @property
     def url(self) -> str:
@@ -421,8 +434,9 @@ class WorkerRegistry:
         An engine with nothing running admits a waiting request at its next step unless its
         scheduler cannot: a CPU load in flight takes milliseconds to seconds, a deadlocked
         scheduler (vLLM under KV pressure, with /health still answering) for ever. Requests
-        sent there wait until ``first_byte_timeout_s``; its cache stays indexed, since the
-        engine keeps it."""
+        sent there would wait until ``first_byte_timeout_s``: the ones waiting on a stalled
+        rank are told (the proxy aborts them and tries the next engine, or answers 503); its
+        cache stays indexed, since the engine keeps it."""
         stuck = sorted(
             rank
             for rank, v in parsed.items()
@@ -444,6 +458,9 @@ class WorkerRegistry:
                 "pressure while /health answers): restart the worker"
             )
             log.warning("worker %s is stalled and skipped: %s", w.url, w.stalled)
+            for rank in stuck:
+                for waiting_request in list(w.awaiting_first.get(rank, ())):
+                    waiting_request.stall(w.stalled)
 
     def mark_failed(self, w: Worker, why: str) -> None:
         """A connect failure seen by the proxy: skip the worker until its next good probe."""

@@ -206,6 +206,44 @@ async def test_a_worker_whose_scheduler_stalls_is_skipped_until_it_runs_again():
             assert a in {w.url for w in router.registry.routable()}
 
 
+async def test_requests_waiting_on_a_stalled_worker_are_taken_back():
+    """Requests the router sent before it found the scheduler stalled do not wait for
+    first_byte_timeout_s: each is aborted there before its first token (the worker's queue
+    empties); the buffered one, whose response head had not come, is answered by the other
+    worker; the stream, whose head was forwarded, ends with a 503 error event."""
+    body = {"model": "sim-model", "prompt": words(400, "stalled"), "max_tokens": 2}
+    with running_fleet(2, num_gpu_blocks=512, **FAST) as ws:
+        a, b = ws[0].url, ws[1].url
+        cfg = config_for(ws, server={"worker_stall_s": 1.0, "first_byte_timeout_s": 40.0})
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=60) as c:
+            await until(lambda: all(w.subscribed for w in router.registry.workers.values()), 20)
+            assert (await c.post(a + "/v1/completions", json=body)).status_code == 200
+            assert (await wait_indexed(c, base, body, a, 384))["chosen"] == a
+            assert (await c.post(a + "/sim/faults", json={"stall_scheduler": True})).is_success
+            t0 = asyncio.get_running_loop().time()
+
+            async def stream() -> tuple[int, str, bytes]:
+                req = {**body, "stream": True}
+                async with c.stream("POST", base + "/v1/completions", json=req) as r:
+                    raw = b"".join([x async for x in r.aiter_raw()])
+                    return r.status_code, r.headers["x-kvrouter-worker"], raw
+
+            streamed = asyncio.create_task(stream())
+            buffered = asyncio.create_task(c.post(base + "/v1/completions", json=body))
+            r = await buffered
+            assert r.status_code == 200 and r.headers["x-kvrouter-worker"] == b
+            status, worker, raw = await streamed
+            assert (status, worker) == (200, a)
+            assert b'"code":503' in raw and b"is stalled" in raw, raw
+            assert raw.endswith(b"data: [DONE]\n\n")
+            assert asyncio.get_running_loop().time() - t0 < 30
+            state = (await c.get(a + "/sim/state")).json()
+            assert [e["waiting"] for e in state["engines"]] == [0]
+            m = (await c.get(base + "/metrics")).text
+            failed = re.search(r'kvrouter_upstream_failures_total{reason="stalled"} (\S+)', m)
+            assert failed and float(failed.group(1)) == 2.0, m
+
+
 async def test_eviction_changes_routing():
     prompt = words(480, "evict-me")
     half = " ".join(prompt.split()[:240])
