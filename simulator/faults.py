@@ -28,7 +28,7 @@ class Faults:
         self.drop_event_fraction = 0.0
         self.stall_http = False
         self.slowdown = 1.0
-        self.stall_scheduler = False
+        self.stall_scheduler: bool | list[int] = False
         self.events_enabled = True
         self.unstall = asyncio.Event()
 
@@ -65,9 +65,17 @@ class Faults:
         if "stall_scheduler" in data:
             # The scheduler admits no waiting request while /health still answers: how vLLM's
             # scheduler looks when it deadlocks under KV pressure (running 0, waiting N).
-            self.stall_scheduler = bool(data["stall_scheduler"])
+            # True / False: every DP rank; a list: those ranks.
+            v = data["stall_scheduler"]
+            if isinstance(v, bool):
+                ranks = {r.dp_rank for r in runners} if v else set()
+            elif isinstance(v, list) and all(type(x) is int for x in v):
+                ranks = set(v)
+            else:
+                raise ApiError(400, "stall_scheduler must be a boolean or a list of DP ranks")
+            self.stall_scheduler = v
             for r in runners:
-                r.engine.config.admit_waiting = not self.stall_scheduler
+                r.engine.config.admit_waiting = r.dp_rank not in ranks
         if "events_enabled" in data:
             self.events_enabled = bool(data["events_enabled"])
             for r in runners:

@@ -91,12 +91,14 @@ def _add_generation_routes(app: FastAPI, w: Worker) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         data = await w.read_json(request)
-        return await _cancelled_on_disconnect(request, w.generate(data, chat=False))
+        rank = request.headers.get("x-data-parallel-rank")
+        return await _cancelled_on_disconnect(request, w.generate(data, False, rank))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         data = await w.read_json(request)
-        return await _cancelled_on_disconnect(request, w.generate(data, chat=True))
+        rank = request.headers.get("x-data-parallel-rank")
+        return await _cancelled_on_disconnect(request, w.generate(data, True, rank))
 
 
 async def _cancelled_on_disconnect(request: Request, handler: Awaitable[Response]) -> Response:

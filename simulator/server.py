@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any
 
 import msgspec
@@ -126,7 +126,9 @@ class Worker:
     async def start(self) -> None:
         for rank in range(self.s.dp_size):
             pub = await asyncio.to_thread(self._publisher, rank)
-            r = EngineRunner(SimEngine(self.s.engine), rank, pub, self.s.event_encoding)
+            # A config of its own per rank: a fault set on one rank leaves the others.
+            engine = SimEngine(replace(self.s.engine))
+            r = EngineRunner(engine, rank, pub, self.s.event_encoding)
             r.start()
             self.runners.append(r)
 
@@ -163,8 +165,16 @@ class Worker:
             }
         return out
 
-    def pick_runner(self) -> EngineRunner:
-        """vLLM's DP load balancing: least loaded rank (waiting*4 + running), ties RR."""
+    def pick_runner(self, dp_rank: str | None = None) -> EngineRunner:
+        """The rank an ``X-data-parallel-rank`` header names (vLLM honours it; 400 when it is
+        not a rank of this worker), else vLLM's DP load balancing: least loaded rank
+        (waiting*4 + running), ties RR."""
+        if dp_rank is not None:
+            n = len(self.runners)
+            rank = int(dp_rank) if dp_rank.strip().isdigit() else -1
+            if not 0 <= rank < n:
+                raise ApiError(400, f"X-data-parallel-rank {dp_rank!r} is out of range [0, {n})")
+            return self.runners[rank]
         if len(self.runners) == 1:
             return self.runners[0]
         start = next(self._rr) % len(self.runners)
@@ -321,10 +331,13 @@ class Worker:
             finish="length" if explicit else "stop",
         )
 
-    async def generate(self, data: dict[str, Any], chat: bool) -> Response:
+    async def generate(
+        self, data: dict[str, Any], chat: bool, dp_rank: str | None = None
+    ) -> Response:
+        """``dp_rank``: the request's ``X-data-parallel-rank`` header, if any."""
         await self.loras.resolve(data.get("model"))
         g = self._generation(data, chat)
-        runner = self.pick_runner()
+        runner = self.pick_runner(dp_rank)
         try:
             q = runner.submit(
                 g.rid, g.ids, g.max_tokens, g.lora, g.salt, g.session, g.report_full, g.priority

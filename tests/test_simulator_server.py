@@ -513,6 +513,37 @@ def test_dp_ranks_publish_separately(ctx: zmq.Context) -> None:
                 s.close()
 
 
+def test_the_dp_rank_header_places_the_request_and_one_rank_can_stall() -> None:
+    """vLLM honours ``X-data-parallel-rank``: the request runs on that rank (400 for a rank the
+    worker does not have); ``stall_scheduler`` can stall one rank and leave the other serving."""
+    with running_fleet(1, dp_size=2, block_size=16, decode_ms=1) as (w,):
+        url = w.url + "/v1/completions"
+        faults = w.url + "/sim/faults"
+
+        def on(rank: str, **kw: Any) -> httpx.Response:
+            body = {"prompt": toks(40), "max_tokens": 1}
+            return httpx.post(url, json=body, headers={"x-data-parallel-rank": rank}, **kw)
+
+        def waiting() -> list[int]:
+            state = httpx.get(w.url + "/sim/state", timeout=DEADLINE).json()
+            return [e["waiting"] for e in sorted(state["engines"], key=lambda e: e["dp_rank"])]
+
+        assert on("2", timeout=DEADLINE).status_code == 400
+        assert on("x", timeout=DEADLINE).status_code == 400
+        bad = httpx.post(faults, json={"stall_scheduler": ["0"]}, timeout=DEADLINE)
+        assert bad.status_code == 400
+        assert httpx.post(faults, json={"stall_scheduler": [0]}, timeout=DEADLINE).is_success
+        try:
+            for _ in range(3):
+                assert on("1", timeout=DEADLINE).status_code == 200  # rank 1 serves
+            with pytest.raises(httpx.ReadTimeout):
+                on("0", timeout=httpx.Timeout(DEADLINE, read=0.3))  # rank 0 admits nothing
+            assert waiting()[1] == 0
+        finally:
+            httpx.post(faults, json={"stall_scheduler": False}, timeout=DEADLINE)
+        assert on("0", timeout=DEADLINE).status_code == 200
+
+
 def test_concurrent_load_with_preemption_completes() -> None:
     """Many concurrent long requests on a tiny pool: preemption, queueing, all answered."""
     import asyncio
