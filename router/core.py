@@ -410,7 +410,10 @@ class Router:
             tok, err = await self._tokenize(body, chat, root, workers, trace)
         if trace is not None:
             trace.routing(tok, err)
-        loads = [(e, w.load(e[1])) for w in workers for e in w.engines()]
+        # Engines found stalled are left out (all of them while every engine is).
+        loads = [(e, w.load(e[1])) for w in workers for e in w.serving_engines()] or [
+            (e, w.load(e[1])) for w in workers for e in w.engines()
+        ]
         bound = None if session is None else await self._session_binding(session, now)
         if owner is not None:  # the one engine holding what the request names
             loads = [x for x in loads if x[0] == owner] or loads

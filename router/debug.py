@@ -36,6 +36,7 @@ def debug_index(router: Router) -> dict[str, Any]:
                 "healthy": w.healthy,
                 "health_error": w.last_health_error,
                 "stalled": w.stalled,
+                "stalled_ranks": sorted(w.stalled_ranks),
                 "events_endpoint": w.events_endpoint,
                 "replay_endpoint": w.replay_endpoint,
                 "subscribed": w.subscribed,

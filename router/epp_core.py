@@ -207,7 +207,7 @@ class Picker:
         engine with the fewest requests in flight."""
         eligible = self._eligible(subset)
         engines = sorted(
-            (e for w in eligible.values() for e in w.engines()),
+            (e for w in eligible.values() for e in w.serving_engines() or w.engines()),
             key=lambda e: eligible[e[0]].load(e[1]).inflight_requests,
         )
         if not engines:

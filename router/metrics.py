@@ -59,7 +59,8 @@ class _StateCollector(Collector):
         )
         stalled = GaugeMetricFamily(
             "kvrouter_worker_stalled",
-            "1 if the worker is skipped: an engine there has requests waiting and none running",
+            "1 while engines of the worker are skipped: they have had requests waiting and none "
+            "running for server.worker_stall_s",
             labels=["worker"],
         )
         degraded = GaugeMetricFamily(

@@ -427,7 +427,7 @@ async def _forward(
             ctx.failed(att.engine, "worker_gone")
             last_error = f"worker {att.engine[0]} left the fleet"
             continue
-        if w.stalled is not None:  # found stalled since the route was chosen
+        if att.engine[1] in w.stalled_ranks:  # found stalled since the route was chosen
             ctx.failed(att.engine, "stalled")
             last_error, last_status = f"worker {w.url} is stalled: {w.stalled}", 503
             continue

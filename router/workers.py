@@ -140,10 +140,12 @@ class Worker:
     """Its ``--prefix-cache-retention-interval``, as its /metrics reports it
     (router/speculative.py)."""
     stalled: str | None = None
-    """Why the worker is skipped although its /health answers (see ``WorkerRegistry.routable``),
-    None while it is not."""
-    queue_stuck_since: float | None = None
-    """Since when every poll showed an engine there with requests waiting and none running."""
+    """Why engines of the worker are skipped although its /health answers (see
+    ``WorkerRegistry.routable``), None while none is."""
+    stalled_ranks: frozenset[int] = frozenset()
+    """The DP ranks skipped as stalled (``serving_engines`` leaves them out)."""
+    stuck_since: dict[int, float] = field(default_factory=dict)
+    """Per DP rank, since when every poll showed it with requests waiting and none running."""
     awaiting_first: dict[int, set[StallListener]] = field(default_factory=dict)
     """Per DP rank, this router's requests there without a first token: the ones told when
     that rank's scheduler is found stalled."""
@@ -158,6 +160,10 @@ class Worker:
 
     def engines(self) -> list[EngineId]:
         return [(self.url, r) for r in range(self.dp_size)]
+
+    def serving_engines(self) -> list[EngineId]:
+        """Its engines whose schedulers are not stalled: where requests may go."""
+        return [(self.url, r) for r in range(self.dp_size) if r not in self.stalled_ranks]
 
     def load(self, rank: int) -> EngineLoad:
         """The live load record of engine ``rank`` (created on first use)."""
@@ -362,8 +368,13 @@ class WorkerRegistry:
         return [w for w in self.workers.values() if w.healthy]
 
     def routable(self) -> list[Worker]:
-        """Healthy workers whose schedulers are not stalled: where requests may go."""
-        return [w for w in self.workers.values() if w.healthy and w.stalled is None]
+        """Healthy workers with an engine whose scheduler is not stalled: where requests may
+        go (to those engines: ``Worker.serving_engines``)."""
+        return [
+            w
+            for w in self.workers.values()
+            if w.healthy and len(w.stalled_ranks) < max(w.dp_size, 1)
+        ]
 
     def tokenizer_workers(self, among: list[Worker] | None = None) -> list[Worker]:
         """Healthy workers (of ``among`` when given: the ones serving the request's model,
@@ -428,39 +439,47 @@ class WorkerRegistry:
             pass
 
     def _observe_stall(self, w: Worker, parsed: dict[int, dict[str, float]], now: float) -> None:
-        """Take ``w`` out of routing while an engine there has had requests waiting and none
+        """Take an engine of ``w`` out of routing while it has had requests waiting and none
         running for ``stall_after_s``; back in at the first poll that shows otherwise.
 
         An engine with nothing running admits a waiting request at its next step unless its
         scheduler cannot: a CPU load in flight takes milliseconds to seconds, a deadlocked
         scheduler (vLLM under KV pressure, with /health still answering) for ever. Requests
-        sent there would wait until ``first_byte_timeout_s``: the ones waiting on a stalled
-        rank are told (the proxy aborts them and tries the next engine, or answers 503); its
-        cache stays indexed, since the engine keeps it."""
-        stuck = sorted(
+        sent there would wait until ``first_byte_timeout_s``: the ones waiting on a rank found
+        stalled are told (the proxy aborts them and tries the next engine, or answers 503); its
+        cache stays indexed, since the engine keeps it. Other ranks of the worker keep serving."""
+        stuck = {
             rank
             for rank, v in parsed.items()
             if v.get("waiting", 0.0) > 0 and v.get("running", 0.0) == 0
-        )
-        if not stuck or self.stall_after_s <= 0:
-            if w.stalled is not None:
-                log.warning("worker %s runs requests again: routable", w.url)
-            w.stalled, w.queue_stuck_since = None, None
+        }
+        if self.stall_after_s <= 0:
+            stuck = set()
+        for rank in list(w.stuck_since):
+            if rank not in stuck:
+                del w.stuck_since[rank]
+        for rank in stuck:
+            w.stuck_since.setdefault(rank, now)
+        stalled = frozenset(r for r, t in w.stuck_since.items() if now - t >= self.stall_after_s)
+        if stalled == w.stalled_ranks:
             return
-        if w.queue_stuck_since is None:
-            w.queue_stuck_since = now
-        age = now - w.queue_stuck_since
-        if w.stalled is None and age >= self.stall_after_s:
-            waiting = sum(int(parsed[r].get("waiting", 0)) for r in stuck)
-            w.stalled = (
-                f"DP rank(s) {stuck}: {waiting} requests waiting and none running for "
-                f"{age:.0f} s; its scheduler admits nothing (vLLM deadlocks this way under KV "
-                "pressure while /health answers): restart the worker"
-            )
-            log.warning("worker %s is stalled and skipped: %s", w.url, w.stalled)
-            for rank in stuck:
-                for waiting_request in list(w.awaiting_first.get(rank, ())):
-                    waiting_request.stall(w.stalled)
+        new = stalled - w.stalled_ranks
+        w.stalled_ranks = stalled
+        if not stalled:
+            w.stalled = None
+            log.warning("worker %s runs requests again: routable", w.url)
+            return
+        waiting = sum(int(parsed[r].get("waiting", 0)) for r in stalled)
+        age = max(now - w.stuck_since[r] for r in stalled)
+        w.stalled = (
+            f"DP rank(s) {sorted(stalled)}: {waiting} requests waiting and none running for "
+            f"{age:.0f} s; its scheduler admits nothing (vLLM deadlocks this way under KV "
+            "pressure while /health answers): restart the worker"
+        )
+        log.warning("worker %s: engines skipped as stalled: %s", w.url, w.stalled)
+        for rank in new:
+            for waiting_request in list(w.awaiting_first.get(rank, ())):
+                waiting_request.stall(w.stalled)
 
     def mark_failed(self, w: Worker, why: str) -> None:
         """A connect failure seen by the proxy: skip the worker until its next good probe."""

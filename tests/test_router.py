@@ -244,6 +244,31 @@ async def test_requests_waiting_on_a_stalled_worker_are_taken_back():
             assert failed and float(failed.group(1)) == 2.0, m
 
 
+async def test_a_stalled_dp_rank_is_skipped_and_the_other_ranks_keep_serving():
+    """With data parallelism a stall is per engine: the worker's other rank takes the traffic,
+    /debug/index names the stalled rank, and the rank comes back once it runs again."""
+    body = {"model": "sim-model", "prompt": words(300, "dp-stall"), "max_tokens": 2}
+    with running_fleet(1, dp_size=2, num_gpu_blocks=512, **FAST) as ws:
+        url = ws[0].url
+        cfg = config_for(ws, server={"worker_stall_s": 1.0})
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
+            worker = router.registry.workers[url]
+            await until(lambda: worker.subscribed and worker.dp_size == 2, 20)
+            assert (await c.post(url + "/sim/faults", json={"stall_scheduler": [0]})).is_success
+            rank_0 = {"x-data-parallel-rank": "0"}
+            stuck = asyncio.create_task(c.post(url + "/v1/completions", json=body, headers=rank_0))
+            await until(lambda: worker.stalled_ranks == {0}, 15, "rank 0 to be skipped")
+            assert worker in router.registry.routable() and not stuck.done()
+            for i in range(4):  # rank 0 would keep them waiting
+                other = {**body, "prompt": words(50, f"q{i}")}
+                assert (await c.post(base + "/v1/completions", json=other)).status_code == 200
+            d = (await c.get(base + "/debug/index")).json()
+            assert next(x for x in d["workers"] if x["url"] == url)["stalled_ranks"] == [0]
+            assert (await c.post(url + "/sim/faults", json={"stall_scheduler": False})).is_success
+            assert (await stuck).status_code == 200
+            await until(lambda: not worker.stalled_ranks, 15, "rank 0 to be routable again")
+
+
 async def test_eviction_changes_routing():
     prompt = words(480, "evict-me")
     half = " ".join(prompt.split()[:240])
