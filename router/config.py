@@ -60,8 +60,10 @@ class ServerConfig(_Section):
     connect_timeout_s: float = 5.0
     first_byte_timeout_s: float = 600.0
     worker_stall_s: float = 30.0
-    """A worker whose /metrics shows an engine with requests waiting and none running for this
-    long is skipped until it runs requests again (its scheduler stalled; 0: never skipped)."""
+    """An engine whose worker's /metrics shows it with requests waiting and none running for
+    this long is skipped until it runs requests again, and this router's requests waiting there
+    are taken back (its scheduler stalled; 0: never). Keep it above the longest such wait a
+    healthy engine has (a P/D decode worker waiting for remote KV)."""
     max_connections_per_worker: int = 256
     request_timeout_s: float | None = None
     """Total time for one request, streaming included (None: no limit)."""
