@@ -606,6 +606,18 @@ def _stream(
     return Passthrough(resp.status_code, response_headers(resp, w.url), body(), on_close)
 
 
+def _buffered_failure(w: Worker, exc: Exception) -> tuple[int, str, str, str]:
+    """(status, failure reason, message, error type) of a buffered answer whose body broke."""
+    if isinstance(exc, WorkerStalled):
+        message = f"worker {w.url} is stalled: {exc}; send the request again"
+        return 503, "stalled", message, "service_unavailable"
+    if isinstance(exc, _Deadline | httpx.TimeoutException):
+        reason = "request_timeout" if isinstance(exc, _Deadline) else "mid_response"
+        return 504, reason, f"worker {w.url} timed out mid-response", "timeout"
+    message = f"worker {w.url} failed mid-response: {type(exc).__name__}"
+    return 502, "mid_response", message, "bad_gateway"
+
+
 async def _buffered(
     resp: UpstreamResponse,
     w: Worker,
@@ -630,31 +642,14 @@ async def _buffered(
             await resp.aclose()
         done(Outcome(499, w.url, None, None))
         return Response(status_code=499)
-    except (_Deadline, httpx.TimeoutException) as exc:
+    except (_Deadline, WorkerStalled, httpx.HTTPError) as exc:
+        status, reason, message, etype = _buffered_failure(w, exc)
         ticket.finish()
-        ctx.failed(engine, "request_timeout" if isinstance(exc, _Deadline) else "mid_response")
+        ctx.failed(engine, reason)
         with anyio.CancelScope(shield=True):
             await resp.aclose()
-        done(Outcome(504, w.url, None, None))
-        return error_response(504, f"worker {w.url} timed out mid-response", "timeout")
-    except WorkerStalled as exc:
-        ticket.finish()
-        ctx.failed(engine, "stalled")
-        with anyio.CancelScope(shield=True):
-            await resp.aclose()
-        done(Outcome(503, w.url, None, None))
-        return error_response(
-            503, f"worker {w.url} is stalled: {exc}; send the request again", "service_unavailable"
-        )
-    except httpx.HTTPError as exc:
-        ticket.finish()
-        ctx.failed(engine, "mid_response")
-        with anyio.CancelScope(shield=True):
-            await resp.aclose()
-        done(Outcome(502, w.url, None, None))
-        return error_response(
-            502, f"worker {w.url} failed mid-response: {type(exc).__name__}", "bad_gateway"
-        )
+        done(Outcome(status, w.url, None, None))
+        return error_response(status, message, etype)
     ticket.finish()
     await resp.aclose()
     body = data

@@ -229,21 +229,8 @@ def test_the_bench_replays_a_bailian_trace_and_reports_how_it_read_it(tmp_path, 
             lines.append(_bailian_line(cid, parent, t, 16 * len(ids) - 3, ids))
             parent = cid
     trace.write_text("\n".join(lines) + "\n")
-    routing_bench.main(
-        [
-            "--trace",
-            str(trace),
-            "--workers",
-            "3",
-            "--speed",
-            "1",
-            "--policies",
-            "round_robin,kvrouter",
-            "--json",
-            "--out",
-            str(tmp_path / "c.png"),
-        ]
-    )
+    flags = ["--workers", "3", "--speed", "1", "--policies", "round_robin,kvrouter", "--json"]
+    routing_bench.main(["--trace", str(trace), *flags, "--out", str(tmp_path / "c.png")])
     out = _last_json(capsys)
     assert out["config"]["trace_format"] == {
         "block_tokens": 16,
