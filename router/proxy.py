@@ -4,10 +4,12 @@
   (``aiter_raw``: no re-encoding, SSE chunks forwarded one by one as they arrive).
 * Hop-by-hop headers are dropped both ways; ``Authorization`` is forwarded only when
   ``server.forward_authorization`` is set. Every response carries ``x-kvrouter-worker``.
-* **A request runs on at most one worker.** The next-best worker (the policy's ranking) is tried
-  only when provably nothing reached the first: connection refused or timed out, no free pooled
-  connection, a reused keep-alive connection the worker had already closed (see
-  ``router.upstream``), or a 503 answer (the worker declined the request). A first-byte timeout,
+* **A request runs on at most one worker at a time.** The next-best worker (the policy's
+  ranking) is tried only when provably nothing reached the first: connection refused or timed
+  out, no free pooled connection, a reused keep-alive connection the worker had already closed
+  (see ``router.upstream``), or a 503 answer (the worker declined the request); or when the
+  first's engine is found stalled before the response head (below), the request aborted there
+  first. A first-byte timeout,
   a worker that closed or broke the connection after reading the request, or any other status
   is answered to the client (502 / 504 / the worker's status), never sent again: the first worker
   may still be computing it. Connect failures mark the worker unhealthy until its next good
