@@ -62,12 +62,11 @@ def workload_bounds(
     """``prompts``: ``(prompt tokens, content keys)`` per request the workers accept, in the
     order they are routed; keys one per ``unit`` tokens. Returns the bounds of the module
     docstring, the p90 by ``percentile`` (sorted values, percent), the policies' own."""
-    kept = list(prompts)
-    if not kept:
+    if not prompts:
         return {}
-    shared = earlier_shared_prefix_units([k for _, k in kept])
+    shared = earlier_shared_prefix_units([k for _, k in prompts])
     hits, lower = [], []
-    for (n, _), units in zip(kept, shared, strict=True):
+    for (n, _), units in zip(prompts, shared, strict=True):
         hit = min(units * unit // block_size * block_size, n)
         u = max(n - hit, 1)
         hits.append(hit)
@@ -78,7 +77,7 @@ def workload_bounds(
     return {
         "what": "every request served by an unbounded cache holding every earlier prompt, "
         "prefilled alone on one worker with nothing queued (no placement does better)",
-        "hit_rate_upper": round(sum(hits) / sum(n for n, _ in kept), 4),
+        "hit_rate_upper": round(sum(hits) / sum(n for n, _ in prompts), 4),
         "ttft_mean_lower_s": round(statistics.fmean(lower), 4),
         "ttft_p90_lower_s": round(percentile(lower, 90), 4),
     }

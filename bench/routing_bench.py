@@ -458,7 +458,12 @@ def _timed_schedule(engine: SimEngine, busy: list[float], w: int, mixed: list[in
 
 
 def measure_capacity(
-    reqs: list[Req], fs: FleetSpec, rs: RouterSpec, src: TokenSource, keys: KeyCache
+    reqs: list[Req],
+    fs: FleetSpec,
+    rs: RouterSpec,
+    src: TokenSource,
+    keys: KeyCache,
+    mean_prompt: float,
 ) -> dict[str, float]:
     """Round-robin capacity of the fleet on this workload, by a saturation run.
 
@@ -466,7 +471,9 @@ def measure_capacity(
     a few hundred requests, and replaying the whole trace at 2x capacity would cost as much as
     another policy run. Capacity is measured in prompt tokens per second (what a prefill-bound
     fleet serves) and converted to requests per second with the whole workload's mean prompt,
-    so a subset with longer prompts than the rest does not skew the offered load.
+    so a subset with longer prompts than the rest does not skew the offered load
+    (``mean_prompt``: that of the requests the workers accept; the refused are never served,
+    so they do not set the offered load).
     """
     sub = reqs[:CAPACITY_REQUESTS]
     sub_rate = len(sub) / max(sub[-1].arrival_s - sub[0].arrival_s, 1e-9)
@@ -477,9 +484,6 @@ def measure_capacity(
     lo, hi = pct([t for t, _ in firsts], 10), pct([t for t, _ in firsts], 90)
     tokens = sum(n for t, n in firsts if lo <= t <= hi)
     cap_tps = tokens / max(hi - lo, 1e-9)
-    # Requests the workers refuse are never served: they do not set the offered load.
-    probe = FastFleet(1, fs.engine(events=False))
-    mean_prompt = statistics.fmean(r.n_tokens for r in reqs if not rejects(probe, r))
     return {
         "method": f"saturation run on the first {len(sub)} requests: round robin offered 2x the "
         "no-cache analytic capacity; capacity = prompt tokens of the requests whose first token "
@@ -847,9 +851,18 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
     unit = math.gcd(16, fs.block_size)
     keys = KeyCache(unit)
     probe = FastFleet(1, fs.engine(events=False))
+    accepted = [r for r in reqs if not rejects(probe, r)]
+    if not accepted:
+        shortest = min(reqs, key=lambda r: r.n_tokens + r.max_tokens)
+        raise SystemExit(
+            "every request is refused by the workers (the shortest: a prompt of "
+            f"{shortest.n_tokens} tokens and {shortest.max_tokens} to generate; max_model_len "
+            f"{fs.max_model_len}, KV cache {fs.gpu_blocks * fs.block_size} tokens): nothing "
+            "to replay (--max-model-len, --gpu-blocks)"
+        )
     engine_cfg = probe.config
     bounds = workload_bounds(
-        [(r.n_tokens, keys.get(r, src.tokens(r))[0]) for r in reqs if not rejects(probe, r)],
+        [(r.n_tokens, keys.get(r, src.tokens(r))[0]) for r in accepted],
         unit=unit,
         block_size=fs.block_size,
         prefill_tokens_per_s=engine_cfg.prefill_tokens_per_s,
@@ -865,14 +878,6 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
             raise SystemExit(f"unknown policy {p!r}")
     t_start = time.perf_counter()
     base_rate = len(reqs) / max(reqs[-1].arrival_s - reqs[0].arrival_s, 1e-9)
-    if all(rejects(probe, r) for r in reqs):
-        shortest = min(reqs, key=lambda r: r.n_tokens + r.max_tokens)
-        raise SystemExit(
-            "every request is refused by the workers (the shortest: a prompt of "
-            f"{shortest.n_tokens} tokens and {shortest.max_tokens} to generate; max_model_len "
-            f"{fs.max_model_len}, KV cache {fs.gpu_blocks * fs.block_size} tokens): nothing "
-            "to replay (--max-model-len, --gpu-blocks)"
-        )
     if args.speed is not None:
         cap = {
             "method": "fixed --speed",
@@ -882,7 +887,8 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
         speeds = {str(args.load): args.speed}
     else:
         PROGRESS.phase(f"measuring round-robin capacity on {len(reqs)} requests...")
-        cap = measure_capacity(reqs, fs, rs, src, keys)
+        mean_prompt = statistics.fmean(r.n_tokens for r in accepted)
+        cap = measure_capacity(reqs, fs, rs, src, keys, mean_prompt)
         PROGRESS.phase(f"  {cap}")
         loads = [float(x) for x in args.loads.split(",")] if args.loads else [args.load]
         speeds = {str(ld): ld * cap["round_robin_capacity_rps"] / base_rate for ld in loads}
