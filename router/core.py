@@ -56,7 +56,7 @@ from router.tokenize import (
 )
 from router.tracing import RequestTrace, make_tracer
 from router.verify import Verifier, VerifyCollector, VerifyParams
-from router.workers import NOT_REPORTED, Worker, WorkerRegistry
+from router.workers import NOT_REPORTED, Worker, WorkerRegistry, serving_engines
 
 __all__ = ["RouteResult", "Router"]
 
@@ -410,10 +410,7 @@ class Router:
             tok, err = await self._tokenize(body, chat, root, workers, trace)
         if trace is not None:
             trace.routing(tok, err)
-        # Engines found stalled are left out (all of them while every engine is).
-        loads = [(e, w.load(e[1])) for w in workers for e in w.serving_engines()] or [
-            (e, w.load(e[1])) for w in workers for e in w.engines()
-        ]
+        loads = [(e, w.load(e[1])) for w, e in serving_engines(workers)]
         bound = None if session is None else await self._session_binding(session, now)
         if owner is not None:  # the one engine holding what the request names
             loads = [x for x in loads if x[0] == owner] or loads

@@ -28,6 +28,7 @@ from router.errors import BodyError
 from router.proxy import Outcome, Ticket
 from router.sessions import session_key
 from router.verify import with_stream_usage
+from router.workers import serving_engines
 
 __all__ = ["Pick", "Picker", "RequestState", "endpoint_of"]
 
@@ -207,7 +208,7 @@ class Picker:
         engine with the fewest requests in flight."""
         eligible = self._eligible(subset)
         engines = sorted(
-            (e for w in eligible.values() for e in w.serving_engines() or w.engines()),
+            (e for _, e in serving_engines(eligible.values())),
             key=lambda e: eligible[e[0]].load(e[1]).inflight_requests,
         )
         if not engines:

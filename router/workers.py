@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -41,6 +41,7 @@ __all__ = [
     "WorkerRegistry",
     "parse_retention",
     "parse_vllm_metrics",
+    "serving_engines",
 ]
 
 log = logging.getLogger("kvrouter.workers")
@@ -143,7 +144,7 @@ class Worker:
     """Why engines of the worker are skipped although its /health answers (see
     ``WorkerRegistry.routable``), None while none is."""
     stalled_ranks: frozenset[int] = frozenset()
-    """The DP ranks skipped as stalled (``serving_engines`` leaves them out)."""
+    """The DP ranks skipped as stalled (:func:`serving_engines` leaves them out)."""
     stuck_since: dict[int, float] = field(default_factory=dict)
     """Per DP rank, since when every poll showed it with requests waiting and none running."""
     awaiting_first: dict[int, set[StallListener]] = field(default_factory=dict)
@@ -160,10 +161,6 @@ class Worker:
 
     def engines(self) -> list[EngineId]:
         return [(self.url, r) for r in range(self.dp_size)]
-
-    def serving_engines(self) -> list[EngineId]:
-        """Its engines whose schedulers are not stalled: where requests may go."""
-        return [(self.url, r) for r in range(self.dp_size) if r not in self.stalled_ranks]
 
     def load(self, rank: int) -> EngineLoad:
         """The live load record of engine ``rank`` (created on first use)."""
@@ -237,6 +234,14 @@ class ModelNames:
 
 MODELS_EVERY_POLLS = 10
 """A worker's /v1/models is re-read every this many health polls (10 s by default)."""
+
+
+def serving_engines(workers: Iterable[Worker]) -> list[tuple[Worker, EngineId]]:
+    """The engines of ``workers`` whose schedulers are not stalled, with their worker: where
+    requests may go (every engine of ``workers`` while each one is stalled)."""
+    pool = list(workers)
+    serving = [(w, e) for w in pool for e in w.engines() if e[1] not in w.stalled_ranks]
+    return serving or [(w, e) for w in pool for e in w.engines()]
 
 
 class WorkerRegistry:
@@ -369,7 +374,7 @@ class WorkerRegistry:
 
     def routable(self) -> list[Worker]:
         """Healthy workers with an engine whose scheduler is not stalled: where requests may
-        go (to those engines: ``Worker.serving_engines``)."""
+        go (to those engines: :func:`serving_engines`)."""
         return [
             w
             for w in self.workers.values()
