@@ -6,27 +6,36 @@ at once while some engine serving its model has room: less queued prefill than t
 there that have no first token yet). Otherwise, and whenever requests are already waiting, it
 waits in a queue (:class:`FairQueue`):
 
-* ordered by the request's ``priority`` (vLLM's field, forwarded unchanged: lower first), then
-  round robin between the API keys of one priority (each key's next request in turn, so one
-  key's burst cannot starve another key), then first come first served within a key;
+* ordered by the request's ``priority`` (vLLM's field, forwarded unchanged: lower first), then,
+  with ``admission.order: fair`` (the default), round robin between the API keys of one
+  priority (each key's next request in turn, so one key's burst cannot starve another key) and
+  first come first served within a key (:class:`FairQueue`); with ``order: shortest_prompt``,
+  the request with the smallest body first (its size in bytes, a stand-in for its prompt's
+  length, known before tokenizing), except that one waiting ``shortest_first_max_wait_s`` or
+  longer goes ahead of every later arrival (:class:`ShortestFirstQueue`). Each engine runs its
+  queue first come first served, so a short prompt sent behind a long one waits for all of its
+  prefill; holding both here and sending the short one first saves it that wait and costs the
+  long one one short prefill;
 * bounded: with ``max_queue`` requests waiting a new one is refused at once (429,
   ``queue_full``), and a request still waiting after ``max_wait_s`` is refused (429,
   ``deadline``), both with ``Retry-After``: how long the requests ahead take to leave at the
   rate the queue has been seen admitting (``retry_after_s`` until a rate is known);
 * a request whose client disconnects leaves the queue.
 
-A waiting request is admitted as soon as its model's engines have room again: each first token
-of a request this router sent wakes the queue (the proxy calls :meth:`Admission.wake`), and a
-re-check every ``RECHECK_S`` catches load that changes elsewhere (other replicas, workers that
-leave or recover). An admitted request's prompt reaches an engine's count only once its route
-is chosen, so until then it holds a :class:`Pass` that counts against the room: the queue
-admits as many requests as the engines' headroom below the threshold holds prompts of the size
-seen so far, not the whole queue at the first free token.
+A waiting request is admitted as soon as its model's engines have room again
+(:func:`headroom`): each first token of a request this router sent wakes the queue (the proxy
+calls :meth:`Admission.wake`), and a re-check every ``RECHECK_S`` catches load that changes
+elsewhere (other replicas, workers that leave or recover). An admitted request's prompt
+reaches an engine's count only once its route is chosen, so until then it holds a
+:class:`Pass` that counts against the room: the queue admits as many requests as the engines'
+headroom below the threshold holds prompts of the size seen so far, not the whole queue at the
+first free token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
@@ -44,7 +53,15 @@ if TYPE_CHECKING:
     from router.config import AdmissionConfig
     from router.core import Router
 
-__all__ = ["Admission", "FairQueue", "Pass", "make_admission", "priority_of"]
+__all__ = [
+    "Admission",
+    "FairQueue",
+    "Pass",
+    "ShortestFirstQueue",
+    "headroom",
+    "make_admission",
+    "priority_of",
+]
 
 RECHECK_S = 0.25
 """While requests wait, room is re-checked this often besides the wake-ups on first tokens."""
@@ -69,7 +86,10 @@ class FairQueue(Generic[T]):
     def __len__(self) -> int:
         return self._n
 
-    def push(self, priority: int, key: Hashable, item: T) -> None:
+    def push(
+        self, priority: int, key: Hashable, item: T, size: int = 0, since: float = 0.0
+    ) -> None:
+        """``size`` and ``since`` are :class:`ShortestFirstQueue`'s; this order ignores them."""
         level = self._levels.setdefault(priority, {})
         q = level.get(key)
         if q is None:
@@ -77,10 +97,10 @@ class FairQueue(Generic[T]):
         q.append(item)
         self._n += 1
 
-    def pop_first(self, ok: Callable[[T], bool] = lambda _: True) -> T | None:
+    def pop_first(self, ok: Callable[[T], bool] = lambda _: True, now: float = 0.0) -> T | None:
         """The first item in order whose ``ok`` is true, removed; None if there is none. Only
         each key's oldest item is offered (FIFO within a key); the key served goes to the end
-        of its priority's rotation."""
+        of its priority's rotation. ``now`` is :class:`ShortestFirstQueue`'s."""
         for priority in sorted(self._levels):
             level = self._levels[priority]
             for key, q in level.items():
@@ -119,6 +139,88 @@ class FairQueue(Generic[T]):
         """Items that go before a new item of ``priority`` at most (its own level included:
         round robin puts it somewhere among them)."""
         return sum(n for p, n in self.depths().items() if p <= priority)
+
+
+class ShortestFirstQueue(Generic[T]):
+    """Items by priority (lowest value first), then the smallest ``size`` first; an item
+    waiting ``max_wait_s`` or longer goes ahead of every item that arrived after it, so no
+    item is passed over for longer than that. Pure data structure: ``now`` is an argument.
+
+    Bounds: a pop looks at every item of the first priority that has one ``ok`` accepts, so it
+    costs O(n log n) in the queue's length (``admission.max_queue`` bounds n)."""
+
+    def __init__(self, max_wait_s: float) -> None:
+        self.max_wait_s = max_wait_s
+        self._items: dict[int, list[tuple[float, int, int, Hashable, T]]] = {}
+        """Per priority: (since, arrival number, size, key, item), in arrival order."""
+        self._seq = itertools.count()
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def push(
+        self, priority: int, key: Hashable, item: T, size: int = 0, since: float = 0.0
+    ) -> None:
+        self._items.setdefault(priority, []).append((since, next(self._seq), size, key, item))
+        self._n += 1
+
+    def pop_first(self, ok: Callable[[T], bool] = lambda _: True, now: float = 0.0) -> T | None:
+        """The first item in order whose ``ok`` is true, removed; None if there is none."""
+        for priority in sorted(self._items):
+            level = self._items[priority]
+            for i in _shortest_first(level, now - self.max_wait_s):
+                item = level[i][4]
+                if ok(item):
+                    del level[i]
+                    if not level:
+                        del self._items[priority]
+                    self._n -= 1
+                    return item
+        return None
+
+    def remove(self, priority: int, key: Hashable, item: T) -> bool:
+        """Take ``item`` out wherever it is (a client that left); False if it is not queued."""
+        level = self._items.get(priority, [])
+        for i, x in enumerate(level):
+            if x[4] is item:
+                del level[i]
+                if not level:
+                    del self._items[priority]
+                self._n -= 1
+                return True
+        return False
+
+    def depths(self) -> dict[int, int]:
+        """Waiting items per priority."""
+        return {p: len(v) for p, v in sorted(self._items.items())}
+
+    def ahead_of(self, priority: int) -> int:
+        """Items that may go before a new item of ``priority`` (its own level included)."""
+        return sum(n for p, n in self.depths().items() if p <= priority)
+
+
+def _shortest_first(
+    level: list[tuple[float, int, int, Hashable, Any]], overdue: float
+) -> list[int]:
+    """Positions in ``level`` in the order they go: those waiting since ``overdue`` or earlier
+    in arrival order, then the rest by size (ties: arrival)."""
+
+    def rank(i: int) -> tuple[int, int, int]:
+        since, seq, size, _, _ = level[i]
+        return (0, 0, seq) if since <= overdue else (1, size, seq)
+
+    return sorted(range(len(level)), key=rank)
+
+
+def headroom(queued: Iterable[int], threshold: int, in_transit_tokens: float = 0.0) -> float:
+    """Room below ``threshold`` on a model's engines (``queued``: each one's queued prefill
+    tokens), in tokens, less ``in_transit_tokens`` (admitted requests not yet routed). > 0:
+    one more request may be routed now. No engine at all counts as room: routing answers."""
+    loads = list(queued)
+    if not loads:
+        return 1.0
+    return sum(threshold - q for q in loads if q < threshold) - in_transit_tokens
 
 
 def priority_of(value: Any) -> int:
@@ -179,7 +281,11 @@ class Admission:
         self.cfg = cfg
         self._queued = queued
         """Queued prefill tokens of each engine serving a model ([] when none does)."""
-        self.queue: FairQueue[_Waiter] = FairQueue()
+        self.queue: FairQueue[_Waiter] | ShortestFirstQueue[_Waiter] = (
+            ShortestFirstQueue(cfg.shortest_first_max_wait_s)
+            if cfg.order == "shortest_prompt"
+            else FairQueue()
+        )
         self.metrics = metrics
         self._transit: dict[Hashable, int] = {}
         self._prompt_tokens = PROMPT_GUESS_TOKENS
@@ -192,9 +298,12 @@ class Admission:
 
     # ---------------------------------------------------------------- the request's side
 
-    async def admit(self, model: Any, priority: Any, key: str | None, receive: Receive) -> Pass:
+    async def admit(
+        self, model: Any, priority: Any, key: str | None, receive: Receive, size: int = 0
+    ) -> Pass:
         """Return once the request may be routed. BodyError 429 when the queue is full or the
-        wait ran out; ClientDisconnect when the client left while waiting."""
+        wait ran out; ClientDisconnect when the client left while waiting. ``size``: the
+        request body's bytes (the ``shortest_prompt`` order's key)."""
         m = model if isinstance(model, str) else None
         if not self.queue and self._room(m) > 0:
             self._count("direct")
@@ -204,7 +313,7 @@ class Admission:
             raise self._refuse("queue_full", self.queue.ahead_of(prio))
         w = _Waiter(prio, key, m, time.monotonic())
         w.fut = asyncio.get_running_loop().create_future()
-        self.queue.push(prio, key, w)
+        self.queue.push(prio, key, w, size, w.since)
         self.wake()
         return await self._wait(w, receive)
 
@@ -275,11 +384,8 @@ class Admission:
     def _room(self, model: Hashable) -> float:
         """Headroom below the threshold on ``model``'s engines, in tokens, less what the
         admitted requests without a route yet are expected to bring. > 0: admit one more."""
-        loads = self._queued(model)
-        if not loads:
-            return 1.0  # no engine to wait for: routing answers (404 / 503)
-        head = sum(self.threshold - q for q in loads if q < self.threshold)
-        return head - self._transit.get(model, 0) * self._prompt_tokens
+        transit = self._transit.get(model, 0) * self._prompt_tokens
+        return headroom(self._queued(model), self.threshold, transit)
 
     def _dispatch(self) -> None:
         self._pending = False
@@ -292,7 +398,7 @@ class Admission:
 
         now = time.monotonic()
         while self.queue:
-            w = self.queue.pop_first(fits)
+            w = self.queue.pop_first(fits, now)
             if w is None:
                 break
             room.pop(w.model)  # its pass takes some of it

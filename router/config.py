@@ -202,6 +202,13 @@ class AdmissionConfig(_Section):
     retry_after_s: float = 1.0
     """Retry-After of a 429 until the queue has been seen draining (then: the time the
     requests ahead take at the observed rate)."""
+    order: str = "fair"
+    """Within a priority: ``fair`` (API keys in turn, first come first served within a key) or
+    ``shortest_prompt`` (the smallest request body first, for mean TTFT on engines that each
+    serve first come first served; docs/benchmarks.md has the A/B)."""
+    shortest_first_max_wait_s: float = 5.0
+    """With ``order: shortest_prompt``, a request waiting this long goes ahead of every later
+    arrival: the most any request is passed over by shorter ones."""
 
 
 class VerifyConfig(_Section):

@@ -38,6 +38,7 @@ TOKENIZER_MODES = ("remote", "local")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 LOG_FORMATS = ("text", "json")
 ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+ADMISSION_ORDERS = ("fair", "shortest_prompt")
 
 
 class ConfigError(ValueError):
@@ -250,3 +251,7 @@ def _check_admission(a: AdmissionConfig) -> None:
         raise ConfigError("admission.max_queue: must be >= 0")
     if a.max_wait_s <= 0 or a.retry_after_s <= 0:
         raise ConfigError("admission.max_wait_s / admission.retry_after_s: must be positive")
+    if a.order not in ADMISSION_ORDERS:
+        raise ConfigError(f"admission.order: one of {', '.join(ADMISSION_ORDERS)}, not {a.order!r}")
+    if a.shortest_first_max_wait_s <= 0:
+        raise ConfigError("admission.shortest_first_max_wait_s: must be positive")

@@ -342,7 +342,10 @@ class Router:
         on the chosen engine's load before the queue can look again."""
         if self.admission is None:
             return await self.route(body, chat, time.monotonic(), **how)
-        admitted = await self.admission.admit(body.get("model"), body.get("priority"), key, receive)
+        size = len(msgspec.json.encode(body)) if self.admission.cfg.order != "fair" else 0
+        admitted = await self.admission.admit(
+            body.get("model"), body.get("priority"), key, receive, size
+        )
         tokens = None
         try:
             res = await self.route(body, chat, time.monotonic(), **how)

@@ -15,7 +15,7 @@ import pytest
 from starlette.requests import ClientDisconnect
 from test_router_support import config_for, serve_router, until, words
 
-from router.admission import Admission, FairQueue, priority_of
+from router.admission import Admission, FairQueue, ShortestFirstQueue, headroom, priority_of
 from router.config import ConfigError, parse_config
 from router.core import Router
 from simulator.engine import EngineConfig, SimEngine
@@ -61,6 +61,33 @@ def test_fair_queue_skips_heads_that_do_not_fit_and_removes_anywhere() -> None:
     assert priority_of(-3) == -3 and priority_of(True) == 0 and priority_of("1") == 0
 
 
+def test_shortest_first_queue_orders_by_priority_then_size_and_the_overdue_go_first() -> None:
+    q: ShortestFirstQueue[str] = ShortestFirstQueue(max_wait_s=5.0)
+    q.push(0, "a", "long", size=9000, since=0.0)
+    q.push(0, "b", "short", size=100, since=1.0)
+    q.push(0, "a", "mid", size=2000, since=2.0)
+    q.push(0, "a", "short-later", size=100, since=3.0)
+    q.push(-1, "c", "urgent-long", size=50_000, since=4.0)
+    assert len(q) == 5 and q.depths() == {-1: 1, 0: 4} and q.ahead_of(0) == 5
+    # Priority first; within one, the smallest body, equal sizes in arrival order; API keys
+    # play no part.
+    assert q.pop_first(now=4.0) == "urgent-long"
+    assert q.pop_first(now=4.0) == "short"
+    # "long" has waited 5 s at t=5: it goes ahead of every later arrival, however small.
+    assert q.pop_first(now=5.0) == "long"
+    # A head that does not fit is skipped, not waited for.
+    assert q.pop_first(lambda x: x != "short-later", now=5.0) == "mid"
+    assert q.remove(0, "a", "short-later") and not q.remove(0, "a", "short-later")
+    assert len(q) == 0 and q.pop_first(now=6.0) is None and q.depths() == {}
+
+
+def test_headroom_counts_room_below_the_threshold_less_what_is_in_transit() -> None:
+    assert headroom([0, 9000, 4000], 4096) == 4096 + 96
+    assert headroom([0, 9000], 4096, in_transit_tokens=4096) == 0  # not > 0: wait
+    assert headroom([5000], 4096) == 0
+    assert headroom([], 4096) > 0  # no engine: routing answers the request
+
+
 def test_admission_config_is_off_by_default_and_checked() -> None:
     assert parse_config({}).admission.queued_prefill_tokens_threshold is None
     cfg = parse_config(
@@ -74,6 +101,11 @@ def test_admission_config_is_off_by_default_and_checked() -> None:
         parse_config({"admission": {"queued_prefill_tokens_threshold": 0}})
     with pytest.raises(ConfigError, match=r"unknown key admission\.threshold"):
         parse_config({"admission": {"threshold": 1}})
+    assert parse_config({}).admission.order == "fair"
+    with pytest.raises(ConfigError, match=r"admission\.order: one of fair, shortest_prompt"):
+        parse_config({"admission": {"order": "sjf"}})
+    with pytest.raises(ConfigError, match=r"admission\.shortest_first_max_wait_s"):
+        parse_config({"admission": {"shortest_first_max_wait_s": 0}})
 
 
 async def test_headroom_admits_several_at_once_and_waits_for_their_routes() -> None:
@@ -232,6 +264,26 @@ async def test_high_priority_requests_are_admitted_before_earlier_low_priority_o
             text = (await c.get(base + "/metrics")).text
             assert 'kvrouter_admission_admitted_total{via="queue"} 8.0' in text
             assert "kvrouter_admission_wait_seconds_count 8.0" in text
+
+
+async def test_shortest_prompt_order_sends_the_short_requests_before_an_earlier_long_one() -> None:
+    with _fleet() as ws:
+        cfg = config_for(
+            ws, admission={"queued_prefill_tokens_threshold": 1, "order": "shortest_prompt"}
+        )
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=60) as c:
+            adm = _admission(router)
+            cl = _Client(base, c)
+            blocker = cl.start("blocker", _body(BLOCKER_TOKENS, "blocker"))
+            await until(lambda: adm.counts["direct"] == 1, 10, "the blocker admitted")
+            long = cl.start("long", _body(1500, "long"))
+            await until(lambda: len(adm.queue) == 1, 10, "the long request queued")
+            short = [cl.start(f"short{i}", _body(SMALL_TOKENS, f"s{i}")) for i in range(3)]
+            await until(lambda: len(adm.queue) == 4, 10, "the short requests queued")
+            assert await asyncio.gather(blocker, long, *short) == [200] * 5
+            # In arrival order the long request would finish second; its prefill alone holds
+            # the engine for a second, which each short one would have waited.
+            assert cl.finished[0] == "blocker" and cl.finished[-1] == "long", cl.finished
 
 
 async def test_two_keys_at_one_priority_take_turns() -> None:
