@@ -86,8 +86,9 @@ from bench.workloads import Req, TokenSource, TraceError, load_workload
 from indexer.index import PrefixIndex
 from indexer.wire import DecodeError, decode_payload
 from kvrouter.progress import Progress
+from router.admission import FairQueue, ShortestFirstQueue, headroom
 from router.candidates import build_candidates, record_sent, speculative_hits
-from router.config import WorkerSpec
+from router.config import AdmissionConfig, WorkerSpec
 from router.policy import PolicyParams, SpeculativeCache, make_policy
 from router.popularity import PromptKeys
 from router.proxy import Ticket
@@ -97,17 +98,21 @@ from simulator.fleet import FastFleet
 from simulator.request import Request
 
 MODEL = "sim-model"
-POLICIES = ("random", "round_robin", "least_loaded", "kvrouter", "pooled_ideal")
+ADMISSION_POLICY = "kvrouter_admission"
+POLICIES = ("random", "round_robin", "least_loaded", "kvrouter", ADMISSION_POLICY, "pooled_ideal")
 # The trace is not part of the repository; by default it is read from beside the checkout. A
 # checkout without it runs the synthetic chat workload by default (``default_workload``).
 DEFAULT_TRACE = str(
     Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 )
 CAPACITY_REQUESTS = 2000
+ADMISSION_TOKENS = 2048
+"""``kvrouter_admission``'s ``admission.queued_prefill_tokens_threshold`` by default: an engine
+with less than one step's prefill budget queued takes the next request (``--admission-tokens``)."""
 STALL_S = 600.0
 """Simulated seconds without a finished request, work left, after the last arrival: a stalled
 fleet, reported instead of stepping empty forever (the longest prompt takes seconds)."""
-QUICK_POLICIES = ("round_robin", "kvrouter", *peers.NAMES, "pooled_ideal")
+QUICK_POLICIES = ("round_robin", "kvrouter", ADMISSION_POLICY, *peers.NAMES, "pooled_ideal")
 OUT_DIR = Path(__file__).resolve().parent / "out"
 PROGRESS = Progress()
 """Phases and each policy run's progress on stderr (main() makes it quiet with --json)."""
@@ -157,6 +162,13 @@ class RouterSpec:
     poll_s: float = 1.0
     speculative_ttl_s: float = 2.0
     params: PolicyParams = field(default_factory=PolicyParams)
+    admission: AdmissionConfig = field(
+        default_factory=lambda: AdmissionConfig(
+            queued_prefill_tokens_threshold=ADMISSION_TOKENS, order="shortest_prompt"
+        )
+    )
+    """The router's admission queue, for ``kvrouter_admission`` (the other policies route
+    every request at arrival, as the router does with admission off)."""
 
 
 @dataclass
@@ -175,6 +187,8 @@ class RunResult:
     prefill_steps_with_decode: int = 0
     rejected: int = 0
     """Requests the workers refuse (:func:`rejects`)."""
+    refused: int = 0
+    """Requests the router's admission queue refuses (429: full, or past its deadline)."""
 
     def summary(self) -> dict[str, float]:
         t = sorted(self.ttft)
@@ -197,6 +211,7 @@ class RunResult:
                 self.prefill_steps_with_decode / max(self.prefill_steps, 1), 4
             ),
             "rejected": self.rejected,
+            "admission_refused": self.refused,
         }
 
 
@@ -239,7 +254,8 @@ def run_policy(
     track_first_tokens: bool = True,
 ) -> RunResult:
     pooled = name == "pooled_ideal"
-    use_events = name == "kvrouter" or peers.uses_events(name)
+    kv = name in ("kvrouter", ADMISSION_POLICY)  # kvrouter's index, candidates and policy
+    use_events = kv or peers.uses_events(name)
     n = 1 if pooled else fs.workers
     fleet = FastFleet(n, fs.engine(pooled=pooled, events=use_events))
     busy = [0.0] * n
@@ -265,11 +281,21 @@ def run_policy(
     elif pooled:
         policy = make_policy("round_robin")
     else:
-        policy = make_policy(name, rs.params, seed=seed)
+        policy = make_policy("kvrouter" if kv else name, rs.params, seed=seed)
     tickets: dict[str, Ticket] = {}
     prefilling: list[dict[str, tuple[object, Ticket]]] = [{} for _ in range(n)]
     decisions: list[float] = []
     rejected = 0
+    refused = 0  # by the admission queue (429): full, or waited past its deadline
+    queue: FairQueue[Req] | ShortestFirstQueue[Req] | None = None
+    if name == ADMISSION_POLICY:
+        a = rs.admission
+        queue = (
+            ShortestFirstQueue(a.shortest_first_max_wait_s)
+            if a.order == "shortest_prompt"
+            else FairQueue()
+        )
+    arrived: dict[str, float] = {}  # a queued request's arrival (its TTFT counts the wait)
     next_poll = rs.poll_s
     n_done = 0
     hit_tokens = prompt_tokens = 0
@@ -285,7 +311,7 @@ def run_policy(
                 batch = decode_payload(payload)
             except DecodeError:
                 continue
-            if name == "kvrouter":  # the other policies never read kvrouter's index
+            if kv:  # the other policies never read kvrouter's index
                 index.apply((workers[w].url, rank), batch.events)
             if peer is not None:
                 peer.on_events(w, batch.events)
@@ -294,7 +320,7 @@ def run_policy(
             gpu_hit, cpu_hit = first_hit.pop(c.request_id, (c.cached_tokens, c.cpu_loaded_tokens))
             hit_tokens += gpu_hit + cpu_hit
             prompt_tokens += c.prompt_tokens
-            ttfts.append(c.first_token_s - c.arrival_s)
+            ttfts.append(c.first_token_s - arrived.pop(c.request_id, c.arrival_s))
             floors.append(_prefill_floor(c.prompt_tokens, gpu_hit, cpu_hit, ecfg))
             last_finish = max(last_finish, c.finish_s)
             if peer is not None:
@@ -334,12 +360,7 @@ def run_policy(
         if track_first_tokens:
             release_first_tokens()
 
-    for req in PROGRESS.iterate(reqs, name, len(reqs)):
-        t = req.arrival_s / speed
-        advance(t)
-        if rejects(fleet, req):
-            rejected += 1  # vLLM answers HTTP 400 before scheduling: no worker state changes
-            continue
+    def send(req: Req, t: float) -> None:
         toks = src.tokens(req)
         n_tok = len(toks)
         if peer is not None:
@@ -348,7 +369,7 @@ def run_policy(
             d = peers.decision(engines, peer.route(req.rid, toks, kk, t), name)
             decisions.append((time.perf_counter() - t0 + kcost) * 1000)
             uncached = n_tok
-        elif name == "kvrouter":
+        elif kv:
             kk, kcost = keys.get(req, toks)
             t0 = time.perf_counter()
             matches = index.match_keys(kk, n_tok, engines)
@@ -373,6 +394,49 @@ def run_policy(
         fleet.submit(w, req.rid, toks, req.max_tokens, t)
         if track_first_tokens:
             prefilling[w][req.rid] = (fleet.engines[w].requests[req.rid], ticket)
+
+    def admit(t: float) -> None:
+        # router.admission: route the queue's next request while the engines have room.
+        nonlocal refused
+        queued = [w.load(0).queued_prefill_tokens for w in workers]
+        threshold = rs.admission.queued_prefill_tokens_threshold or 1
+        while queue and headroom(queued, threshold) > 0:
+            req = queue.pop_first(now=t)
+            assert req is not None
+            if t - arrived[req.rid] > rs.admission.max_wait_s:
+                arrived.pop(req.rid)
+                refused += 1  # the router answers 429 (deadline)
+                continue
+            send(req, t)
+            queued = [w.load(0).queued_prefill_tokens for w in workers]
+
+    def wait_for_room(until: float) -> None:
+        # First tokens come at step ends: admit at each one before the next arrival.
+        while queue:
+            nxt = fleet.next_event_time()
+            if nxt >= until:
+                return
+            advance(nxt)
+            admit(nxt)
+
+    for req in PROGRESS.iterate(reqs, name, len(reqs)):
+        t = req.arrival_s / speed
+        wait_for_room(t)
+        advance(t)
+        if rejects(fleet, req):
+            rejected += 1  # vLLM answers HTTP 400 before scheduling: no worker state changes
+            continue
+        if queue is None:
+            send(req, t)
+            continue
+        if len(queue) >= rs.admission.max_queue:
+            refused += 1  # the router answers 429 (queue_full)
+            continue
+        arrived[req.rid] = t
+        # The router orders by the request body's bytes; a prompt's grow with its tokens.
+        queue.push(0, None, req, req.n_tokens, t)
+        admit(t)
+    wait_for_room(math.inf)
     # drain: keep the poll loop going so the state stays consistent until everything finished
     t = reqs[-1].arrival_s / speed if reqs else 0.0
     done_at, progress_t = n_done, t
@@ -402,6 +466,7 @@ def run_policy(
         prefill_steps=mixed[0],
         prefill_steps_with_decode=mixed[1],
         rejected=rejected,
+        refused=refused,
     )
 
 
@@ -741,6 +806,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-model-len", type=int, default=FleetSpec.max_model_len)
     ap.add_argument("--poll-s", type=float, default=1.0)
     ap.add_argument("--spec-ttl", type=float, default=2.0)
+    ap.add_argument(
+        "--admission-tokens",
+        type=int,
+        default=ADMISSION_TOKENS,
+        help="kvrouter_admission: admission.queued_prefill_tokens_threshold",
+    )
+    ap.add_argument(
+        "--admission-order",
+        choices=("shortest_prompt", "fair"),
+        default="shortest_prompt",
+        help="kvrouter_admission: admission.order",
+    )
     ap.add_argument("--near-tie", type=int, default=None)
     ap.add_argument("--cpu-discount", type=float, default=None)
     ap.add_argument(
@@ -846,7 +923,14 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
         if not hasattr(params, pname):
             raise SystemExit(f"PolicyParams has no field {pname!r}")
         setattr(params, pname, type(getattr(params, pname))(float(val)))
-    rs = RouterSpec(poll_s=args.poll_s, speculative_ttl_s=args.spec_ttl, params=params)
+    if args.admission_tokens < 1:
+        raise SystemExit("--admission-tokens: must be >= 1")
+    admission = AdmissionConfig(
+        queued_prefill_tokens_threshold=args.admission_tokens, order=args.admission_order
+    )
+    rs = RouterSpec(
+        poll_s=args.poll_s, speculative_ttl_s=args.spec_ttl, params=params, admission=admission
+    )
     src = TokenSource()
     unit = math.gcd(16, fs.block_size)
     keys = KeyCache(unit)
@@ -915,6 +999,7 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
                 "poll_s": rs.poll_s,
                 "speculative_ttl_s": rs.speculative_ttl_s,
                 "params": msgspec.structs.asdict(rs.params),
+                "admission": msgspec.structs.asdict(rs.admission),
             },
             "quick": args.quick,
             "seed": args.seed,

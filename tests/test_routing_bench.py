@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import statistics
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -296,6 +298,39 @@ def test_hit_rate_counts_the_first_admission_not_a_preempted_requests_own_blocks
     )
     assert res.completed == 2 and res.preemptions >= 1
     assert res.hit_rate == 0.0
+
+
+def test_kvrouter_admission_holds_requests_at_the_router_and_counts_their_wait():
+    """One worker, two long prompts then three short ones in a burst. kvrouter sends them all
+    at once and the worker serves them in arrival order; behind the router's admission queue
+    (``shortest_prompt``) the second long prompt waits at the router and the short ones pass
+    it. The wait at the router is part of TTFT (from arrival, as the client sees it)."""
+    lengths = [8000, 8000, 100, 100, 100]
+    reqs = [Req(f"r{i}", 0.001 * i, ((3_000_000 + i, n),), n, 2) for i, n in enumerate(lengths)]
+    fs = routing_bench.FleetSpec(workers=1, prefill_tokens_per_s=10_000.0)
+
+    def run(name: str, order: str = "shortest_prompt") -> routing_bench.RunResult:
+        rs = routing_bench.RouterSpec()
+        rs.admission = msgspec.structs.replace(rs.admission, order=order)
+        return routing_bench.run_policy(
+            name, reqs, 1.0, fs, rs, TokenSource(), routing_bench.KeyCache(16)
+        )
+
+    plain, held, fair = (
+        run("kvrouter"),
+        run("kvrouter_admission"),
+        run("kvrouter_admission", "fair"),
+    )
+    assert plain.completed == held.completed == fair.completed == 5
+    assert held.refused == 0
+    one_long = 8000 / 10_000.0
+    # The second long prompt waited for the first and for the short ones: >= two long prefills.
+    assert max(held.ttft) >= 2 * one_long
+    # Short prompts no longer wait for the second long one: every short TTFT is under two long
+    # prefills, where in arrival order each waits for both.
+    assert sorted(held.ttft)[2] < 2 * one_long <= sorted(plain.ttft)[2]
+    assert statistics.fmean(held.ttft) < statistics.fmean(fair.ttft)
+    assert statistics.fmean(held.ttft) < statistics.fmean(plain.ttft)
 
 
 def _conversation_trace(
