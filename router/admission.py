@@ -75,16 +75,31 @@ PROMPT_GUESS_TOKENS = 1024.0
 T = TypeVar("T")
 
 
-class FairQueue(Generic[T]):
+class _Queue(Generic[T]):
+    """What both orders share: the count, and how many items may go before a new one."""
+
+    _n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def depths(self) -> dict[int, int]:
+        """Waiting items per priority."""
+        raise NotImplementedError
+
+    def ahead_of(self, priority: int) -> int:
+        """Items that may go before a new item of ``priority`` (its own level included: the
+        order puts it somewhere among them)."""
+        return sum(n for p, n in self.depths().items() if p <= priority)
+
+
+class FairQueue(_Queue[T]):
     """Items by priority (lowest value first), round robin between keys within a priority,
     first in first out within a key. Pure data structure: no clock, no I/O."""
 
     def __init__(self) -> None:
         self._levels: dict[int, dict[Hashable, deque[T]]] = {}
         self._n = 0
-
-    def __len__(self) -> int:
-        return self._n
 
     def push(
         self, priority: int, key: Hashable, item: T, size: int = 0, since: float = 0.0
@@ -135,13 +150,8 @@ class FairQueue(Generic[T]):
         """Waiting items per priority."""
         return {p: sum(map(len, lv.values())) for p, lv in sorted(self._levels.items())}
 
-    def ahead_of(self, priority: int) -> int:
-        """Items that go before a new item of ``priority`` at most (its own level included:
-        round robin puts it somewhere among them)."""
-        return sum(n for p, n in self.depths().items() if p <= priority)
 
-
-class ShortestFirstQueue(Generic[T]):
+class ShortestFirstQueue(_Queue[T]):
     """Items by priority (lowest value first), then the smallest ``size`` first; an item
     waiting ``max_wait_s`` or longer goes ahead of every item that arrived after it, so no
     item is passed over for longer than that. Pure data structure: ``now`` is an argument.
@@ -155,9 +165,6 @@ class ShortestFirstQueue(Generic[T]):
         """Per priority: (since, arrival number, size, key, item), in arrival order."""
         self._seq = itertools.count()
         self._n = 0
-
-    def __len__(self) -> int:
-        return self._n
 
     def push(
         self, priority: int, key: Hashable, item: T, size: int = 0, since: float = 0.0
@@ -194,10 +201,6 @@ class ShortestFirstQueue(Generic[T]):
     def depths(self) -> dict[int, int]:
         """Waiting items per priority."""
         return {p: len(v) for p, v in sorted(self._items.items())}
-
-    def ahead_of(self, priority: int) -> int:
-        """Items that may go before a new item of ``priority`` (its own level included)."""
-        return sum(n for p, n in self.depths().items() if p <= priority)
 
 
 def _shortest_first(
