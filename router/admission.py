@@ -441,6 +441,7 @@ class Admission:
         rate = self.drain_rate()
         return {
             "queued_prefill_tokens_threshold": self.threshold,
+            "order": self.cfg.order,
             "max_queue": self.cfg.max_queue,
             "max_wait_s": self.cfg.max_wait_s,
             "waiting": len(self.queue),

@@ -260,7 +260,7 @@ async def test_high_priority_requests_are_admitted_before_earlier_low_priority_o
             assert {x[:-1] for x in order[1:5]} == {"high"}, order
             assert {x[:-1] for x in order[5:]} == {"low"}, order
             doc = (await c.get(base + "/debug/index")).json()["admission"]
-            assert doc["waiting"] == 0 and doc["counts"]["queue"] == 8
+            assert doc["waiting"] == 0 and doc["counts"]["queue"] == 8 and doc["order"] == "fair"
             text = (await c.get(base + "/metrics")).text
             assert 'kvrouter_admission_admitted_total{via="queue"} 8.0' in text
             assert "kvrouter_admission_wait_seconds_count 8.0" in text
