@@ -37,6 +37,9 @@ uncached prefill tokens per worker, released at first token), corrected by the w
 
 * ``random``, ``round_robin``, ``least_loaded``: ``router.policy`` baselines;
 * ``kvrouter``: KV events + index + ``KvRouterPolicy`` + ``SpeculativeCache``;
+* ``kvrouter_admission``: the same behind the router's admission queue (``router.admission``:
+  ``headroom`` and the ``--admission-order`` queue, threshold ``--admission-tokens``), each
+  request's TTFT counted from its arrival, the wait at the router included;
 * ``dynamo``, ``llm_d``, ``sglang``, ``vllm_router_kv_aware``, ``aibrix``: the peer products,
   each with its own view of the caches and its own load signal (``bench/peers.py``);
 * ``pooled_ideal``: not a policy: one engine with the whole fleet's KV blocks, CPU chunks,
