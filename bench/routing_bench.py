@@ -172,6 +172,9 @@ class RouterSpec:
     )
     """The router's admission queue, for ``kvrouter_admission`` (the other policies route
     every request at arrival, as the router does with admission off)."""
+    buffered: bool = False
+    """Clients ask for whole answers (``stream: false``): the router sees no first token, and
+    each poll's first-token count releases their prefill (``Worker.observe_first_tokens``)."""
 
 
 @dataclass
@@ -254,9 +257,9 @@ def run_policy(
     src: TokenSource,
     keys: KeyCache,
     seed: int = 0,
-    track_first_tokens: bool = True,
 ) -> RunResult:
     pooled = name == "pooled_ideal"
+    streams = not rs.buffered  # the router sees first tokens only in streamed answers
     kv = name in ("kvrouter", ADMISSION_POLICY)  # kvrouter's index, candidates and policy
     use_events = kv or peers.uses_events(name)
     n = 1 if pooled else fs.workers
@@ -348,6 +351,8 @@ def run_policy(
         for w in range(n):
             ld = fleet.load(w)
             workers[w].load(0).set_gauges(ld.waiting, ld.running, ld.kv_usage)
+            # vllm:time_to_first_token_seconds_count: releases buffered requests' prefill
+            workers[w].observe_first_tokens(0, fleet.engines[w].first_tokens)
 
     def advance(t: float) -> None:
         nonlocal next_poll
@@ -360,7 +365,7 @@ def run_policy(
             next_poll += rs.poll_s
         fleet.run_until(t)
         ingest()
-        if track_first_tokens:
+        if streams:
             release_first_tokens()
 
     def send(req: Req, t: float) -> None:
@@ -392,10 +397,10 @@ def run_policy(
             decisions.append((time.perf_counter() - t0) * 1000)
             uncached = n_tok  # no index consulted: the proxy charges the whole prompt
         w = by_engine[d.engine]
-        ticket = Ticket(workers[w], 0, uncached)
+        ticket = Ticket(workers[w], 0, uncached, buffered=not streams)
         tickets[req.rid] = ticket
         fleet.submit(w, req.rid, toks, req.max_tokens, t)
-        if track_first_tokens:
+        if streams:
             prefilling[w][req.rid] = (fleet.engines[w].requests[req.rid], ticket)
 
     def admit(t: float) -> None:
@@ -422,6 +427,7 @@ def run_policy(
             advance(nxt)
             admit(nxt)
 
+    poll()  # the registry checks every worker before the router serves (WorkerRegistry.start)
     for req in PROGRESS.iterate(reqs, name, len(reqs)):
         t = req.arrival_s / speed
         wait_for_room(t)
@@ -810,6 +816,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--poll-s", type=float, default=1.0)
     ap.add_argument("--spec-ttl", type=float, default=2.0)
     ap.add_argument(
+        "--buffered",
+        action="store_true",
+        help="clients ask for whole answers (stream: false); default: streamed answers",
+    )
+    ap.add_argument(
         "--admission-tokens",
         type=int,
         default=ADMISSION_TOKENS,
@@ -932,7 +943,11 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
         queued_prefill_tokens_threshold=args.admission_tokens, order=args.admission_order
     )
     rs = RouterSpec(
-        poll_s=args.poll_s, speculative_ttl_s=args.spec_ttl, params=params, admission=admission
+        poll_s=args.poll_s,
+        speculative_ttl_s=args.spec_ttl,
+        params=params,
+        admission=admission,
+        buffered=args.buffered,
     )
     src = TokenSource()
     unit = math.gcd(16, fs.block_size)
@@ -1003,6 +1018,7 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
                 "speculative_ttl_s": rs.speculative_ttl_s,
                 "params": msgspec.structs.asdict(rs.params),
                 "admission": msgspec.structs.asdict(rs.admission),
+                "buffered": rs.buffered,
             },
             "quick": args.quick,
             "seed": args.seed,

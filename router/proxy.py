@@ -91,10 +91,13 @@ class Ticket:
     and what aborts the request if that engine's scheduler stalls before its first token."""
 
     __slots__ = (
+        "_buffered",
         "_done",
         "_first",
         "_on_released",
+        "_rank",
         "_waiting",
+        "_worker",
         "ld",
         "on_stall",
         "stalled",
@@ -102,8 +105,17 @@ class Ticket:
     )
 
     def __init__(
-        self, w: Worker, rank: int, uncached: int, on_released: Callable[[], None] | None = None
+        self,
+        w: Worker,
+        rank: int,
+        uncached: int,
+        on_released: Callable[[], None] | None = None,
+        buffered: bool = False,
     ) -> None:
+        """``buffered``: the answer comes whole, so no first token is seen here; the worker's
+        first-token count releases the prefill instead (``Worker.observe_first_tokens``)."""
+        self._worker = w
+        self._rank = rank
         self.ld = w.load(rank)
         self.uncached = uncached
         self.ld.inflight_requests += 1
@@ -115,6 +127,9 @@ class Ticket:
         """Told when the queued prefill drops (the admission queue waits for that)."""
         self._waiting = w.awaiting_first.setdefault(rank, set())
         self._waiting.add(self)
+        self._buffered = w.buffered.setdefault(rank, {}) if buffered else None
+        if self._buffered is not None:
+            self._buffered[self] = None
         self.on_stall: Callable[[], None] | None = None
         """Aborts the request where it waits now (set by the proxy at each stage)."""
         self.stalled: str | None = None
@@ -127,9 +142,22 @@ class Ticket:
                 self.on_stall()
 
     def first_token(self) -> None:
+        """Seen here: a stream's first chunk, or a whole answer (or a failure) back."""
+        if not self._first:
+            seen = self._worker.first_tokens_seen
+            seen[self._rank] = seen.get(self._rank, 0) + 1
+        self._release()
+
+    def engine_first_token(self) -> None:
+        """Counted by the engine (a buffered answer still decoding)."""
+        self._release()
+
+    def _release(self) -> None:
         if not self._first:
             self._first = True
             self._waiting.discard(self)
+            if self._buffered is not None:
+                self._buffered.pop(self, None)
             self.ld.prefilling_requests -= 1
             self.ld.queued_prefill_tokens -= self.uncached
             if self._on_released is not None:
@@ -437,7 +465,7 @@ async def _forward(
         hdrs = list(headers)
         if w.dp_size > 1:
             hdrs.append((b"x-data-parallel-rank", str(att.engine[1]).encode()))
-        ticket = Ticket(w, att.engine[1], att.uncached, ctx.on_released)
+        ticket = Ticket(w, att.engine[1], att.uncached, ctx.on_released, buffered=not stream)
         req = w.client.build_request(ctx.method, path, content=body, headers=hdrs)
         started = w.client.write_now(req)
         if ctx.on_sent is not None:

@@ -8,7 +8,9 @@ data-parallel rank, which is what the index and the policy see. Background loops
   has shown an engine with requests waiting and none running for ``stall_after_s`` (a stalled
   scheduler: vLLM's deadlock under KV pressure keeps /health answering while nothing runs);
   the requests this router has waiting there for a first token are told (``StallListener``),
-  and the proxy takes them back;
+  and the proxy takes them back; each poll's count of first tokens
+  (``vllm:time_to_first_token_seconds_count``) releases the queued prefill of requests whose
+  answer comes whole (``Worker.observe_first_tokens``);
 * event-source discovery: ``workers[].events`` from config, else ``GET /kv_event_sources``
   (vLLM >= 0.32: ``{"0": {"endpoint", "replay_endpoint", "topic", ...}}`` per DP rank, ``*``
   replaced by the worker's host), retried until it answers, then handed to the subscriber.
@@ -35,6 +37,7 @@ from router.upstream import UpstreamClient
 
 __all__ = [
     "NOT_REPORTED",
+    "BufferedRequest",
     "ModelNames",
     "StallListener",
     "Worker",
@@ -53,6 +56,8 @@ _WANTED = {
     # counters (verification: deltas vs the router's predictions; going back = restart)
     "vllm:prefix_cache_hits_total": "prefix_hits",
     "vllm:prefix_cache_queries_total": "prefix_queries",
+    # one per request at its first token: releases buffered requests' prefill (see Worker)
+    "vllm:time_to_first_token_seconds_count": "first_tokens",
 }
 
 
@@ -121,6 +126,13 @@ class StallListener(Protocol):
         """The engine's scheduler is stalled: nothing there will run this request."""
 
 
+class BufferedRequest(Protocol):
+    """A request whose answer comes whole, so the router never sees its first token."""
+
+    def engine_first_token(self) -> None:
+        """The engine's counters show it has had its first token: release its prefill."""
+
+
 @dataclass
 class Worker:
     spec: WorkerSpec
@@ -150,6 +162,14 @@ class Worker:
     awaiting_first: dict[int, set[StallListener]] = field(default_factory=dict)
     """Per DP rank, this router's requests there without a first token: the ones told when
     that rank's scheduler is found stalled."""
+    buffered: dict[int, dict[BufferedRequest, None]] = field(default_factory=dict)
+    """Per DP rank, this router's requests there that are answered whole and have no first
+    token yet, in the order they were sent (see :meth:`observe_first_tokens`)."""
+    first_tokens_seen: dict[int, int] = field(default_factory=dict)
+    """Per DP rank, first tokens this router saw itself (streams, answers that came whole)
+    since the last poll."""
+    first_tokens_reported: dict[int, int] = field(default_factory=dict)
+    """Per DP rank, the engine's own count of first tokens at the last poll."""
 
     @property
     def url(self) -> str:
@@ -168,6 +188,33 @@ class Worker:
         if ld is None:
             ld = self.loads[rank] = EngineLoad()
         return ld
+
+    def observe_first_tokens(self, rank: int, count: int) -> int:
+        """A poll's ``vllm:time_to_first_token_seconds_count`` of engine ``rank``: release the
+        oldest buffered requests there, one per first token the engine counted since the last
+        poll beyond those this router saw itself. Returns how many were released.
+
+        vLLM observes that histogram once per request, at its first token, and each engine
+        admits its waiting requests first come first served, so the oldest buffered requests
+        are the ones that got theirs. Without this, a buffered request counts as queued
+        prefill until its whole answer is back: through every decode step, many times its
+        prefill, so the policy reads a busy engine where the prefill is long done, and the
+        admission queue holds requests behind engines with room. First tokens of requests
+        other routers or clients sent there release this router's early, never more of them
+        than it has. A count that went back (a restarted engine) only sets the baseline."""
+        seen = self.first_tokens_seen.pop(rank, 0)
+        last = self.first_tokens_reported.get(rank)
+        self.first_tokens_reported[rank] = count
+        if last is None or count < last:
+            return 0
+        pending = self.buffered.get(rank)
+        k = min(count - last - seen, len(pending) if pending else 0)
+        if k <= 0:
+            return 0
+        assert pending is not None
+        for request in list(pending)[:k]:
+            request.engine_first_token()
+        return k
 
     @property
     def inflight(self) -> int:
@@ -434,6 +481,8 @@ class WorkerRegistry:
                         int(vals.get("running", 0)),
                         float(vals.get("kv_usage", 0.0)),
                     )
+                    if "first_tokens" in vals:
+                        w.observe_first_tokens(rank, int(vals["first_tokens"]))
                 w.lora_slots = parse_lora_info(r.text)
                 w.retention = parse_retention(r.text)
                 w.metrics_ts = time.monotonic()

@@ -105,6 +105,13 @@ class QueueFull(Exception):
     pass
 
 
+TTFT_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+"""vLLM's ``vllm:time_to_first_token_seconds`` buckets (``vllm/v1/metrics/loggers.py``)."""
+
+
 class SimEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -113,6 +120,11 @@ class SimEngine:
         self.prefix_hits = 0
         self.external_queries = 0
         self.external_hits = 0
+        self.ttft_buckets = [0] * len(TTFT_BUCKETS_S)
+        """Requests whose first token came within each bound of ``TTFT_BUCKETS_S`` (cumulative,
+        as vLLM's ``vllm:time_to_first_token_seconds`` histogram)."""
+        self.first_tokens = 0
+        self.ttft_sum_s = 0.0
         self.events_enabled = config.enable_events
 
     def _build(self) -> None:
@@ -483,6 +495,15 @@ class SimEngine:
         else:
             self.waiting.appendleft(req)
 
+    def _observe_ttft(self, ttft_s: float) -> None:
+        """One request's first token, as vLLM observes it once per request (a preempted
+        request's resumption is not another)."""
+        self.first_tokens += 1
+        self.ttft_sum_s += ttft_s
+        for i, bound in enumerate(TTFT_BUCKETS_S):
+            if ttft_s <= bound:
+                self.ttft_buckets[i] += 1
+
     def finish_step(self) -> StepOutput:
         assert self._inflight is not None
         start, end, scheduled = self._inflight
@@ -499,6 +520,7 @@ class SimEngine:
             new_tokens[req.request_id] = tok
             if req.first_token_s is None:
                 req.first_token_s = end
+                self._observe_ttft(end - req.arrival_s)
             too_long = len(req.all_token_ids) >= self.config.max_model_len
             if req.num_output >= req.max_tokens or too_long:
                 req.status = FINISHED

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from simulator.engine import TTFT_BUCKETS_S
 from simulator.runner import EngineRunner
 
 
@@ -63,5 +64,15 @@ def metrics_text(model: str, runners: list[EngineRunner], extra: Iterable[str] =
         "External prefix cache hits from KV connector, in terms of number of tokens.",
         [(r.dp_rank, float(r.engine.external_hits)) for r in rs],
     )
+    name = "vllm:time_to_first_token_seconds"
+    lines.append(f"# HELP {name} Histogram of time to first token in seconds.")
+    lines.append(f"# TYPE {name} histogram")
+    for r in rs:
+        e, labels = r.engine, f'engine="{r.dp_rank}",model_name="{model}"'
+        for bound, n in zip(TTFT_BUCKETS_S, e.ttft_buckets, strict=True):
+            lines.append(f'{name}_bucket{{{labels},le="{bound}"}} {float(n)}')
+        lines.append(f'{name}_bucket{{{labels},le="+Inf"}} {float(e.first_tokens)}')
+        lines.append(f"{name}_count{{{labels}}} {float(e.first_tokens)}")
+        lines.append(f"{name}_sum{{{labels}}} {e.ttft_sum_s}")
     lines.extend(extra)
     return "\n".join(lines) + "\n"

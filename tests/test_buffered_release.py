@@ -1,0 +1,79 @@
+"""A request answered whole (``stream: false``) shows the router no first token: its prefill is
+released by the worker's own first-token count at each poll (``Worker.observe_first_tokens``),
+not when the whole answer is back. The rule on its own, the simulator's histogram, and end to
+end over HTTP against a simulated worker whose decode is slow."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from test_router_support import config_for, serve_router, until, words
+
+from router.config import WorkerSpec
+from router.proxy import Ticket
+from router.workers import Worker, parse_vllm_metrics
+from simulator.testing import running_fleet
+
+
+def test_first_token_counts_release_the_oldest_buffered_requests() -> None:
+    w = Worker(spec=WorkerSpec(url="http://w"), client=None)  # type: ignore[arg-type]
+    ld = w.load(0)
+    assert w.observe_first_tokens(0, 10) == 0  # the engine's history: only the baseline
+    a, b, c = (Ticket(w, 0, 100, buffered=True) for _ in range(3))
+    stream = Ticket(w, 0, 50)
+    stream.first_token()  # the router saw this one itself
+    assert ld.queued_prefill_tokens == 300
+    # Two first tokens counted, one of them the stream's: the oldest buffered one goes.
+    assert w.observe_first_tokens(0, 12) == 1
+    assert ld.queued_prefill_tokens == 200 and ld.prefilling_requests == 2
+    # More counted than this router has waiting (other clients'): never more than its own.
+    assert w.observe_first_tokens(0, 20) == 2
+    assert ld.queued_prefill_tokens == 0 and ld.prefilling_requests == 0
+    for t in (a, b, c, stream):
+        t.finish()
+    assert ld.inflight_requests == 0
+    assert w.observe_first_tokens(0, 20) == 0  # answers already released count nothing
+    # An answer back before any poll counted it is the router's own sighting.
+    d = Ticket(w, 0, 10, buffered=True)
+    d.finish()
+    e = Ticket(w, 0, 10, buffered=True)
+    assert w.observe_first_tokens(0, 21) == 0 and ld.queued_prefill_tokens == 10
+    # A restarted engine counts from zero: a new baseline, nothing released on it.
+    assert w.observe_first_tokens(0, 3) == 0 and ld.queued_prefill_tokens == 10
+    assert w.observe_first_tokens(0, 4) == 1 and ld.queued_prefill_tokens == 0
+    e.finish()
+
+
+async def test_a_buffered_requests_prefill_is_released_while_it_decodes() -> None:
+    with running_fleet(1, prefill_tps=20_000, decode_ms=100) as ws:
+        async with (
+            serve_router(config_for(ws)) as (base, _router),
+            httpx.AsyncClient(timeout=60) as c,
+        ):
+            body = {"model": "sim-model", "prompt": words(300, "b"), "max_tokens": 150}
+            answer = asyncio.create_task(c.post(base + "/v1/completions", json=body))
+
+            async def load() -> dict:
+                doc = (await c.get(base + "/debug/index")).json()
+                return doc["workers"][0]["engines"][0]["load"]
+
+            await until(lambda: _sent(load), 10, "the request on the engine, its prefill counted")
+            # Its 150 tokens take 15 s to decode; the poll (every second) sees its first token.
+            ld = await until(lambda: _released(load), 8, "its prefill released by the poll")
+            assert ld["inflight_requests"] == 1 and not answer.done()
+            text = (await c.get(ws[0].url + "/metrics")).text
+            assert parse_vllm_metrics(text)[0]["first_tokens"] >= 1.0  # the self-check's too
+            assert 'vllm:time_to_first_token_seconds_bucket{engine="0"' in text
+            answer.cancel()
+            await asyncio.gather(answer, return_exceptions=True)
+
+
+async def _sent(load) -> bool:  # type: ignore[no-untyped-def]
+    ld = await load()
+    return ld["inflight_requests"] == 1 and ld["queued_prefill_tokens"] > 0
+
+
+async def _released(load) -> dict | None:  # type: ignore[no-untyped-def]
+    ld = await load()
+    return ld if ld["queued_prefill_tokens"] == 0 else None
