@@ -52,6 +52,9 @@ class Pick:
     """Distinct endpoints of ``engines``, in order (what the gateway is told)."""
     result: RouteResult | None
     uncached: dict[Engine, int]
+    buffered: bool = False
+    """The answer comes whole (``stream`` not true): its first byte is its last, so the
+    worker's first-token count releases its prefill (``Worker.observe_first_tokens``)."""
 
 
 @dataclass
@@ -192,7 +195,8 @@ class Picker:
         costs = {c.engine: c.uncached_tokens for c in d.costs}
         hits = {c.engine: c.gpu_hit_tokens for c in res.candidates}
         uncached = {e: costs.get(e, max(n - hits.get(e, 0), 0)) for e in engines}
-        return Pick(engines, self._endpoints(engines), res, uncached)
+        buffered = body.get("stream") is not True
+        return Pick(engines, self._endpoints(engines), res, uncached, buffered)
 
     async def owner(self, response_id: str) -> Engine | None:
         """The engine holding a stored response (router/stored_responses.py), if noted."""
@@ -258,7 +262,9 @@ class Picker:
             return
         adm = self.router.admission
         wake = adm.wake if adm is not None else None  # queued prefill fell: the queue looks
-        st.ticket = Ticket(w, engine[1], st.pick.uncached.get(engine, 0), wake)
+        st.ticket = Ticket(
+            w, engine[1], st.pick.uncached.get(engine, 0), wake, buffered=st.pick.buffered
+        )
         st.charged.append(engine)
         res = st.pick.result
         if res is not None:
