@@ -196,6 +196,13 @@ async def test_predicted_hits_equal_vllm_cached_tokens(
                 await _router_ready(base)
                 sender = ThroughRouter(base, tap)
                 await asyncio.to_thread(scenario, sender.send, SEED, kind.offload)
+                # vLLM's own first-token count, read at the polls (it releases the prefill of
+                # the answers that come whole): one per request, the self-check's included.
+                (w,) = _router.registry.workers.values()
+                sent = len(sender.outcomes)
+                await until(
+                    lambda: w.first_tokens_reported.get(0, 0) >= sent, 30, "first tokens counted"
+                )
                 engine = await asyncio.to_thread(sender.engine)
                 sender.client.close()
         finally:
