@@ -352,7 +352,7 @@ def run_policy(
             ld = fleet.load(w)
             workers[w].load(0).set_gauges(ld.waiting, ld.running, ld.kv_usage)
             # vllm:time_to_first_token_seconds_count: releases buffered requests' prefill
-            workers[w].observe_first_tokens(0, fleet.engines[w].first_tokens)
+            workers[w].observe_first_tokens(0, fleet.engines[w].first_tokens, ld.waiting)
 
     def advance(t: float) -> None:
         nonlocal next_poll

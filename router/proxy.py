@@ -96,6 +96,7 @@ class Ticket:
         "_first",
         "_on_released",
         "_rank",
+        "_released",
         "_waiting",
         "_worker",
         "ld",
@@ -122,6 +123,9 @@ class Ticket:
         self.ld.prefilling_requests += 1
         self.ld.queued_prefill_tokens += uncached
         self._first = False
+        """A first token seen here: a stream's first chunk, a whole answer, or a failure."""
+        self._released = False
+        """Its prefill left the engine's count (at ``_first``, or by the engine's count)."""
         self._done = False
         self._on_released = on_released
         """Told when the queued prefill drops (the admission queue waits for that)."""
@@ -144,18 +148,22 @@ class Ticket:
     def first_token(self) -> None:
         """Seen here: a stream's first chunk, or a whole answer (or a failure) back."""
         if not self._first:
-            seen = self._worker.first_tokens_seen
-            seen[self._rank] = seen.get(self._rank, 0) + 1
+            self._first = True
+            self._waiting.discard(self)
+            if not self._released:
+                seen = self._worker.first_tokens_seen
+                seen[self._rank] = seen.get(self._rank, 0) + 1
         self._release()
 
     def engine_first_token(self) -> None:
-        """Counted by the engine (a buffered answer still decoding)."""
+        """Counted by the engine (a buffered answer still decoding). The request stays told
+        of a stall until its answer is back: the count is an inference, and a stalled engine
+        runs nothing, so it is never wrong to take such a request back."""
         self._release()
 
     def _release(self) -> None:
-        if not self._first:
-            self._first = True
-            self._waiting.discard(self)
+        if not self._released:
+            self._released = True
             if self._buffered is not None:
                 self._buffered.pop(self, None)
             self.ld.prefilling_requests -= 1

@@ -189,10 +189,12 @@ class Worker:
             ld = self.loads[rank] = EngineLoad()
         return ld
 
-    def observe_first_tokens(self, rank: int, count: int) -> int:
+    def observe_first_tokens(self, rank: int, count: int, waiting: int = 0) -> int:
         """A poll's ``vllm:time_to_first_token_seconds_count`` of engine ``rank``: release the
         oldest buffered requests there, one per first token the engine counted since the last
-        poll beyond those this router saw itself. Returns how many were released.
+        poll beyond those this router saw itself, and never one of the newest ``waiting`` (the
+        same poll's ``vllm:num_requests_waiting``: requests not scheduled yet, which are the
+        last sent). Returns how many were released.
 
         vLLM observes that histogram once per request, at its first token, and each engine
         admits its waiting requests first come first served, so the oldest buffered requests
@@ -200,15 +202,17 @@ class Worker:
         prefill until its whole answer is back: through every decode step, many times its
         prefill, so the policy reads a busy engine where the prefill is long done, and the
         admission queue holds requests behind engines with room. First tokens of requests
-        other routers or clients sent there release this router's early, never more of them
-        than it has. A count that went back (a restarted engine) only sets the baseline."""
+        this router did not send (other routers, clients, its own self-check) release its
+        buffered ones early, but never more than it has nor one still waiting. A count that
+        went back (a restarted engine) only sets the baseline."""
         seen = self.first_tokens_seen.pop(rank, 0)
         last = self.first_tokens_reported.get(rank)
         self.first_tokens_reported[rank] = count
         if last is None or count < last:
             return 0
         pending = self.buffered.get(rank)
-        k = min(count - last - seen, len(pending) if pending else 0)
+        n = len(pending) if pending else 0
+        k = min(count - last - seen, n - min(waiting, n))
         if k <= 0:
             return 0
         assert pending is not None
@@ -482,7 +486,8 @@ class WorkerRegistry:
                         float(vals.get("kv_usage", 0.0)),
                     )
                     if "first_tokens" in vals:
-                        w.observe_first_tokens(rank, int(vals["first_tokens"]))
+                        waiting = int(vals.get("waiting", 0))
+                        w.observe_first_tokens(rank, int(vals["first_tokens"]), waiting)
                 w.lora_slots = parse_lora_info(r.text)
                 w.retention = parse_retention(r.text)
                 w.metrics_ts = time.monotonic()

@@ -41,8 +41,16 @@ def test_first_token_counts_release_the_oldest_buffered_requests() -> None:
     assert w.observe_first_tokens(0, 21) == 0 and ld.queued_prefill_tokens == 10
     # A restarted engine counts from zero: a new baseline, nothing released on it.
     assert w.observe_first_tokens(0, 3) == 0 and ld.queued_prefill_tokens == 10
-    assert w.observe_first_tokens(0, 4) == 1 and ld.queued_prefill_tokens == 0
+    # Another client's first token, with this router's request still waiting: it stays.
+    assert w.observe_first_tokens(0, 4, waiting=1) == 0 and ld.queued_prefill_tokens == 10
+    assert w.observe_first_tokens(0, 5, waiting=0) == 1 and ld.queued_prefill_tokens == 0
+    # Released by the count, it is still told of a stall until its answer is back.
+    told: list[str] = []
+    e.on_stall = lambda: told.append("aborted")
+    e.stall("stalled")
+    assert told == ["aborted"]
     e.finish()
+    assert ld.inflight_requests == 0 and not w.awaiting_first[0]
 
 
 async def test_a_buffered_requests_prefill_is_released_while_it_decodes() -> None:
