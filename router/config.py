@@ -64,6 +64,9 @@ class ServerConfig(_Section):
     this long is skipped until it runs requests again, and this router's requests waiting there
     are taken back (its scheduler stalled; 0: never). Keep it above the longest such wait a
     healthy engine has (a P/D decode worker waiting for remote KV)."""
+    worker_poll_s: float = 1.0
+    """How often each worker's /health and /metrics are read: the load gauges, the stall check
+    and the first-token count that releases requests answered whole (0.05 s at the least)."""
     max_connections_per_worker: int = 256
     request_timeout_s: float | None = None
     """Total time for one request, streaming included (None: no limit)."""

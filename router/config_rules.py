@@ -61,6 +61,8 @@ def _check_server(s: ServerConfig) -> None:
         raise ConfigError("server.connect_timeout_s / first_byte_timeout_s: must be positive")
     if s.worker_stall_s < 0:
         raise ConfigError("server.worker_stall_s: must be >= 0 (0 never skips a stalled worker)")
+    if s.worker_poll_s < 0.05:
+        raise ConfigError("server.worker_poll_s: must be >= 0.05 (seconds between polls)")
     if s.request_timeout_s is not None and s.request_timeout_s <= 0:
         raise ConfigError("server.request_timeout_s: must be positive (or null: no total limit)")
     if s.pool_timeout_s <= 0 or s.rate_limit_period_s <= 0:

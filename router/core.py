@@ -580,6 +580,7 @@ def _registry(cfg: Config, on_events_ready: Callable[[Worker], None]) -> WorkerR
         on_events_ready=on_events_ready,
         upstream_api_key=upstream_api_key(cfg),
         stall_after_s=sc.worker_stall_s,
+        poll_interval_s=sc.worker_poll_s,
     )
 
 

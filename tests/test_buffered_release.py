@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 from test_router_support import config_for, serve_router, until, words
 
-from router.config import WorkerSpec
+from router.config import ConfigError, WorkerSpec, parse_config
 from router.proxy import Ticket
 from router.workers import Worker, parse_vllm_metrics
 from simulator.testing import running_fleet
@@ -55,10 +56,9 @@ def test_first_token_counts_release_the_oldest_buffered_requests() -> None:
 
 async def test_a_buffered_requests_prefill_is_released_while_it_decodes() -> None:
     with running_fleet(1, prefill_tps=20_000, decode_ms=100) as ws:
-        async with (
-            serve_router(config_for(ws)) as (base, _router),
-            httpx.AsyncClient(timeout=60) as c,
-        ):
+        cfg = config_for(ws, server={"worker_poll_s": 0.25})
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=60) as c:
+            assert router.registry.poll_interval_s == 0.25
             body = {"model": "sim-model", "prompt": words(300, "b"), "max_tokens": 150}
             answer = asyncio.create_task(c.post(base + "/v1/completions", json=body))
 
@@ -66,10 +66,9 @@ async def test_a_buffered_requests_prefill_is_released_while_it_decodes() -> Non
                 doc = (await c.get(base + "/debug/index")).json()
                 return doc["workers"][0]["engines"][0]["load"]
 
-            await until(lambda: _sent(load), 10, "the request on the engine, its prefill counted")
-            # Its 150 tokens take 15 s to decode; the poll (every second) sees its first token.
-            ld = await until(lambda: _released(load), 8, "its prefill released by the poll")
-            assert ld["inflight_requests"] == 1 and not answer.done()
+            # Its 150 tokens take 15 s to decode; a poll (every 0.25 s) sees its first token.
+            await until(lambda: _released(load), 5, "its prefill released by the poll")
+            assert not answer.done()
             text = (await c.get(ws[0].url + "/metrics")).text
             assert parse_vllm_metrics(text)[0]["first_tokens"] >= 1.0  # the self-check's too
             assert 'vllm:time_to_first_token_seconds_bucket{engine="0"' in text
@@ -77,11 +76,13 @@ async def test_a_buffered_requests_prefill_is_released_while_it_decodes() -> Non
             await asyncio.gather(answer, return_exceptions=True)
 
 
-async def _sent(load) -> bool:  # type: ignore[no-untyped-def]
-    ld = await load()
-    return ld["inflight_requests"] == 1 and ld["queued_prefill_tokens"] > 0
+def test_the_worker_poll_interval_is_a_setting() -> None:
+    assert parse_config({}).server.worker_poll_s == 1.0
+    assert parse_config({"server": {"worker_poll_s": 0.25}}).server.worker_poll_s == 0.25
+    with pytest.raises(ConfigError, match=r"server\.worker_poll_s: must be >= 0\.05"):
+        parse_config({"server": {"worker_poll_s": 0.01}})
 
 
 async def _released(load) -> dict | None:  # type: ignore[no-untyped-def]
-    ld = await load()
-    return ld if ld["queued_prefill_tokens"] == 0 else None
+    ld = await load()  # in flight on the engine, its prefill no longer counted
+    return ld if ld["inflight_requests"] == 1 and ld["queued_prefill_tokens"] == 0 else None
