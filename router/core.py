@@ -333,16 +333,22 @@ class Router:
             record_sent(self.speculative, self.index, engine, tok.keys, tok.n_tokens, match, now)
 
     async def route_admitted(
-        self, body: dict[str, Any], chat: bool, receive: Receive, key: str | None, **how: Any
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        receive: Receive,
+        key: str | None,
+        size: int,
+        **how: Any,
     ) -> RouteResult:
         """:meth:`route` (``how``: its keyword arguments) once the admission queue
         (router/admission.py) lets the request through; at once while admission is off.
         ``receive`` shows the client leaving while it waits; ``key``: its API key (the queue's
-        fairness). The pass is given back as the route is chosen: the caller puts the prompt
+        fairness); ``size``: the request body's bytes as received (the ``shortest_prompt``
+        order's key). The pass is given back as the route is chosen: the caller puts the prompt
         on the chosen engine's load before the queue can look again."""
         if self.admission is None:
             return await self.route(body, chat, time.monotonic(), **how)
-        size = len(msgspec.json.encode(body)) if self.admission.cfg.order != "fair" else 0
         admitted = await self.admission.admit(
             body.get("model"), body.get("priority"), key, receive, size
         )

@@ -284,7 +284,9 @@ class Exchange:
                 await self.p.spend_prompt(self.key, pick)
             else:
                 parsed = self.p.parse(data, self.chat)
-                pick = await self.p.pick(parsed, self.chat, self.subset, self.headers, self.key)
+                pick = await self.p.pick(
+                    parsed, self.chat, self.subset, self.headers, self.key, size=len(data)
+                )
                 await self.p.spend_prompt(self.key, pick)
         except BodyError as exc:
             return self.reject(exc)
@@ -327,6 +329,7 @@ class Exchange:
             tokenize=msgs is not None,
             owner=owner,
             session_body=body or {},
+            size=len(data) if data else 0,
         )
 
     def start(self, pick: Pick, size: int | None, changed: bool) -> pb.CommonResponse:

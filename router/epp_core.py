@@ -168,6 +168,7 @@ class Picker:
         tokenize: bool = True,
         owner: Engine | None = None,
         session_body: dict[str, Any] | None = None,
+        size: int = 0,
     ) -> Pick:
         """Rank engines for a parsed, validated body. BodyError 503 when none is eligible,
         429 when all eligible ones are saturated or the admission queue refuses it (full, or
@@ -186,7 +187,7 @@ class Picker:
         asked = body if session_body is None else session_body
         session = session_key(headers or {}, asked, sc.header.lower(), sc.user_field)
         how = {"session": session, "tokenize": tokenize, "owner": owner}
-        res = await self.router.route_admitted(body, chat, _no_disconnect, key, **how)
+        res = await self.router.route_admitted(body, chat, _no_disconnect, key, size, **how)
         d = res.decision
         engines = [e for e in d.ranked if e[0] in eligible]
         if not engines:

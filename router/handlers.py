@@ -302,7 +302,7 @@ async def _parse_and_route(
     sc = cfg.session
     session = session_key(request.headers, body, sc.header, sc.user_field)
     res = await router.route_admitted(
-        body, chat, request.receive, key, session=session, trace=req.trace
+        body, chat, request.receive, key, len(data), session=session, trace=req.trace
     )
     await _spend_prompt(router, key, res)
     return key, data, body, res
