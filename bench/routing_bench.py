@@ -89,7 +89,7 @@ from bench.workloads import Req, TokenSource, TraceError, load_workload
 from indexer.index import PrefixIndex
 from indexer.wire import DecodeError, decode_payload
 from kvrouter.progress import Progress
-from router.admission import FairQueue, ShortestFirstQueue, headroom
+from router.admission import FairQueue, ShortestFirstQueue, headroom, make_queue
 from router.candidates import build_candidates, record_sent, speculative_hits
 from router.config import AdmissionConfig, WorkerSpec
 from router.policy import PolicyParams, SpeculativeCache, make_policy
@@ -295,12 +295,7 @@ def run_policy(
     refused = 0  # by the admission queue (429): full, or waited past its deadline
     queue: FairQueue[Req] | ShortestFirstQueue[Req] | None = None
     if name == ADMISSION_POLICY:
-        a = rs.admission
-        queue = (
-            ShortestFirstQueue(a.shortest_first_max_wait_s)
-            if a.order == "shortest_prompt"
-            else FairQueue()
-        )
+        queue = make_queue(rs.admission)
     arrived: dict[str, float] = {}  # a queued request's arrival (its TTFT counts the wait)
     next_poll = rs.poll_s
     n_done = 0

@@ -60,6 +60,7 @@ __all__ = [
     "ShortestFirstQueue",
     "headroom",
     "make_admission",
+    "make_queue",
     "priority_of",
 ]
 
@@ -216,6 +217,13 @@ def _shortest_first(
     return sorted(range(len(level)), key=rank)
 
 
+def make_queue(cfg: AdmissionConfig) -> FairQueue[Any] | ShortestFirstQueue[Any]:
+    """The queue ``admission.order`` names."""
+    if cfg.order == "shortest_prompt":
+        return ShortestFirstQueue(cfg.shortest_first_max_wait_s)
+    return FairQueue()
+
+
 def headroom(queued: Iterable[int], threshold: int, in_transit_tokens: float = 0.0) -> float:
     """Room below ``threshold`` on a model's engines (``queued``: each one's queued prefill
     tokens), in tokens, less ``in_transit_tokens`` (admitted requests not yet routed). > 0:
@@ -284,11 +292,7 @@ class Admission:
         self.cfg = cfg
         self._queued = queued
         """Queued prefill tokens of each engine serving a model ([] when none does)."""
-        self.queue: FairQueue[_Waiter] | ShortestFirstQueue[_Waiter] = (
-            ShortestFirstQueue(cfg.shortest_first_max_wait_s)
-            if cfg.order == "shortest_prompt"
-            else FairQueue()
-        )
+        self.queue: FairQueue[_Waiter] | ShortestFirstQueue[_Waiter] = make_queue(cfg)
         self.metrics = metrics
         self._transit: dict[Hashable, int] = {}
         self._prompt_tokens = PROMPT_GUESS_TOKENS
