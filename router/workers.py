@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -210,13 +211,11 @@ class Worker:
         self.first_tokens_reported[rank] = count
         if last is None or count < last:
             return 0
-        pending = self.buffered.get(rank)
-        n = len(pending) if pending else 0
-        k = min(count - last - seen, n - min(waiting, n))
+        pending = self.buffered.get(rank, {})
+        k = min(count - last - seen, len(pending) - min(waiting, len(pending)))
         if k <= 0:
             return 0
-        assert pending is not None
-        for request in list(pending)[:k]:
+        for request in list(itertools.islice(pending, k)):  # each release leaves ``pending``
             request.engine_first_token()
         return k
 
