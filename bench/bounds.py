@@ -28,7 +28,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["earlier_shared_prefix_units", "workload_bounds"]
+__all__ = ["RESUME_SHARE", "earlier_shared_prefix_units", "resumes_earlier", "workload_bounds"]
+
+RESUME_SHARE = 0.5
+"""A prompt resumes an earlier one when it shares at least this share of its tokens with it."""
 
 
 def earlier_shared_prefix_units(keys: Sequence[Sequence[int]]) -> list[int]:
@@ -47,6 +50,18 @@ def earlier_shared_prefix_units(keys: Sequence[Sequence[int]]) -> list[int]:
     at = np.searchsorted(unseen, starts)
     first_unseen = np.where(at < len(unseen), unseen[np.minimum(at, len(unseen) - 1)], flat.size)
     return np.minimum(first_unseen - starts, lengths).tolist()
+
+
+def resumes_earlier(
+    prompts: Sequence[tuple[int, Sequence[int]]], *, unit: int, share: float = RESUME_SHARE
+) -> list[bool]:
+    """Per prompt (``(prompt tokens, content keys)``, in the order they are routed), whether
+    some earlier prompt shares at least ``share`` of its tokens as a prefix: a conversation's
+    next turn, an agent's next step. Where such a request is cheap is fixed by where the
+    earlier one ran, so its queueing is what locality costs; every other request may go to any
+    engine at about the same price. The routing bench splits each policy's queueing by it."""
+    shared = earlier_shared_prefix_units([k for _, k in prompts])
+    return [units * unit >= share * n for (n, _), units in zip(prompts, shared, strict=True)]
 
 
 def workload_bounds(

@@ -188,6 +188,9 @@ def _queueing(k: dict, limit: float, others: dict[str, dict]) -> dict:
         "queueing_s": round(k["ttft_mean_s"] - floor, 4),
         "allowed_s": round(limit - floor, 4),
     }
+    for key in ("queueing_resumed_s", "queueing_fresh_s", "resumed_requests"):
+        if key in k:
+            out[key] = k[key]
     for name, s in others.items():
         if not math.isnan(s.get("ttft_floor_s", math.nan)):
             out[f"{name}_queueing_s"] = round(s["ttft_mean_s"] - s["ttft_floor_s"], 4)

@@ -60,8 +60,12 @@ token time - arrival);
 ``ttft_floor_s`` = mean TTFT the policy would have with no queueing at all at the hits it got
 (each request's own uncached prefill in full-budget chunks, each step carrying a decode, on the
 engine that served it; ``prefill_steps_with_decode`` is the measured share of prefill steps that
-did carry one); ``throughput_rps`` = requests / (last finish - first arrival); ``imbalance`` =
-busiest worker's busy time (sum of its step durations) / mean busy time; ``decision_ms_p50`` =
+did carry one); ``queueing_resumed_s`` / ``queueing_fresh_s`` = mean TTFT minus floor over the
+requests that resume an earlier prompt (at least half of it shared with one:
+``bench.bounds.resumes_earlier``; ``resumed_requests`` of them) and over the others: the wait
+that locality costs against the wait of requests free to go anywhere; ``throughput_rps`` =
+requests / (last finish - first arrival); ``imbalance`` = busiest worker's busy time (sum of
+its step durations) / mean busy time; ``decision_ms_p50`` =
 wall time of one routing decision (content keys + index match + speculative lookup + policy for
 kvrouter; keys + policy for the peers; policy only for the baselines).
 """
@@ -84,7 +88,7 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import peer_report, peers
-from bench.bounds import workload_bounds
+from bench.bounds import resumes_earlier, workload_bounds
 from bench.workloads import Req, TokenSource, TraceError, load_workload
 from indexer.index import PrefixIndex
 from indexer.wire import DecodeError, decode_payload
@@ -195,10 +199,18 @@ class RunResult:
     """Requests the workers refuse (:func:`rejects`)."""
     refused: int = 0
     """Requests the router's admission queue refuses (429: full, or past its deadline)."""
+    resumed: list[bool] = field(default_factory=list)
+    """Per served request, in ``ttft`` order: whether it resumes an earlier prompt
+    (:func:`bench.bounds.resumes_earlier`)."""
 
     def summary(self) -> dict[str, float]:
         t = sorted(self.ttft)
         d = sorted(self.decision_ms)
+        resumed: list[float] = []
+        fresh: list[float] = []
+        if self.resumed:
+            for ttft, floor, r in zip(self.ttft, self.ttft_floor, self.resumed, strict=True):
+                (resumed if r else fresh).append(ttft - floor)
         return {
             "hit_rate": round(self.hit_rate, 4),
             "ttft_mean_s": round(statistics.fmean(t), 4) if t else math.nan,
@@ -218,6 +230,9 @@ class RunResult:
             ),
             "rejected": self.rejected,
             "admission_refused": self.refused,
+            "resumed_requests": len(resumed),
+            "queueing_resumed_s": round(statistics.fmean(resumed), 4) if resumed else math.nan,
+            "queueing_fresh_s": round(statistics.fmean(fresh), 4) if fresh else math.nan,
         }
 
 
@@ -257,7 +272,11 @@ def run_policy(
     src: TokenSource,
     keys: KeyCache,
     seed: int = 0,
+    resuming: frozenset[str] | None = None,
 ) -> RunResult:
+    """One policy's replay of ``reqs``. ``resuming``: the ids of the requests that resume an
+    earlier prompt (:func:`bench.bounds.resumes_earlier`), for the summary's split of queueing;
+    None leaves it out."""
     pooled = name == "pooled_ideal"
     streams = not rs.buffered  # the router sees first tokens only in streamed answers
     kv = name in ("kvrouter", ADMISSION_POLICY)  # kvrouter's index, candidates and policy
@@ -302,6 +321,7 @@ def run_policy(
     hit_tokens = prompt_tokens = 0
     ttfts: list[float] = []
     floors: list[float] = []
+    resumed: list[bool] = []
     ecfg = fleet.config
     last_finish = 0.0
 
@@ -323,6 +343,8 @@ def run_policy(
             prompt_tokens += c.prompt_tokens
             ttfts.append(c.first_token_s - arrived.pop(c.request_id, c.arrival_s))
             floors.append(_prefill_floor(c.prompt_tokens, gpu_hit, cpu_hit, ecfg))
+            if resuming is not None:
+                resumed.append(c.request_id in resuming)
             last_finish = max(last_finish, c.finish_s)
             if peer is not None:
                 peer.finished(c.request_id)
@@ -471,6 +493,7 @@ def run_policy(
         prefill_steps_with_decode=mixed[1],
         rejected=rejected,
         refused=refused,
+        resumed=resumed,
     )
 
 
@@ -610,6 +633,7 @@ def run_all(
     seed: int,
     log: bool = True,
     jobs: int = 1,
+    resuming: frozenset[str] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Every policy on identical inputs; ``jobs`` > 1 runs them in forked processes."""
     global _SHARED
@@ -617,7 +641,7 @@ def run_all(
     if jobs > 1 and len(policies) > 1:
         import multiprocessing as mp
 
-        _SHARED = (reqs, speed, fs, rs, src, keys, seed)
+        _SHARED = (reqs, speed, fs, rs, src, keys, seed, resuming)
         with mp.get_context("fork").Pool(min(jobs, len(policies))) as pool:
             for name, s, dt in pool.imap_unordered(_run_one, policies):
                 out[name] = s
@@ -627,7 +651,7 @@ def run_all(
         return {name: out[name] for name in policies}
     for name in policies:
         t0 = time.perf_counter()
-        out[name] = run_policy(name, reqs, speed, fs, rs, src, keys, seed).summary()
+        out[name] = run_policy(name, reqs, speed, fs, rs, src, keys, seed, resuming).summary()
         if log:
             _log(name, out[name], time.perf_counter() - t0)
     return out
@@ -638,9 +662,9 @@ _SHARED: tuple | None = None  # inputs inherited by forked workers (copy-on-writ
 
 def _run_one(name: str) -> tuple[str, dict[str, float], float]:
     assert _SHARED is not None
-    reqs, speed, fs, rs, src, keys, seed = _SHARED
+    reqs, speed, fs, rs, src, keys, seed, resuming = _SHARED
     t0 = time.perf_counter()
-    s = run_policy(name, reqs, speed, fs, rs, src, keys, seed).summary()
+    s = run_policy(name, reqs, speed, fs, rs, src, keys, seed, resuming).summary()
     return name, s, time.perf_counter() - t0
 
 
@@ -958,8 +982,12 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
             "to replay (--max-model-len, --gpu-blocks)"
         )
     engine_cfg = probe.config
+    prompts = [(r.n_tokens, keys.get(r, src.tokens(r))[0]) for r in accepted]
+    resuming = frozenset(
+        r.rid for r, yes in zip(accepted, resumes_earlier(prompts, unit=unit), strict=True) if yes
+    )
     bounds = workload_bounds(
-        [(r.n_tokens, keys.get(r, src.tokens(r))[0]) for r in accepted],
+        prompts,
         unit=unit,
         block_size=fs.block_size,
         prefill_tokens_per_s=engine_cfg.prefill_tokens_per_s,
@@ -992,7 +1020,9 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
     by_load: dict[str, dict[str, dict[str, float]]] = {}
     for ld, speed in speeds.items():
         PROGRESS.phase(f"load {ld}: speed-up {speed:.3f}x, offered {base_rate * speed:.3f} req/s")
-        by_load[ld] = run_all(reqs, speed, fs, rs, src, keys, policies, args.seed, jobs=args.jobs)
+        by_load[ld] = run_all(
+            reqs, speed, fs, rs, src, keys, policies, args.seed, jobs=args.jobs, resuming=resuming
+        )
     main_load = str(args.load) if str(args.load) in by_load else next(iter(by_load))
     result: dict = {
         "workload": args.workload if not args.trace else f"mooncake:{Path(trace).name}",

@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import peer_index, peer_report, peers, routing_bench
-from bench.bounds import earlier_shared_prefix_units, workload_bounds
+from bench.bounds import earlier_shared_prefix_units, resumes_earlier, workload_bounds
 from bench.workloads import Req, TokenSource, TraceError, chat, mooncake, read_trace
 from indexer.wire import BlockRemoved, BlockStored
 from simulator.hashing import RequestHasher
@@ -68,6 +68,12 @@ def test_shared_prefix_workload_ranks_policies(tmp_path, capsys):
             assert key in s, (name, key)
         assert s["preemptions"] == 0, name
         assert s["ttft_floor_s"] > 0 and 0 <= s["prefill_steps_with_decode"] <= 1, name
+        # Queueing split by whether a request resumes an earlier prompt: the two means weighted
+        # by their counts are the policy's whole queueing (mean TTFT - floor).
+        n, r = s["completed"], s["resumed_requests"]
+        assert 0 < r < n, name  # chat sessions resume their earlier turns; first turns do not
+        split = (r * s["queueing_resumed_s"] + (n - r) * s["queueing_fresh_s"]) / n
+        assert split == pytest.approx(s["ttft_mean_s"] - s["ttft_floor_s"], abs=1e-3), name
     assert pol["kvrouter"]["hit_rate"] > pol["round_robin"]["hit_rate"] + 0.1
     assert pol["kvrouter"]["hit_rate"] > pol["least_loaded"]["hit_rate"]
     assert pol["kvrouter"]["hit_rate"] <= pol["pooled_ideal"]["hit_rate"] + 1e-9
@@ -527,6 +533,16 @@ def test_workload_bounds_hold_for_every_policy_and_count_only_earlier_prompts(tm
     assert out["targets"]["hit_rate >= best peer - 0.005"]["bound"]["what"] == "hit_rate_upper"
 
 
+def test_a_prompt_resumes_an_earlier_one_when_it_shares_half_of_it():
+    """Resuming is read from the requests alone: at least half of the prompt's tokens are a
+    prefix some earlier prompt has; a later prompt never counts, nor a short shared head."""
+    keys = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 9, 9, 9], [7, 8], [7, 8, 6, 6, 6]]
+    prompts = [(64, keys[0]), (64, keys[1]), (64, keys[2]), (32, keys[3]), (80, keys[4])]
+    # shared units: 0, 3, 1, 0, 2 -> tokens 0, 48, 16, 0, 32 of 64, 64, 64, 32, 80
+    assert resumes_earlier(prompts, unit=16) == [False, True, False, False, False]
+    assert resumes_earlier(prompts, unit=16, share=0.25) == [False, True, True, False, True]
+
+
 def test_a_missed_mean_ttft_target_splits_floor_and_queueing():
     """A missed mean-TTFT target says how much of kvrouter's TTFT is its no-queueing floor at
     the hits it got and how much queueing, next to the queueing the limit allows and each
@@ -536,6 +552,7 @@ def test_a_missed_mean_ttft_target_splits_floor_and_queueing():
         return {"hit_rate": hit, "ttft_mean_s": mean, "ttft_p90_s": p90, "ttft_floor_s": floor}
 
     pol = {"kvrouter": s(0.15, 1.0, 2.0, 0.7), "dynamo": s(0.10, 1.1, 2.5, 0.75)}
+    pol["kvrouter"] |= {"queueing_resumed_s": 0.6, "queueing_fresh_s": 0.2, "resumed_requests": 5}
     t = peer_report.targets({"0.8": pol}, {}, peers.NAMES, conversation_trace=False)
     q = t["ttft_mean <= 0.85 * best peer"]["queueing"]
     assert q == pytest.approx(
@@ -543,6 +560,9 @@ def test_a_missed_mean_ttft_target_splits_floor_and_queueing():
             "floor_s": 0.7,
             "queueing_s": 0.3,
             "allowed_s": 0.235,
+            "queueing_resumed_s": 0.6,
+            "queueing_fresh_s": 0.2,
+            "resumed_requests": 5,
             "dynamo_queueing_s": 0.35,
         }
     )
