@@ -16,7 +16,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Set
+from collections.abc import Callable, Sequence, Set
 from typing import Any
 
 import msgspec
@@ -36,6 +36,7 @@ from router.lora import LoraPlacement
 from router.metrics import RouterMetrics, fleet_state
 from router.policy import Candidate, Decision, make_policy
 from router.popularity import PromptKeys
+from router.prefill_priority import with_prefill_priority
 from router.quotas import Limits, QuotaTable
 from router.recorder import Recorder
 from router.resilience import WorkerWatch, load_only
@@ -189,6 +190,7 @@ class Router:
             root=lambda model: self.namespace_root({"model": model})[1],
             block_size=self.block_size,
             timeout_s=self.cfg.verify.selfcheck_timeout_s,
+            prefill_priority=self.cfg.policy.prefill_priority,
         )
 
     # ---------------------------------------------------------------- lifecycle
@@ -359,6 +361,21 @@ class Router:
             return res
         finally:
             admitted.release(tokens)
+
+    def prioritized(
+        self, body: dict[str, Any], engines: Sequence[EngineId], uncached: int
+    ) -> dict[str, Any] | None:
+        """``body`` with the ``priority`` of a prefill of ``uncached`` tokens
+        (router/prefill_priority.py) for a request that may go to ``engines``, or None to send
+        it as it is: ``policy.prefill_priority`` is off, the client set a priority, or one of
+        those workers refuses priorities (a retry must not meet a 400 the client never caused)."""
+        if not self.cfg.policy.prefill_priority or not engines:
+            return None
+        for e in engines:
+            w = self.registry.workers.get(e[0])
+            if w is None or w.priority_refused is not None:
+                return None
+        return with_prefill_priority(body, uncached)
 
     async def response_holder(self, response_id: str, now: float) -> EngineId | None:
         """The engine holding a stored Responses API answer (router/stored_responses.py), if

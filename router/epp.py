@@ -291,8 +291,9 @@ class Exchange:
         except BodyError as exc:
             return self.reject(exc)
         new = data
-        if parsed is not None and self.resp_mode in (DUPLEX, _Mode.STREAMED):
-            new, strip = self.p.upstream_body(parsed, data)
+        if parsed is not None:
+            usage = self.resp_mode in (DUPLEX, _Mode.STREAMED)
+            new, strip = self.p.upstream_body(parsed, data, pick, usage=usage)
             self.strip = StreamUsageFilter() if strip else None
         common = self.start(pick, len(new), changed=new is not data)
         meta = self.meta(pick)

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+import msgspec
+
 from indexer.index import EngineId
 from router.bodies import parse_json_object, validate_request
 from router.client_auth import bearer, check_key, spend_prompt
@@ -33,6 +35,7 @@ from router.workers import serving_engines
 __all__ = ["Pick", "Picker", "RequestState", "endpoint_of"]
 
 Engine = EngineId
+_enc = msgspec.json.Encoder()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -107,10 +110,19 @@ class Picker:
         validate_request(body, chat)
         return body
 
-    def upstream_body(self, body: dict[str, Any], data: bytes) -> tuple[bytes, bool]:
-        """The body to send on: a streaming request asks for the final usage event (stripped
-        again from the response, True) when verification wants it, as the proxy does."""
-        if body.get("stream") is not True or self.router.verifier is None:
+    def upstream_body(
+        self, body: dict[str, Any], data: bytes, pick: Pick, *, usage: bool = True
+    ) -> tuple[bytes, bool]:
+        """The body to send on, as the proxy sends it: with the prefill's ``priority`` for the
+        picked engines (``Router.prioritized``) and, with ``usage`` (the response passes through
+        the EPP), a streaming request asking for the final usage event (stripped again from the
+        response, True) when verification wants it. ``data`` itself when nothing changes."""
+        if pick.engines:
+            first = pick.engines[0]
+            prioritized = self.router.prioritized(body, pick.engines, pick.uncached[first])
+            if prioritized is not None:
+                body, data = prioritized, _enc.encode(prioritized)
+        if not usage or body.get("stream") is not True or self.router.verifier is None:
             return data, False
         if not self.cfg.verify.stream_usage:
             return data, False

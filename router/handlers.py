@@ -261,6 +261,13 @@ def proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[Re
             if ids is not None and router.ids_portable():
                 body = {**body, "prompt": ids}
                 data = _upstream_enc.encode(body)
+        if attempts:
+            prioritized = router.prioritized(
+                body, [a.engine for a in attempts], attempts[0].uncached
+            )
+            if prioritized is not None:
+                body = prioritized
+                data = _upstream_enc.encode(body)
         headers = request_headers(request.scope["headers"], cfg.server.forward_authorization)
         if not from_client:  # the client's own id is among the headers already
             headers.append((access.HEADER, req.id.encode()))

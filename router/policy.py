@@ -148,6 +148,10 @@ class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
     prompt (:meth:`KvRouterPolicy.hit_loss_weight`). Each such move saves that request
     queueing but computes the prefix a second time; beyond the budget the recompute weight
     rises until only the moves that save the most queueing pass. 1 = no budget."""
+    prefill_priority: bool = False
+    """Write each completion's vLLM ``priority``: the size class of the prefill it leaves on its
+    engine, so engines run shorter prefills first (router/prefill_priority.py). Needs every
+    worker started with ``--scheduling-policy priority``."""
 
 
 @dataclass(slots=True)

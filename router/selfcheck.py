@@ -17,6 +17,10 @@ Per worker, once it is healthy and its event discovery has had a chance to run:
 3. **hits**: the same probe again: the worker's ``cached_tokens`` must equal what the index
    predicts (``ok`` / ``mismatch`` / ``unreported`` when the worker does not report cached tokens,
    i.e. vLLM without ``--enable-prompt-tokens-details``).
+4. **priority** (with ``policy.prefill_priority`` only): a one-token completion carrying
+   ``priority: 1``. vLLM without ``--scheduling-policy priority`` answers it 400 (``refused``):
+   that worker gets no priority from the router (``Worker.priority_refused``), so the router's own
+   field never fails a request; ``ok`` when it is served, ``error`` when the probe fails otherwise.
 
 Results are in ``/debug/index`` (per worker ``selfcheck``) and drive ``/ready``: with
 ``verify.require_selfcheck`` the router is ready only when a healthy worker passed (events ok);
@@ -72,6 +76,7 @@ class SelfCheck:
         block_size: int = 16,
         timeout_s: float = 5.0,
         poll_s: float = 0.5,
+        prefill_priority: bool = False,
     ) -> None:
         self.registry = registry
         self.index = index
@@ -81,6 +86,7 @@ class SelfCheck:
         self.block_size = block_size
         self.timeout_s = timeout_s
         self.poll_s = poll_s
+        self.prefill_priority = prefill_priority
         self.results: dict[str, dict[str, Any]] = {}
         self.fingerprints: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self._running: dict[str, asyncio.Task[None]] = {}
@@ -167,6 +173,8 @@ class SelfCheck:
             }
         model = w.base_model or self.registry.models.base
         res = await self._check_tokenizer(w, model)
+        if self.prefill_priority:
+            res.update(await self._check_priority(w, model))
         # Events: wait for discovery to subscribe (a worker without events never does).
         no_sources = None
         if w.events_endpoint is None and not w.subscribed:
@@ -216,6 +224,30 @@ class SelfCheck:
         if problems:
             res["tokenizer_detail"] = f"local tokenizer differs on: {', '.join(problems)}"
         return res
+
+    async def _check_priority(self, w: Worker, model: str | None) -> dict[str, Any]:
+        """Does the worker take a request ``priority``? Sets ``w.priority_refused``."""
+        body: dict[str, Any] = {"prompt": _PROMPT, "max_tokens": 1, "priority": 1}
+        if model is not None:
+            body["model"] = model
+        try:
+            resp = await w.client.post("/v1/completions", json=body, timeout=self.timeout_s * 4)
+        except Exception as exc:
+            return {"priority": "error", "priority_detail": f"the probe failed: {exc}"}
+        if resp.status_code == 200:
+            w.priority_refused = None
+            return {"priority": "ok"}
+        text = resp.text[:200]
+        if resp.status_code == 400 and "priority" in text.lower():
+            w.priority_refused = (
+                f"it answers a request priority 400 ({text.strip()}): start vLLM with "
+                "--scheduling-policy priority, or set policy.prefill_priority: false"
+            )
+            return {"priority": "refused", "priority_detail": w.priority_refused}
+        return {
+            "priority": "error",
+            "priority_detail": f"the probe returned {resp.status_code}: {text}",
+        }
 
     async def _probe_ids(self, w: Worker, model: str | None) -> list[int]:
         """A unique prompt of a few blocks, in token ids valid for the worker's vocabulary."""
@@ -385,6 +417,12 @@ class SelfCheck:
                 "self-check of %s: predicted hit differs from the worker's: %s",
                 url,
                 res.get("hits_detail"),
+            )
+        if res.get("priority") == "refused":
+            log.error(
+                "self-check of %s: no request priority is written for it: %s",
+                url,
+                res.get("priority_detail"),
             )
         tok = self.tokenizer_status(url)
         if tok == "mismatch":

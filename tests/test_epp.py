@@ -196,6 +196,24 @@ async def test_buffered_mode_answers_headers_at_once_and_picks_on_the_body(fleet
         assert refused.immediate_response.status.code == 503
 
 
+async def test_the_prefill_priority_is_written_into_the_body_as_the_proxy_writes_it():
+    with running_fleet(1, scheduling_policy="priority", **FAST) as ws:
+        cfg = await epp_router(ws)
+        cfg.policy.prefill_priority = True
+        async with (
+            serve_router(cfg) as (_base, router),
+            grpc.aio.insecure_channel(f"127.0.0.1:{cfg.server.epp_port}") as ch,
+        ):
+            assert router.selfcheck is not None
+            assert router.selfcheck.results[ws[0].url]["priority"] == "ok"
+            s = Stream(pb_grpc.ExternalProcessorStub(ch))
+            await s.send(headers_msg(Mode.BUFFERED), 1)
+            (b,) = await s.send(body_msg(words(1200, "priority")), 1)
+            body = json.loads(b.request_body.response.body_mutation.body)
+            # About 1,200 uncached tokens: the class of [1024, 2048), as the proxy would write.
+            assert body["priority"] == 2 and body["prompt"] == words(1200, "priority")
+
+
 def refusal(resp: pb.ProcessingResponse) -> tuple[int, dict[str, str], bytes]:
     """An ImmediateResponse as (status, headers, body)."""
     ir = resp.immediate_response

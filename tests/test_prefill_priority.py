@@ -1,0 +1,107 @@
+"""Shortest prefill first through vLLM's request priority: the class the router writes, the order
+a simulated worker running ``--scheduling-policy priority`` then serves requests in (end to end
+over HTTP), a client's own priority kept, and a worker that refuses priorities getting none."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+from test_router_support import config_for, serve_router, until, words
+
+from router.prefill_priority import PRIORITY_UNIT_TOKENS, prefill_class, with_prefill_priority
+from simulator.testing import running_fleet
+
+PREFILL_TPS = 1500  # simulated prefill: the 3,000-token blocker holds its engine 2 s
+BLOCKER_TOKENS = 3000
+LONG_TOKENS = 1500
+SHORT_TOKENS = 60
+
+
+def test_the_class_is_the_power_of_two_of_the_uncached_prefill() -> None:
+    u = PRIORITY_UNIT_TOKENS
+    assert [prefill_class(n) for n in (-5, 0, u - 1)] == [0, 0, 0]
+    assert [prefill_class(n) for n in (u, 2 * u - 1, 2 * u, 4 * u - 1, 4 * u)] == [1, 1, 2, 2, 3]
+    assert prefill_class(131_072) == 9
+    body = {"prompt": "x", "max_tokens": 1}
+    assert with_prefill_priority(body, 3 * u) == {**body, "priority": 2}
+    assert "priority" not in body  # a new body; the parsed one is left as it was
+    assert with_prefill_priority({**body, "priority": 0}, 3 * u) is None  # the client's own
+
+
+def _body(n: int, seed: Any, **extra: Any) -> dict[str, Any]:
+    return {"model": "sim-model", "prompt": words(n, seed), "max_tokens": 1, **extra}
+
+
+async def _gauge(c: httpx.AsyncClient, worker_url: str, name: str) -> float:
+    """A gauge of the worker's own /metrics, summed over its labels."""
+    text = (await c.get(worker_url + "/metrics")).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+async def _finish_order(base: str, worker_url: str, c: httpx.AsyncClient) -> list[str]:
+    """A blocker prefilling, then a long request, three short ones and a short one carrying the
+    client's own low priority queued behind it: the order their answers come back in."""
+    finished: list[str] = []
+
+    async def send(label: str, body: dict[str, Any]) -> None:
+        r = await c.post(base + "/v1/completions", json=body)
+        assert r.status_code == 200, (label, r.text)
+        finished.append(label)
+
+    # Each run's router listens on its own port: the prompts differ, nothing is cached.
+    blocker = asyncio.create_task(send("blocker", _body(BLOCKER_TOKENS, f"b{base}")))
+    running, waiting = "vllm:num_requests_running", "vllm:num_requests_waiting"
+    await until(lambda: _gauge(c, worker_url, running), 10, "the blocker running")
+    rest = [asyncio.create_task(send("long", _body(LONG_TOKENS, f"l{base}")))]
+    await until(lambda: _gauge(c, worker_url, waiting), 10, "the long request waiting")
+    rest += [
+        asyncio.create_task(send(f"short{i}", _body(SHORT_TOKENS, f"s{i}{base}"))) for i in range(3)
+    ]
+    rest.append(asyncio.create_task(send("own", _body(SHORT_TOKENS, f"o{base}", priority=20))))
+    await asyncio.gather(blocker, *rest)
+    return finished
+
+
+async def test_a_priority_worker_serves_short_prefills_before_an_earlier_long_one() -> None:
+    with running_fleet(1, prefill_tps=PREFILL_TPS, decode_ms=1, scheduling_policy="priority") as ws:
+        async with httpx.AsyncClient(timeout=60) as c:
+            cfg = config_for(ws, policy={"prefill_priority": True})
+            async with serve_router(cfg) as (base, router):
+                assert router.selfcheck is not None
+                assert router.selfcheck.results[ws[0].url]["priority"] == "ok"
+                order = await _finish_order(base, ws[0].url, c)
+            # The short prefills (class 0) pass the long one (class 2) queued before them; the
+            # short request whose client asked for priority 20 keeps it and comes last.
+            assert order[0] == "blocker" and order[-2:] == ["long", "own"], order
+            assert sorted(order[1:4]) == ["short0", "short1", "short2"], order
+
+            async with serve_router(config_for(ws)) as (base, _router):
+                order = await _finish_order(base, ws[0].url, c)
+            # Without it every request the router sends has priority 0: arrival order, so the
+            # long one is served second and the short ones wait for its whole prefill.
+            assert order[:2] == ["blocker", "long"] and order[-1] == "own", order
+
+
+async def test_a_worker_refusing_priorities_gets_none_and_its_requests_succeed() -> None:
+    with running_fleet(1, prefill_tps=20_000, decode_ms=1) as ws:  # vLLM's default: fcfs
+        cfg = config_for(ws, policy={"prefill_priority": True})
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=60) as c:
+            assert router.selfcheck is not None
+            url = ws[0].url
+            res = router.selfcheck.results[url]
+            assert res["priority"] == "refused", res
+            assert "--scheduling-policy priority" in res["priority_detail"]
+            assert "Priority scheduling is not enabled" in res["priority_detail"]
+            assert router.registry.workers[url].priority_refused == res["priority_detail"]
+            # A long prompt would be class >= 1, which this worker answers 400: none is written.
+            r = await c.post(base + "/v1/completions", json=_body(LONG_TOKENS, "refused"))
+            assert r.status_code == 200, r.text
+            index = (await c.get(base + "/debug/index")).json()
+            (w,) = [x for x in index["workers"] if x["url"] == url]
+            assert w["selfcheck"]["priority"] == "refused"
