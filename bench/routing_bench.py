@@ -98,6 +98,7 @@ from router.candidates import build_candidates, record_sent, speculative_hits
 from router.config import AdmissionConfig, WorkerSpec
 from router.policy import PolicyParams, SpeculativeCache, make_policy
 from router.popularity import PromptKeys
+from router.prefill_priority import prefill_class
 from router.proxy import Ticket
 from router.workers import Worker
 from simulator.engine import EngineConfig, SimEngine
@@ -138,6 +139,8 @@ class FleetSpec:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int = 131_072
+    scheduling_policy: str = "fcfs"
+    """vLLM's ``--scheduling-policy`` on every worker (``--prefill-priority``: priority)."""
 
     def engine(self, pooled: bool = False, events: bool = True) -> EngineConfig:
         k = self.workers if pooled else 1
@@ -155,6 +158,7 @@ class FleetSpec:
             cpu_chunks=self.cpu_chunks * k,
             cpu_chunk_tokens=self.cpu_chunk_tokens,
             enable_events=events,
+            scheduling_policy=self.scheduling_policy,
         )
 
     def capacity_tokens_per_s(self) -> float:
@@ -416,7 +420,9 @@ def run_policy(
         w = by_engine[d.engine]
         ticket = Ticket(workers[w], 0, uncached, buffered=not streams)
         tickets[req.rid] = ticket
-        fleet.submit(w, req.rid, toks, req.max_tokens, t)
+        # policy.prefill_priority: the router writes the prefill's class as vLLM's priority
+        priority = prefill_class(uncached) if kv and rs.params.prefill_priority else 0
+        fleet.submit(w, req.rid, toks, req.max_tokens, t, priority=priority)
         if streams:
             prefilling[w][req.rid] = (fleet.engines[w].requests[req.rid], ticket)
 
@@ -851,6 +857,12 @@ def main(argv: list[str] | None = None) -> dict:
         default="shortest_prompt",
         help="kvrouter_admission: admission.order",
     )
+    ap.add_argument(
+        "--prefill-priority",
+        action="store_true",
+        help="workers run vLLM's --scheduling-policy priority and kvrouter writes each "
+        "request's prefill class as its priority (policy.prefill_priority)",
+    )
     ap.add_argument("--near-tie", type=int, default=None)
     ap.add_argument("--cpu-discount", type=float, default=None)
     ap.add_argument(
@@ -945,8 +957,9 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
         decode_s_per_token=args.decode_s,
         max_num_batched_tokens=args.budget,
         max_model_len=args.max_model_len,
+        scheduling_policy="priority" if args.prefill_priority else "fcfs",
     )
-    params = PolicyParams()
+    params = PolicyParams(prefill_priority=args.prefill_priority)
     if args.near_tie is not None:
         params.near_tie_tokens = args.near_tie
     if args.cpu_discount is not None:

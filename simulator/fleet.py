@@ -66,15 +66,24 @@ class FastFleet:
         arrival_s: float,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request; it reaches the worker at ``arrival_s`` (>= the current clock).
-        Raises ValueError for a prompt that cannot fit the KV cache or a full queue."""
+        ``priority``: vLLM's request priority (lower first; engines with scheduling policy
+        ``priority`` only). Raises ValueError for a prompt that cannot fit the KV cache or a full
+        queue."""
         if not 0 <= worker_idx < len(self.engines) // self.dp_size:
             raise ValueError(f"no worker {worker_idx}")
         if arrival_s <= self.now:
             e = self._pick_rank(worker_idx)
             self.engines[e].add_request(
-                request_id, token_ids, max_tokens, self.now, lora_name, cache_salt
+                request_id,
+                token_ids,
+                max_tokens,
+                self.now,
+                lora_name,
+                cache_salt,
+                priority=priority,
             )
             self.engines[e].requests[request_id].arrival_s = arrival_s
             return
@@ -85,7 +94,7 @@ class FastFleet:
                 arrival_s,
                 self._arrival_counter,
                 worker_idx,
-                (request_id, token_ids, max_tokens, cache_salt, lora_name),
+                (request_id, token_ids, max_tokens, cache_salt, lora_name, priority),
             ),
         )
 
@@ -103,9 +112,11 @@ class FastFleet:
                 break
             self.now = max(self.now, t)
             while self._pending_arrivals and self._pending_arrivals[0][0] <= self.now:
-                arr, _, w, (rid, toks, mt, salt, lora) = heapq.heappop(self._pending_arrivals)
+                arr, _, w, (rid, toks, mt, salt, lora, prio) = heapq.heappop(self._pending_arrivals)
                 try:
-                    self.engines[self._pick_rank(w)].add_request(rid, toks, mt, arr, lora, salt)
+                    self.engines[self._pick_rank(w)].add_request(
+                        rid, toks, mt, arr, lora, salt, priority=prio
+                    )
                 except ValueError:
                     self.rejected.append(rid)
             for w, e in enumerate(self.engines):

@@ -17,6 +17,7 @@ from bench import peer_index, peer_report, peers, routing_bench
 from bench.bounds import earlier_shared_prefix_units, resumes_earlier, workload_bounds
 from bench.workloads import Req, TokenSource, TraceError, chat, mooncake, read_trace
 from indexer.wire import BlockRemoved, BlockStored
+from router.policy import PolicyParams
 from simulator.hashing import RequestHasher
 
 
@@ -337,6 +338,37 @@ def test_kvrouter_admission_holds_requests_at_the_router_and_counts_their_wait()
     assert sorted(held.ttft)[2] < 2 * one_long <= sorted(plain.ttft)[2]
     assert statistics.fmean(held.ttft) < statistics.fmean(fair.ttft)
     assert statistics.fmean(held.ttft) < statistics.fmean(plain.ttft)
+
+
+def test_prefill_priority_lets_short_prompts_pass_a_long_one_queued_on_the_worker():
+    """The same burst on workers running vLLM's priority scheduling: kvrouter writes each
+    request's prefill class as its priority, so the worker itself takes the short prompts
+    before the second long one (waiting behind the first), with nothing held at the router;
+    the peers write none and are served in arrival order."""
+    lengths = [8000, 8000, 100, 100, 100]
+    reqs = [Req(f"r{i}", 0.001 * i, ((3_100_000 + i, n),), n, 2) for i, n in enumerate(lengths)]
+    fs = routing_bench.FleetSpec(
+        workers=1, prefill_tokens_per_s=10_000.0, scheduling_policy="priority"
+    )
+
+    def run(name: str, prefill_priority: bool) -> routing_bench.RunResult:
+        rs = routing_bench.RouterSpec(params=PolicyParams(prefill_priority=prefill_priority))
+        return routing_bench.run_policy(
+            name, reqs, 1.0, fs, rs, TokenSource(), routing_bench.KeyCache(16)
+        )
+
+    plain, prioritized, peer = (
+        run("kvrouter", False),
+        run("kvrouter", True),
+        run("dynamo", True),
+    )
+    assert plain.completed == prioritized.completed == peer.completed == 5
+    one_long = 8000 / 10_000.0
+    shorts = sorted(prioritized.ttft)[:3]
+    assert max(shorts) < 2 * one_long <= sorted(plain.ttft)[2]
+    assert max(prioritized.ttft) >= 2 * one_long  # the second long prompt waited for them
+    assert sorted(peer.ttft)[2] >= 2 * one_long
+    assert statistics.fmean(prioritized.ttft) < statistics.fmean(plain.ttft)
 
 
 def _conversation_trace(
