@@ -15,6 +15,10 @@ A second test per model (dense, hybrid, all-sliding-window) checks the speculati
 router's prediction for a prompt sharing one just sent until the worker's events arrive: the
 credit ``/debug/route`` shows for each probe must equal the probe's ``cached_tokens``.
 
+A third, on the dense model started with and without ``--scheduling-policy priority``, checks
+``policy.prefill_priority``: the self-check finds which vLLM takes a request priority, and every
+request through the router is answered either way.
+
 Before each request the test waits until vLLM's event stream has been quiet for ``QUIET_S`` and
 the router has applied the last frame a second subscriber saw, so that a prediction is made on
 everything vLLM published for the earlier requests (the captures of scripts/record_captures.py
@@ -48,6 +52,7 @@ from real_vllm_models import (
     BLOCK,
     KINDS,
     MODEL_GROUPS,
+    SERVED,
     VLLM_VERSION,
     VOCAB,
     Kind,
@@ -379,3 +384,56 @@ async def test_speculative_entries_credit_what_vllm_caches(
     assert len(seen) == 15
     assert wrong == [], wrong
     assert sum(1 for _, _, cached in seen if cached) >= 6, "the probes share cached prefixes"
+
+
+PRIORITY_KINDS: dict[str, tuple[Kind, str]] = {
+    "priority": (
+        Kind("llama-priority", "dense", 40, extra=("--scheduling-policy", "priority")),
+        "ok",
+    ),
+    "fcfs": (KINDS["dense"], "refused"),
+}
+"""A vLLM started with and without priority scheduling, and what the self-check must find."""
+
+
+@pytest.mark.parametrize("key", list(PRIORITY_KINDS))
+async def test_prefill_priority_is_written_only_where_vllm_takes_it(
+    vllm_python: Path, models: Path, tmp_path: Path, key: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With ``policy.prefill_priority`` the self-check asks vLLM whether it takes a request
+    priority. A vLLM started with ``--scheduling-policy priority`` serves it (``ok``) and the
+    router's requests carry their prefill's class; one without answers 400 with its own message
+    (``refused``) and the router writes none. Either way every request through the router is
+    answered 200, prompts of class 0 and 1 alike; the same class-1 priority sent straight to
+    the vLLM without priority scheduling is refused, so the router's 200s there are its doing."""
+    kind, expected = PRIORITY_KINDS[key]
+    rng = random.Random(key)
+    with _served(vllm_python, kind, models, tmp_path) as (served, tap):
+        try:
+            cfg = _config(served)
+            cfg.policy.prefill_priority = True
+            async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=120) as c:
+                await _router_ready(base)
+                (w,) = (await c.get(base + "/debug/index")).json()["workers"]
+                check = w["selfcheck"]
+                assert check["priority"] == expected, check
+                (worker,) = router.registry.workers.values()
+                if expected == "refused":
+                    assert "Priority scheduling is not enabled" in check["priority_detail"]
+                    assert worker.priority_refused == check["priority_detail"]
+                else:
+                    assert worker.priority_refused is None
+                statuses = []
+                for n in (100, 600, 700):  # classes 0, 1, 1
+                    ids = [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(n)]
+                    body = {"model": SERVED, "prompt": ids, "max_tokens": 1}
+                    statuses.append((await c.post(base + "/v1/completions", json=body)).status_code)
+                assert statuses == [200, 200, 200], statuses
+                ids = [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(600)]
+                direct = {"model": SERVED, "prompt": ids, "max_tokens": 1, "priority": 1}
+                r = await c.post(served.url + "/v1/completions", json=direct)
+                assert r.status_code == (200 if expected == "ok" else 400), r.text
+        finally:
+            tap.close()
+    with capsys.disabled():
+        print(f"\n[real vLLM {VLLM_VERSION} {kind.name}] self-check priority: {check['priority']}")
