@@ -36,7 +36,9 @@ uncached prefill tokens per worker, released at first token), corrected by the w
 ``router.workers`` does. Policies:
 
 * ``random``, ``round_robin``, ``least_loaded``: ``router.policy`` baselines;
-* ``kvrouter``: KV events + index + ``KvRouterPolicy`` + ``SpeculativeCache``;
+* ``kvrouter``: KV events + index + ``KvRouterPolicy`` + ``SpeculativeCache``; with
+  ``--prefill-priority`` every policy's workers run vLLM's priority scheduling and kvrouter
+  writes each request's prefill class as its priority (``router.prefill_priority``);
 * ``kvrouter_admission``: the same behind the router's admission queue (``router.admission``:
   ``headroom`` and the ``--admission-order`` queue, threshold ``--admission-tokens``), each
   request's TTFT counted from its arrival, the wait at the router included;
