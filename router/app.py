@@ -112,7 +112,7 @@ def _add_admin_routes(app: FastAPI, router: Router) -> None:
         session = session_key(request.headers, body, sc.header, sc.user_field)
         res = await router.route(body, chat, time.monotonic(), session=session, dry_run=True)
         elapsed = time.perf_counter() - t
-        out = debug.explain(router, res, chat, elapsed)
+        out = debug.explain(router, res, chat, elapsed, body)
         return JSONResponse({**out, "routing": "by cache: the prompt's prefix"})
 
 

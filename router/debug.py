@@ -110,8 +110,16 @@ def _engines(router: Router, w: Worker, rows: list[SourceStatus]) -> list[dict[s
     return out
 
 
-def explain(router: Router, res: RouteResult, chat: bool, elapsed: float) -> dict[str, Any]:
-    """``/debug/route``: the decision for one request and every candidate's inputs and cost."""
+def explain(
+    router: Router,
+    res: RouteResult,
+    chat: bool,
+    elapsed: float,
+    body: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``/debug/route``: the decision for one request and every candidate's inputs and cost.
+    ``body``: a completion's, whose ``priority`` ``policy.prefill_priority`` may write (None for
+    the rest of vLLM's API, forwarded untouched)."""
     d = res.decision
     costs = {c.engine: c for c in d.costs}
     rank = {e: i for i, e in enumerate(d.ranked)}
@@ -158,10 +166,15 @@ def explain(router: Router, res: RouteResult, chat: bool, elapsed: float) -> dic
             "debt_tokens": round(p.hit_debt_tokens, 1),
             "added_weight": round(p.hit_loss_weight(), 4),
         }
+    chosen = costs.get(d.engine)
+    written = None
+    if body is not None and chosen is not None:
+        written = router.prioritized(body, d.ranked[:2], chosen.uncached_tokens)
     return {
         "kind": "chat" if chat else "completion",
         "policy": router.policy.name,
         "hit_loss": hit_loss,
+        "prefill_priority": written["priority"] if written else None,
         "namespace": res.namespace,
         "prompt_tokens": tok.n_tokens if tok else None,
         "tokenization": tok.source if tok else "failed",

@@ -75,6 +75,11 @@ async def test_a_priority_worker_serves_short_prefills_before_an_earlier_long_on
             async with serve_router(cfg) as (base, router):
                 assert router.selfcheck is not None
                 assert router.selfcheck.results[ws[0].url]["priority"] == "ok"
+                route = await c.post(base + "/debug/route", json=_body(LONG_TOKENS, "explain"))
+                assert route.json()["prefill_priority"] == 2  # about 1,500 tokens: [1024, 2048)
+                own = _body(LONG_TOKENS, "explain", priority=7)
+                route = await c.post(base + "/debug/route", json=own)
+                assert route.json()["prefill_priority"] is None  # the client's is kept
                 order = await _finish_order(base, ws[0].url, c)
             # The short prefills (class 0) pass the long one (class 2) queued before them; the
             # short request whose client asked for priority 20 keeps it and comes last.
@@ -102,6 +107,8 @@ async def test_a_worker_refusing_priorities_gets_none_and_its_requests_succeed()
             # A long prompt would be class >= 1, which this worker answers 400: none is written.
             r = await c.post(base + "/v1/completions", json=_body(LONG_TOKENS, "refused"))
             assert r.status_code == 200, r.text
+            route = await c.post(base + "/debug/route", json=_body(LONG_TOKENS, "refused"))
+            assert route.json()["prefill_priority"] is None
             index = (await c.get(base + "/debug/index")).json()
             (w,) = [x for x in index["workers"] if x["url"] == url]
             assert w["selfcheck"]["priority"] == "refused"
