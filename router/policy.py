@@ -151,7 +151,7 @@ class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
     prefill_priority: bool = False
     """Write each completion's vLLM ``priority``: the size class of the prefill it leaves on its
     engine, so engines run shorter prefills first (router/prefill_priority.py). Needs every
-    worker started with ``--scheduling-policy priority``."""
+    worker started with ``--scheduling-policy priority`` (without it vLLM ignores the field)."""
 
 
 @dataclass(slots=True)

@@ -15,8 +15,10 @@ under sustained overload a long prompt waits while shorter ones keep arriving, u
 router's ``server.first_byte_timeout_s``.
 
 Never written: a ``priority`` the client set (kept as sent), the rest of vLLM's API (passed
-through untouched), and requests to a worker whose self-check found it refusing priorities
-(router/selfcheck.py: vLLM answers a non-zero priority 400 without priority scheduling).
+through untouched), and requests that may go to a worker whose self-check found it refusing
+priorities (router/selfcheck.py). vLLM's V1 engine takes a priority without priority scheduling
+and ignores it (checked against vLLM 0.32), so there the option does nothing and costs nothing;
+its V0 engine answered it 400.
 """
 
 from __future__ import annotations

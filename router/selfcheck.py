@@ -18,9 +18,11 @@ Per worker, once it is healthy and its event discovery has had a chance to run:
    predicts (``ok`` / ``mismatch`` / ``unreported`` when the worker does not report cached tokens,
    i.e. vLLM without ``--enable-prompt-tokens-details``).
 4. **priority** (with ``policy.prefill_priority`` only): a one-token completion carrying
-   ``priority: 1``. vLLM without ``--scheduling-policy priority`` answers it 400 (``refused``):
-   that worker gets no priority from the router (``Worker.priority_refused``), so the router's own
-   field never fails a request; ``ok`` when it is served, ``error`` when the probe fails otherwise.
+   ``priority: 1``. vLLM's V0 engine without ``--scheduling-policy priority`` answers it 400
+   (``refused``): that worker gets no priority from the router (``Worker.priority_refused``), so
+   the router's own field never fails a request. ``ok`` when it is served: V1 takes a priority
+   with or without priority scheduling (and ignores it without), which no answer tells apart;
+   ``error`` when the probe fails otherwise.
 
 Results are in ``/debug/index`` (per worker ``selfcheck``) and drive ``/ready``: with
 ``verify.require_selfcheck`` the router is ready only when a healthy worker passed (events ok);

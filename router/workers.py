@@ -160,7 +160,8 @@ class Worker:
     """The DP ranks skipped as stalled (:func:`serving_engines` leaves them out)."""
     priority_refused: str | None = None
     """Why the worker gets no request ``priority`` (its self-check's probe with one was
-    refused: vLLM without ``--scheduling-policy priority``), None while it takes them."""
+    refused: vLLM's V0 engine without ``--scheduling-policy priority``), None while it takes
+    them."""
     stuck_since: dict[int, float] = field(default_factory=dict)
     """Per DP rank, since when every poll showed it with requests waiting and none running."""
     awaiting_first: dict[int, set[StallListener]] = field(default_factory=dict)

@@ -148,6 +148,12 @@ def _add_kv_cache_args(a: Callable[..., Any]) -> None:
         default="fcfs",
         help="vLLM's: priority orders waiting requests by (priority, arrival), lowest first",
     )
+    a(
+        "--reject-priority",
+        action="store_true",
+        help="answer a non-zero priority under fcfs with 400, as vLLM's V0 engine did (V1 ignores "
+        "it)",
+    )
 
 
 def _add_timing_and_offload_args(a: Callable[..., Any]) -> None:
@@ -232,6 +238,7 @@ def settings_from_args(ns: argparse.Namespace, worker_idx: int) -> WorkerSetting
         max_num_seqs=ns.max_num_seqs,
         max_waiting=ns.max_waiting,
         scheduling_policy=ns.scheduling_policy,
+        reject_priority=ns.reject_priority,
         prefill_tokens_per_s=ns.prefill_tps,
         cpu_load_tokens_per_s=ns.cpu_load_tps,
         decode_s_per_token=ns.decode_ms / 1000.0,

@@ -15,8 +15,8 @@ in FIFO order while the budget, ``max_num_seqs`` and free blocks allow. A runnin
 that cannot get a block preempts the most recently scheduled running request (recompute).
 With ``scheduling_policy="priority"`` (vLLM's ``--scheduling-policy priority``) the waiting
 queue is ordered by (priority, arrival), lowest first, and the preemption victim is the
-running request with the largest (priority, arrival); vLLM refuses a non-zero priority
-under ``fcfs``.
+running request with the largest (priority, arrival). Under ``fcfs`` vLLM's V1 engine takes a
+non-zero priority and ignores it; its V0 engine refused it (``reject_priority``).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_waiting: int = 10000  # bounded request queue
     scheduling_policy: str = "fcfs"  # fcfs | priority (vLLM's --scheduling-policy)
+    reject_priority: bool = False  # vLLM's V0 engine: a non-zero priority under fcfs is an error
     # timing
     prefill_tokens_per_s: float = 20000.0
     cpu_load_tokens_per_s: float = 200000.0
@@ -177,8 +178,8 @@ class SimEngine:
         priority: int = 0,
     ) -> Request:
         c = self.config
-        if priority != 0 and c.scheduling_policy != "priority":
-            # vLLM's input processor, word for word (the server answers 400)
+        if priority != 0 and c.scheduling_policy != "priority" and c.reject_priority:
+            # vLLM's V0 engine, word for word (the server answers 400); V1 ignores the priority
             raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
         if len(self.waiting) >= c.max_waiting:
             raise QueueFull("request queue is full")

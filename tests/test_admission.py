@@ -177,8 +177,13 @@ def test_simulator_priority_scheduling_orders_waiting_by_priority_then_arrival()
     fcfs.add_request("x", list(range(100, 164)), 1, 0.0)
     fcfs.add_request("y", list(range(200, 264)), 1, 1.0)
     assert _first_tokens(fcfs) == ["x", "y"]
+    # vLLM's V1 engine takes a priority under fcfs and ignores it; its V0 engine refused it.
+    fcfs.add_request("z", list(range(300, 364)), 1, 2.0, priority=5)
+    fcfs.add_request("w", list(range(400, 464)), 1, 3.0, priority=-3)
+    assert _first_tokens(fcfs) == ["z", "w"]
+    v0 = SimEngine(EngineConfig(reject_priority=True))
     with pytest.raises(ValueError, match="Got priority 1 but Priority scheduling is not enabled"):
-        fcfs.add_request("z", list(range(300, 364)), 1, 2.0, priority=1)
+        v0.add_request("z", list(range(300, 364)), 1, 2.0, priority=1)
 
 
 def test_simulator_priority_preempts_the_lowest_priority_running_request() -> None:

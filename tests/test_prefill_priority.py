@@ -94,21 +94,28 @@ async def test_a_priority_worker_serves_short_prefills_before_an_earlier_long_on
 
 
 async def test_a_worker_refusing_priorities_gets_none_and_its_requests_succeed() -> None:
-    with running_fleet(1, prefill_tps=20_000, decode_ms=1) as ws:  # vLLM's default: fcfs
-        cfg = config_for(ws, policy={"prefill_priority": True})
+    """vLLM's V0 engine answers a non-zero priority 400 without priority scheduling; its V1
+    engine takes it and ignores it. The self-check tells them apart; a request that may go to
+    the refusing worker (first choice or retry) carries none, and every request succeeds."""
+    fast = {"prefill_tps": 20_000, "decode_ms": 1}
+    with running_fleet(1, reject_priority=True, **fast) as v0, running_fleet(1, **fast) as v1:
+        cfg = config_for([*v0, *v1], policy={"prefill_priority": True})
         async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=60) as c:
             assert router.selfcheck is not None
-            url = ws[0].url
-            res = router.selfcheck.results[url]
+            res = router.selfcheck.results[v0[0].url]
             assert res["priority"] == "refused", res
             assert "--scheduling-policy priority" in res["priority_detail"]
             assert "Priority scheduling is not enabled" in res["priority_detail"]
-            assert router.registry.workers[url].priority_refused == res["priority_detail"]
-            # A long prompt would be class >= 1, which this worker answers 400: none is written.
-            r = await c.post(base + "/v1/completions", json=_body(LONG_TOKENS, "refused"))
-            assert r.status_code == 200, r.text
+            assert router.registry.workers[v0[0].url].priority_refused == res["priority_detail"]
+            assert router.selfcheck.results[v1[0].url]["priority"] == "ok"
+            assert router.registry.workers[v1[0].url].priority_refused is None
+            # Long prompts would be class >= 1, which the V0 worker answers 400: with two
+            # workers each request may reach it, so none carries a priority.
+            for i in range(4):
+                r = await c.post(base + "/v1/completions", json=_body(LONG_TOKENS, f"r{i}"))
+                assert r.status_code == 200, r.text
             route = await c.post(base + "/debug/route", json=_body(LONG_TOKENS, "refused"))
             assert route.json()["prefill_priority"] is None
             index = (await c.get(base + "/debug/index")).json()
-            (w,) = [x for x in index["workers"] if x["url"] == url]
-            assert w["selfcheck"]["priority"] == "refused"
+            by_url = {w["url"]: w["selfcheck"]["priority"] for w in index["workers"]}
+            assert by_url == {v0[0].url: "refused", v1[0].url: "ok"}
