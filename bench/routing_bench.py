@@ -100,7 +100,7 @@ from router.candidates import build_candidates, record_sent, speculative_hits
 from router.config import AdmissionConfig, WorkerSpec
 from router.policy import PolicyParams, SpeculativeCache, make_policy
 from router.popularity import PromptKeys
-from router.prefill_priority import prefill_class
+from router.prefill_priority import prefill_priority
 from router.proxy import Ticket
 from router.workers import Worker
 from simulator.engine import EngineConfig, SimEngine
@@ -208,6 +208,8 @@ class RunResult:
     resumed: list[bool] = field(default_factory=list)
     """Per served request, in ``ttft`` order: whether it resumes an earlier prompt
     (:func:`bench.bounds.resumes_earlier`)."""
+    ids: list[str] = field(default_factory=list)
+    """Per served request, in ``ttft`` order: its id."""
 
     def summary(self) -> dict[str, float]:
         t = sorted(self.ttft)
@@ -328,6 +330,7 @@ def run_policy(
     ttfts: list[float] = []
     floors: list[float] = []
     resumed: list[bool] = []
+    ids: list[str] = []
     ecfg = fleet.config
     last_finish = 0.0
 
@@ -348,6 +351,7 @@ def run_policy(
             hit_tokens += gpu_hit + cpu_hit
             prompt_tokens += c.prompt_tokens
             ttfts.append(c.first_token_s - arrived.pop(c.request_id, c.arrival_s))
+            ids.append(c.request_id)
             floors.append(_prefill_floor(c.prompt_tokens, gpu_hit, cpu_hit, ecfg))
             if resuming is not None:
                 resumed.append(c.request_id in resuming)
@@ -420,10 +424,17 @@ def run_policy(
             decisions.append((time.perf_counter() - t0) * 1000)
             uncached = n_tok  # no index consulted: the proxy charges the whole prompt
         w = by_engine[d.engine]
-        ticket = Ticket(workers[w], 0, uncached, buffered=not streams)
+        priority = 0
+        if kv and rs.params.prefill_priority:  # as Router.prioritized writes vLLM's priority
+            priority = prefill_priority(
+                uncached,
+                workers[w].awaiting_first.get(0, ()),
+                t,
+                max_wait_s=rs.params.prefill_priority_max_wait_s,
+                tokens_per_s=policy.prefill_rate(d.engine) or rs.params.prefill_tokens_per_s,
+            )
+        ticket = Ticket(workers[w], 0, uncached, buffered=not streams, now=t)
         tickets[req.rid] = ticket
-        # policy.prefill_priority: the router writes the prefill's class as vLLM's priority
-        priority = prefill_class(uncached) if kv and rs.params.prefill_priority else 0
         fleet.submit(w, req.rid, toks, req.max_tokens, t, priority=priority)
         if streams:
             prefilling[w][req.rid] = (fleet.engines[w].requests[req.rid], ticket)
@@ -502,6 +513,7 @@ def run_policy(
         rejected=rejected,
         refused=refused,
         resumed=resumed,
+        ids=ids,
     )
 
 

@@ -6,6 +6,7 @@ rule here raises a ``ConfigError`` whose message names the key and what it accep
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -150,6 +151,11 @@ def _check_policy(p: PolicyParams) -> None:
     if not 0.0 <= p.hit_loss_budget <= 1.0:
         raise ConfigError(
             "policy.hit_loss_budget: must be within [0, 1] (a share of prompt tokens; 1 = none)"
+        )
+    if not 0.0 < p.prefill_priority_max_wait_s < math.inf:
+        raise ConfigError(
+            "policy.prefill_priority_max_wait_s: must be a positive number of seconds (how long "
+            "a request may be passed over by shorter ones on its engine)"
         )
 
 

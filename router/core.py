@@ -34,9 +34,9 @@ from router.errors import BodyError
 from router.load import EngineLoad
 from router.lora import LoraPlacement
 from router.metrics import RouterMetrics, fleet_state
-from router.policy import Candidate, Decision, make_policy
+from router.policy import Candidate, Decision, KvRouterPolicy, make_policy
 from router.popularity import PromptKeys
-from router.prefill_priority import with_prefill_priority
+from router.prefill_priority import prefill_priority, with_prefill_priority
 from router.quotas import Limits, QuotaTable
 from router.recorder import Recorder
 from router.resilience import WorkerWatch, load_only
@@ -365,17 +365,28 @@ class Router:
     def prioritized(
         self, body: dict[str, Any], engines: Sequence[EngineId], uncached: int
     ) -> dict[str, Any] | None:
-        """``body`` with the ``priority`` of a prefill of ``uncached`` tokens
+        """``body`` with the ``priority`` of a prefill of ``uncached`` tokens on ``engines[0]``
         (router/prefill_priority.py) for a request that may go to ``engines``, or None to send
         it as it is: ``policy.prefill_priority`` is off, the client set a priority, or one of
         those workers refuses priorities (a retry must not meet a 400 the client never caused)."""
-        if not self.cfg.policy.prefill_priority or not engines:
+        p = self.cfg.policy
+        if not p.prefill_priority or not engines:
             return None
-        for e in engines:
-            w = self.registry.workers.get(e[0])
-            if w is None or w.priority_refused is not None:
-                return None
-        return with_prefill_priority(body, uncached)
+        workers = [self.registry.workers.get(e[0]) for e in engines]
+        if any(w is None or w.priority_refused is not None for w in workers):
+            return None
+        first, w = engines[0], workers[0]
+        assert w is not None
+        pol = self.policy
+        learned = pol.prefill_rate(first) if isinstance(pol, KvRouterPolicy) else None
+        priority = prefill_priority(
+            uncached,
+            w.awaiting_first.get(first[1], ()),
+            time.monotonic(),
+            max_wait_s=p.prefill_priority_max_wait_s,
+            tokens_per_s=learned or p.prefill_tokens_per_s,
+        )
+        return with_prefill_priority(body, priority)
 
     async def response_holder(self, response_id: str, now: float) -> EngineId | None:
         """The engine holding a stored Responses API answer (router/stored_responses.py), if

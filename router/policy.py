@@ -152,6 +152,10 @@ class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
     """Write each completion's vLLM ``priority``: the size class of the prefill it leaves on its
     engine, so engines run shorter prefills first (router/prefill_priority.py). Needs every
     worker started with ``--scheduling-policy priority`` (without it vLLM ignores the field)."""
+    prefill_priority_max_wait_s: float = 5.0
+    """With ``prefill_priority``: how long beyond its own prefill a request may wait on its engine
+    before later requests there stop passing it (vLLM itself never ages a waiting request; the
+    admission queue's ``shortest_first_max_wait_s`` is the same bound at the router)."""
 
 
 @dataclass(slots=True)

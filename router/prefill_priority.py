@@ -10,9 +10,12 @@ same uncached-token figure the policy ranked it by), so each engine runs shorter
 
 Classes are powers of two of ``PRIORITY_UNIT_TOKENS``: a request is passed over only by prefills
 less than half its size's class, and in arrival order within its class. Below one unit a
-prefill is a fraction of a step, where order buys nothing. vLLM never ages a waiting request:
-under sustained overload a long prompt waits while shorter ones keep arriving, up to the
-router's ``server.first_byte_timeout_s``.
+prefill is a fraction of a step, where order buys nothing. vLLM never ages a waiting request,
+so the router does (:func:`prefill_priority`): once one of its requests on an engine has waited
+``policy.prefill_priority_max_wait_s`` beyond its own prefill's time, later requests there get no
+class below its own, so they queue behind it and nothing passes it any more. A request is then
+passed over for at most that long, plus the prefills already queued ahead of it; the bound
+covers the requests this router sent (another replica's later requests may still pass them).
 
 Never written: a ``priority`` the client set (kept as sent), the rest of vLLM's API (passed
 through untouched), and requests that may go to a worker whose self-check found it refusing
@@ -23,9 +26,16 @@ its V0 engine answered it 400.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
-__all__ = ["PRIORITY_UNIT_TOKENS", "prefill_class", "with_prefill_priority"]
+__all__ = [
+    "PRIORITY_UNIT_TOKENS",
+    "Waiting",
+    "prefill_class",
+    "prefill_priority",
+    "with_prefill_priority",
+]
 
 PRIORITY_UNIT_TOKENS = 512
 """Uncached tokens of the shortest class above 0. The routing bench measured linear classes of
@@ -39,9 +49,41 @@ def prefill_class(uncached_tokens: int) -> int:
     return (max(uncached_tokens, 0) // PRIORITY_UNIT_TOKENS).bit_length()
 
 
-def with_prefill_priority(body: dict[str, Any], uncached_tokens: int) -> dict[str, Any] | None:
-    """``body`` with its ``priority`` set to the prefill's class, or None when it is to go as
-    it is: the client set a priority of its own."""
+class Waiting(Protocol):
+    """A request this router sent to an engine (``router.proxy.Ticket``)."""
+
+    uncached: int
+    sent_s: float
+
+    @property
+    def prefill_pending(self) -> bool:
+        """No first token yet, as far as the router knows."""
+        ...
+
+
+def prefill_priority(
+    uncached_tokens: int,
+    waiting: Iterable[Waiting],
+    now: float,
+    *,
+    max_wait_s: float,
+    tokens_per_s: float,
+) -> int:
+    """The ``priority`` of a prefill of ``uncached_tokens`` sent to an engine where ``waiting``
+    are this router's requests: its class, or the class of any of them that has waited more
+    than ``max_wait_s`` beyond its own prefill (its uncached tokens at ``tokens_per_s``), if
+    higher. A request of that class sent later queues behind it (arrival order within a class),
+    so no later arrival passes it."""
+    cls = prefill_class(uncached_tokens)
+    for r in waiting:
+        if r.prefill_pending and now - r.sent_s - r.uncached / tokens_per_s > max_wait_s:
+            cls = max(cls, prefill_class(r.uncached))
+    return cls
+
+
+def with_prefill_priority(body: dict[str, Any], priority: int) -> dict[str, Any] | None:
+    """``body`` with its ``priority`` set, or None when it is to go as it is: the client set a
+    priority of its own."""
     if "priority" in body:
         return None
-    return {**body, "priority": prefill_class(uncached_tokens)}
+    return {**body, "priority": priority}

@@ -101,6 +101,7 @@ class Ticket:
         "_worker",
         "ld",
         "on_stall",
+        "sent_s",
         "stalled",
         "uncached",
     )
@@ -112,13 +113,17 @@ class Ticket:
         uncached: int,
         on_released: Callable[[], None] | None = None,
         buffered: bool = False,
+        now: float | None = None,
     ) -> None:
         """``buffered``: the answer comes whole, so no first token is seen here; the worker's
-        first-token count releases the prefill instead (``Worker.observe_first_tokens``)."""
+        first-token count releases the prefill instead (``Worker.observe_first_tokens``).
+        ``now``: when it is sent (``time.monotonic()`` unless given: the routing bench's clock
+        is simulated)."""
         self._worker = w
         self._rank = rank
         self.ld = w.load(rank)
         self.uncached = uncached
+        self.sent_s = time.monotonic() if now is None else now
         self.ld.inflight_requests += 1
         self.ld.prefilling_requests += 1
         self.ld.queued_prefill_tokens += uncached
@@ -154,6 +159,11 @@ class Ticket:
                 seen = self._worker.first_tokens_seen
                 seen[self._rank] = seen.get(self._rank, 0) + 1
         self._release()
+
+    @property
+    def prefill_pending(self) -> bool:
+        """No first token yet, as far as the router knows (router/prefill_priority.py)."""
+        return not self._released
 
     def engine_first_token(self) -> None:
         """Counted by the engine (a buffered answer still decoding). The request stays told

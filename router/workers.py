@@ -123,6 +123,17 @@ def parse_retention(text: str) -> int | None:
 class StallListener(Protocol):
     """A request sent to an engine that has not had its first token (router/proxy.py)."""
 
+    uncached: int
+    """Its prefill tokens not cached there, as routed."""
+    sent_s: float
+    """When it was sent (``time.monotonic()``)."""
+
+    @property
+    def prefill_pending(self) -> bool:
+        """No first token yet, as far as the router knows (an answer that comes whole is
+        released by the engine's first-token count before it is back)."""
+        ...
+
     def stall(self, reason: str) -> None:
         """The engine's scheduler is stalled: nothing there will run this request."""
 

@@ -5,12 +5,18 @@ over HTTP), a client's own priority kept, and a worker that refuses priorities g
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from test_router_support import config_for, serve_router, until, words
 
-from router.prefill_priority import PRIORITY_UNIT_TOKENS, prefill_class, with_prefill_priority
+from router.prefill_priority import (
+    PRIORITY_UNIT_TOKENS,
+    prefill_class,
+    prefill_priority,
+    with_prefill_priority,
+)
 from simulator.testing import running_fleet
 
 PREFILL_TPS = 1500  # simulated prefill: the 3,000-token blocker holds its engine 2 s
@@ -25,9 +31,31 @@ def test_the_class_is_the_power_of_two_of_the_uncached_prefill() -> None:
     assert [prefill_class(n) for n in (u, 2 * u - 1, 2 * u, 4 * u - 1, 4 * u)] == [1, 1, 2, 2, 3]
     assert prefill_class(131_072) == 9
     body = {"prompt": "x", "max_tokens": 1}
-    assert with_prefill_priority(body, 3 * u) == {**body, "priority": 2}
+    assert with_prefill_priority(body, 2) == {**body, "priority": 2}
     assert "priority" not in body  # a new body; the parsed one is left as it was
-    assert with_prefill_priority({**body, "priority": 0}, 3 * u) is None  # the client's own
+    assert with_prefill_priority({**body, "priority": 0}, 2) is None  # the client's own
+
+
+@dataclass
+class _Sent:
+    uncached: int
+    sent_s: float
+    prefill_pending: bool = True
+
+
+def test_a_request_waiting_past_its_allowance_is_passed_by_no_later_one() -> None:
+    """Once a request has waited ``max_wait_s`` beyond its own prefill, later requests to its
+    engine get no class below its own: they queue behind it (arrival order within a class)."""
+    u = PRIORITY_UNIT_TOKENS
+    rule = {"max_wait_s": 10.0, "tokens_per_s": 1000.0}
+    long = _Sent(8 * u, sent_s=0.0)  # class 4, its prefill alone ~4.1 s at 1,000 tokens/s
+    assert prefill_priority(100, [long], 14.0, **rule) == 0  # 14 - 4.1 < 10: still passed over
+    assert prefill_priority(100, [long], 14.2, **rule) == 4  # now behind it
+    assert prefill_priority(20 * u, [long], 14.2, **rule) == 5  # a longer one keeps its class
+    started = _Sent(8 * u, sent_s=0.0, prefill_pending=False)  # first token counted
+    shorter = _Sent(u, sent_s=0.0)  # class 1, overdue too
+    assert prefill_priority(100, [started, shorter], 100.0, **rule) == 1
+    assert prefill_priority(100, [], 100.0, **rule) == 0
 
 
 def _body(n: int, seed: Any, **extra: Any) -> dict[str, Any]:

@@ -120,6 +120,14 @@ def test_policy_knobs_reach_the_policy_and_default_to_its_own_defaults():
             parse_config(
                 {"workers": [{"url": "http://a:1"}], "policy": {"hit_loss_budget": budget}}
             )
+    for wait in (0, -1, float("inf")):
+        with pytest.raises(ConfigError, match=r"policy\.prefill_priority_max_wait_s"):
+            parse_config(
+                {
+                    "workers": [{"url": "http://a:1"}],
+                    "policy": {"prefill_priority": True, "prefill_priority_max_wait_s": wait},
+                }
+            )
     with pytest.raises(ConfigError, match=r"redis\.op_timeout_s"):
         parse_config({"workers": [{"url": "http://a:1"}], "redis": {"op_timeout_s": 0}})
     slow = parse_config(

@@ -371,6 +371,34 @@ def test_prefill_priority_lets_short_prompts_pass_a_long_one_queued_on_the_worke
     assert statistics.fmean(prioritized.ttft) < statistics.fmean(plain.ttft)
 
 
+def test_prefill_priority_stops_passing_a_long_prompt_once_it_has_waited_its_allowance():
+    """One worker kept past its capacity by short prompts: with priorities, a long prompt sent
+    among them waits until they stop, unless the router ages it (``prefill_priority_max_wait_s``:
+    later requests then queue behind it)."""
+    shorts = [Req(f"s{i}", 0.025 * i, ((3_200_000 + i, 300),), 300, 2) for i in range(400)]
+    long = Req("long", 1.0, ((3_199_999, 8000),), 8000, 2)  # shorts queued ahead of it already
+    reqs = sorted([long, *shorts], key=lambda r: r.arrival_s)
+    fs = routing_bench.FleetSpec(
+        workers=1, prefill_tokens_per_s=10_000.0, scheduling_policy="priority"
+    )
+
+    def long_ttft(max_wait_s: float) -> float:
+        params = PolicyParams(prefill_priority=True, prefill_priority_max_wait_s=max_wait_s)
+        res = routing_bench.run_policy(
+            "kvrouter", reqs, 1.0, fs, routing_bench.RouterSpec(params=params), TokenSource(),
+            routing_bench.KeyCache(16),
+        )  # fmt: skip
+        assert res.completed == len(reqs)
+        return res.ttft[res.ids.index("long")]
+
+    starved, aged = long_ttft(1e9), long_ttft(1.0)
+    # Shorts arrive at 12k tokens/s against 10k: unaged, the long prompt waits for the last.
+    assert starved > 10.0
+    # Aged: passed over for 1 s beyond its own prefill (at the rate the router knows), then by
+    # the shorts already queued ahead of it, then its own 0.8 s.
+    assert aged < starved / 2 and aged < 6.0, (aged, starved)
+
+
 def _conversation_trace(
     path: Path, n: int = 40, long_at: tuple[int, ...] = (), long_answer_at: tuple[int, ...] = ()
 ) -> None:
