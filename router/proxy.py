@@ -156,8 +156,7 @@ class Ticket:
             self._first = True
             self._waiting.discard(self)
             if not self._released:
-                seen = self._worker.first_tokens_seen
-                seen[self._rank] = seen.get(self._rank, 0) + 1
+                self._worker.saw_first_token(self._rank)
         self._release()
 
     @property

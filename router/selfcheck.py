@@ -232,11 +232,15 @@ class SelfCheck:
         body: dict[str, Any] = {"prompt": _PROMPT, "max_tokens": 1, "priority": 1}
         if model is not None:
             body["model"] = model
+        headers = {"x-data-parallel-rank": "0"} if w.dp_size > 1 else {}
         try:
-            resp = await w.client.post("/v1/completions", json=body, timeout=self.timeout_s * 4)
+            resp = await w.client.post(
+                "/v1/completions", json=body, headers=headers, timeout=self.timeout_s * 4
+            )
         except Exception as exc:
             return {"priority": "error", "priority_detail": f"the probe failed: {exc}"}
         if resp.status_code == 200:
+            w.saw_first_token(0)  # the router's own: it releases no buffered request there
             w.priority_refused = None
             return {"priority": "ok"}
         text = resp.text[:200]
@@ -359,6 +363,8 @@ class SelfCheck:
             rank = 0
             if w.dp_size > 1:  # find the rank whose event stream moved
                 rank = max(w.engines(), key=lambda e: self.index.resident_blocks(e))[1]
+        # Its first token is the router's own: it must not release a buffered request there.
+        w.saw_first_token(rank)
         return rank, cached
 
     def _events(self, w: Worker) -> int:

@@ -205,6 +205,11 @@ class Worker:
             ld = self.loads[rank] = EngineLoad()
         return ld
 
+    def saw_first_token(self, rank: int) -> None:
+        """A first token of engine ``rank`` this router saw itself (a stream's first chunk, an
+        answer back, its self-check's probe): not one of its buffered requests'."""
+        self.first_tokens_seen[rank] = self.first_tokens_seen.get(rank, 0) + 1
+
     def observe_first_tokens(self, rank: int, count: int, waiting: int = 0) -> int:
         """A poll's ``vllm:time_to_first_token_seconds_count`` of engine ``rank``: release the
         oldest buffered requests there, one per first token the engine counted since the last
@@ -218,9 +223,9 @@ class Worker:
         prefill until its whole answer is back: through every decode step, many times its
         prefill, so the policy reads a busy engine where the prefill is long done, and the
         admission queue holds requests behind engines with room. First tokens of requests
-        this router did not send (other routers, clients, its own self-check) release its
-        buffered ones early, but never more than it has nor one still waiting. A count that
-        went back (a restarted engine) only sets the baseline."""
+        this router did not send (other routers, clients) release its buffered ones early, but
+        never more than it has nor one still waiting; its self-check's are counted as seen. A
+        count that went back (a restarted engine) only sets the baseline."""
         seen = self.first_tokens_seen.pop(rank, 0)
         last = self.first_tokens_reported.get(rank)
         self.first_tokens_reported[rank] = count

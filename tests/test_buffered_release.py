@@ -76,6 +76,26 @@ async def test_a_buffered_requests_prefill_is_released_while_it_decodes() -> Non
             await asyncio.gather(answer, return_exceptions=True)
 
 
+async def test_the_self_checks_own_first_tokens_release_no_buffered_request() -> None:
+    """The self-check's probes are answered after the registry's first poll set the engine's
+    first-token baseline: the next poll counts them, and they are the router's own, so a
+    buffered request still prefilling there keeps its prefill counted."""
+    with running_fleet(1, prefill_tps=300, decode_ms=1) as ws:
+        cfg = config_for(ws)  # polls every 1 s: the probes and the request fall between two
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=60) as c:
+            body = {"model": "sim-model", "prompt": words(1500, "slow"), "max_tokens": 1}
+            answer = asyncio.create_task(c.post(base + "/v1/completions", json=body))
+            (w,) = router.registry.workers.values()
+            ld = w.load(0)
+            await until(lambda: ld.inflight_requests == 1, 5, "the request sent")
+            polled = w.metrics_ts
+            await until(lambda: w.metrics_ts > polled + 1.5, 5, "two polls more")
+            # Its 1,500 tokens take 5 s at 300 tokens/s: still prefilling, still counted.
+            assert ld.prefilling_requests == 1 and ld.queued_prefill_tokens >= 1500
+            assert (await answer).status_code == 200
+            assert ld.prefilling_requests == 0 and ld.queued_prefill_tokens == 0
+
+
 def test_the_worker_poll_interval_is_a_setting() -> None:
     assert parse_config({}).server.worker_poll_s == 1.0
     assert parse_config({"server": {"worker_poll_s": 0.25}}).server.worker_poll_s == 0.25

@@ -147,3 +147,32 @@ async def test_a_worker_refusing_priorities_gets_none_and_its_requests_succeed()
             index = (await c.get(base + "/debug/index")).json()
             by_url = {w["url"]: w["selfcheck"]["priority"] for w in index["workers"]}
             assert by_url == {v0[0].url: "refused", v1[0].url: "ok"}
+
+
+async def test_later_requests_queue_behind_one_that_waited_past_its_allowance() -> None:
+    """Over HTTP: a blocker prefilling on a priority worker has no first token yet; once it is
+    ``prefill_priority_max_wait_s`` past its own prefill time (at the configured rate), the
+    priority written for a short prompt to that worker is the blocker's class, not its own."""
+    with running_fleet(1, prefill_tps=PREFILL_TPS, decode_ms=1, scheduling_policy="priority") as ws:
+        policy = {"prefill_priority": True, "prefill_priority_max_wait_s": 0.3}
+        cfg = config_for(ws, policy=policy)
+        async with serve_router(cfg) as (base, _router), httpx.AsyncClient(timeout=60) as c:
+            short = _body(SHORT_TOKENS, "short")
+
+            async def written() -> int | None:
+                r = await c.post(base + "/debug/route", json=short)
+                return r.json()["prefill_priority"]
+
+            assert await written() == 0
+            blocker = asyncio.create_task(
+                c.post(base + "/v1/completions", json=_body(BLOCKER_TOKENS, "blocker"))
+            )
+            # 3,000 tokens: class 3; overdue 0.3 s after its 0.375 s at 8,000 tokens/s, while
+            # its 2 s prefill still runs.
+            await until(lambda: _is(written, 3), 10, "the blocker's class written")
+            assert (await blocker).status_code == 200
+            await until(lambda: _is(written, 0), 10, "its own class once the blocker answered")
+
+
+async def _is(value: Any, expected: int) -> bool:
+    return await value() == expected
