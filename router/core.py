@@ -372,16 +372,17 @@ class Router:
         p = self.cfg.policy
         if not p.prefill_priority or not engines:
             return None
-        workers = [self.registry.workers.get(e[0]) for e in engines]
-        if any(w is None or w.priority_refused is not None for w in workers):
-            return None
-        first, w = engines[0], workers[0]
-        assert w is not None
+        workers = self.registry.workers
+        for e in engines:
+            w = workers.get(e[0])
+            if w is None or w.priority_refused is not None:
+                return None
+        first = engines[0]
         pol = self.policy
         learned = pol.prefill_rate(first) if isinstance(pol, KvRouterPolicy) else None
         priority = prefill_priority(
             uncached,
-            w.awaiting_first.get(first[1], ()),
+            workers[first[0]].awaiting_first.get(first[1], ()),
             time.monotonic(),
             max_wait_s=p.prefill_priority_max_wait_s,
             tokens_per_s=learned or p.prefill_tokens_per_s,
