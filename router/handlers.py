@@ -256,18 +256,19 @@ def proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[Re
         attempts = _attempts(res)
         req.key = key
         done = _on_done(router, res, req)
+        sent = body  # encoded again once, if the ids or the priority change it
         if forward_ids and tok is not None and not chat:
             ids = router.tokenizer.upstream_ids(body, tok)
             if ids is not None and router.ids_portable():
                 body = {**body, "prompt": ids}
-                data = _upstream_enc.encode(body)
         if attempts:
             prioritized = router.prioritized(
                 body, [a.engine for a in attempts], attempts[0].uncached
             )
             if prioritized is not None:
                 body = prioritized
-                data = _upstream_enc.encode(body)
+        if body is not sent:
+            data = _upstream_enc.encode(body)
         headers = request_headers(request.scope["headers"], cfg.server.forward_authorization)
         if not from_client:  # the client's own id is among the headers already
             headers.append((access.HEADER, req.id.encode()))
