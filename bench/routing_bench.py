@@ -211,7 +211,7 @@ class RunResult:
     ids: list[str] = field(default_factory=list)
     """Per served request, in ``ttft`` order: its id."""
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, float | None]:
         t = sorted(self.ttft)
         d = sorted(self.decision_ms)
         resumed: list[float] = []
@@ -239,8 +239,9 @@ class RunResult:
             "rejected": self.rejected,
             "admission_refused": self.refused,
             "resumed_requests": len(resumed),
-            "queueing_resumed_s": round(statistics.fmean(resumed), 4) if resumed else math.nan,
-            "queueing_fresh_s": round(statistics.fmean(fresh), 4) if fresh else math.nan,
+            # null, not NaN, where a workload has no such request: strict JSON readers refuse NaN
+            "queueing_resumed_s": round(statistics.fmean(resumed), 4) if resumed else None,
+            "queueing_fresh_s": round(statistics.fmean(fresh), 4) if fresh else None,
         }
 
 

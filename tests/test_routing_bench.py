@@ -603,6 +603,17 @@ def test_a_prompt_resumes_an_earlier_one_when_it_shares_half_of_it():
     assert resumes_earlier(prompts, unit=16, share=0.25) == [False, True, True, False, True]
 
 
+def test_a_queueing_split_with_no_request_on_one_side_is_null_not_nan():
+    run = routing_bench.RunResult(
+        name="x", hit_rate=0.0, ttft=[1.0, 2.0], throughput_rps=1.0, imbalance=1.0,
+        decision_ms=[0.1], completed=2, ttft_floor=[0.5, 0.5], resumed=[False, False],
+    )  # fmt: skip
+    s = run.summary()
+    assert s["queueing_resumed_s"] is None and s["queueing_fresh_s"] == 1.0
+    assert s["resumed_requests"] == 0
+    json.loads(json.dumps(s), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+
+
 def test_a_missed_mean_ttft_target_splits_floor_and_queueing():
     """A missed mean-TTFT target says how much of kvrouter's TTFT is its no-queueing floor at
     the hits it got and how much queueing, next to the queueing the limit allows and each
