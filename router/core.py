@@ -36,7 +36,7 @@ from router.lora import LoraPlacement
 from router.metrics import RouterMetrics, fleet_state
 from router.policy import Candidate, Decision, KvRouterPolicy, make_policy
 from router.popularity import PromptKeys
-from router.prefill_priority import prefill_priority, with_prefill_priority
+from router.prefill_priority import prefill_class, prefill_priority, with_prefill_priority
 from router.quotas import Limits, QuotaTable
 from router.recorder import Recorder
 from router.resilience import WorkerWatch, load_only
@@ -363,12 +363,18 @@ class Router:
             admitted.release(tokens)
 
     def prioritized(
-        self, body: dict[str, Any], engines: Sequence[EngineId], uncached: int
+        self,
+        body: dict[str, Any],
+        engines: Sequence[EngineId],
+        uncached: int,
+        *,
+        record: bool = True,
     ) -> dict[str, Any] | None:
         """``body`` with the ``priority`` of a prefill of ``uncached`` tokens on ``engines[0]``
         (router/prefill_priority.py) for a request that may go to ``engines``, or None to send
         it as it is: ``policy.prefill_priority`` is off, the client set a priority, or one of
-        those workers refuses priorities (a retry must not meet a 400 the client never caused)."""
+        those workers refuses priorities (a retry must not meet a 400 the client never caused).
+        ``record``: count it in ``kvrouter_prefill_priority_total`` (not for ``/debug/route``)."""
         p = self.cfg.policy
         if not p.prefill_priority or not engines:
             return None
@@ -387,7 +393,11 @@ class Router:
             max_wait_s=p.prefill_priority_max_wait_s,
             tokens_per_s=learned or p.prefill_tokens_per_s,
         )
-        return with_prefill_priority(body, priority)
+        written = with_prefill_priority(body, priority)
+        if written is not None and record:
+            lifted = "true" if priority > prefill_class(uncached) else "false"
+            self.metrics.prefill_priority.labels(str(priority), lifted).inc()
+        return written
 
     async def response_holder(self, response_id: str, now: float) -> EngineId | None:
         """The engine holding a stored Responses API answer (router/stored_responses.py), if

@@ -169,7 +169,7 @@ def explain(
     chosen = costs.get(d.engine)
     written = None
     if body is not None and chosen is not None:
-        written = router.prioritized(body, d.ranked[:2], chosen.uncached_tokens)
+        written = router.prioritized(body, d.ranked[:2], chosen.uncached_tokens, record=False)
     return {
         "kind": "chat" if chat else "completion",
         "policy": router.policy.name,

@@ -191,6 +191,14 @@ class RouterMetrics:
         Gauge(
             "kvrouter_build_info", "Always 1; the router's version", ["version"], registry=r
         ).labels(version()).set(1)
+        self.prefill_priority = Counter(
+            "kvrouter_prefill_priority_total",
+            "Requests sent with the vLLM priority policy.prefill_priority wrote, by that class and "
+            "whether it was lifted (lifted=true) to the class of a request waiting past "
+            "policy.prefill_priority_max_wait_s on the same engine",
+            ["class", "lifted"],
+            registry=r,
+        )
         self.upstream_failures = Counter(
             "kvrouter_upstream_failures_total",
             "Failed attempts to forward a request to a worker, by reason (router.proxy."

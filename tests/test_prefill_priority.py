@@ -109,6 +109,13 @@ async def test_a_priority_worker_serves_short_prefills_before_an_earlier_long_on
                 route = await c.post(base + "/debug/route", json=own)
                 assert route.json()["prefill_priority"] is None  # the client's is kept
                 order = await _finish_order(base, ws[0].url, c)
+                text = (await c.get(base + "/metrics")).text
+            # Written: the blocker's class 3, the long one's 2, the three short ones' 0; none for
+            # the request that carried its own. /debug/route's answers are not counted.
+            for cls, n in (("0", 3), ("2", 1), ("3", 1)):
+                line = f'kvrouter_prefill_priority_total{{class="{cls}",lifted="false"}} {n}.0'
+                assert line in text, text
+            assert 'lifted="true"' not in text
             # The short prefills (class 0) pass the long one (class 2) queued before them; the
             # short request whose client asked for priority 20 keeps it and comes last.
             assert order[0] == "blocker" and order[-2:] == ["long", "own"], order
@@ -170,7 +177,10 @@ async def test_later_requests_queue_behind_one_that_waited_past_its_allowance() 
             # 3,000 tokens: class 3; overdue 0.3 s after its 0.375 s at 8,000 tokens/s, while
             # its 2 s prefill still runs.
             await until(lambda: _is(written, 3), 10, "the blocker's class written")
-            assert (await blocker).status_code == 200
+            sent = await c.post(base + "/v1/completions", json=_body(SHORT_TOKENS, "lifted"))
+            assert sent.status_code == 200 and (await blocker).status_code == 200
+            text = (await c.get(base + "/metrics")).text
+            assert 'kvrouter_prefill_priority_total{class="3",lifted="true"} 1.0' in text
             await until(lambda: _is(written, 0), 10, "its own class once the blocker answered")
 
 
