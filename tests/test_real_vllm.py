@@ -387,10 +387,10 @@ async def test_speculative_entries_credit_what_vllm_caches(
 
 
 PRIORITY_KINDS: dict[str, Kind] = {
-    "priority": Kind("llama-priority", "dense", 40, extra=("--scheduling-policy", "priority")),
-    "fcfs": KINDS["dense"],
+    "priority": Kind("llama-priority", "dense", 160, extra=("--scheduling-policy", "priority")),
+    "fcfs": Kind("llama-fcfs", "dense", 160),
 }
-"""A vLLM started with and without priority scheduling."""
+"""A vLLM started with and without priority scheduling (KV for four long decodes at once)."""
 
 
 @pytest.mark.parametrize("key", list(PRIORITY_KINDS))
@@ -401,7 +401,12 @@ async def test_prefill_priority_is_taken_by_vllm_with_and_without_priority_sched
     priority. vLLM's V1 engine takes one with or without ``--scheduling-policy priority`` (it
     ignores it under fcfs; its V0 engine answered 400, which the simulator's
     ``--reject-priority`` reproduces): ``ok`` on both, and every request through the router is
-    answered 200, prompts of class 0 and 1 alike, as is a priority sent straight to vLLM."""
+    answered 200, prompts of class 0 and 1 alike, as is a priority sent straight to vLLM.
+
+    Then vLLM's own order: its four sequence slots held by decodes that end 100 tokens apart, a
+    600-token prompt (class 1) and then a 100-token one (class 0) wait through the router. With
+    priority scheduling the short one gets the first slot that frees, though it came second;
+    without, the long one does."""
     kind = PRIORITY_KINDS[key]
     rng = random.Random(key)
     with _served(vllm_python, kind, models, tmp_path) as (served, tap):
@@ -427,7 +432,63 @@ async def test_prefill_priority_is_taken_by_vllm_with_and_without_priority_sched
                 direct = {"model": SERVED, "prompt": ids, "max_tokens": 1, "priority": 3}
                 r = await c.post(served.url + "/v1/completions", json=direct)
                 assert r.status_code == 200, r.text
+                order = await _first_of_two_waiting(c, base, worker, rng)
         finally:
             tap.close()
+    assert order == (["short", "long"] if key == "priority" else ["long", "short"]), order
     with capsys.disabled():
-        print(f"\n[real vLLM {VLLM_VERSION} {kind.name}] self-check priority: {check['priority']}")
+        print(
+            f"\n[real vLLM {VLLM_VERSION} {kind.name}] self-check priority: "
+            f"{check['priority']}; first tokens of the two waiting: {order}"
+        )
+
+
+async def _vllm_gauge(c: httpx.AsyncClient, url: str, name: str) -> float:
+    text = (await c.get(url + "/metrics")).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+async def _first_of_two_waiting(
+    c: httpx.AsyncClient, base: str, worker: Any, rng: random.Random
+) -> list[str]:
+    """Which of two requests waiting on vLLM's full sequence slots gets its first token first:
+    a 600-token prompt sent first through the router, a 100-token one after it. (vLLM's
+    waiting gauge leaves out a request its priority scheduler has passed over, so the router's
+    own in-flight count says when both are sent.)"""
+    slots = 4  # the --max-num-seqs of real_vllm_models.serve
+    vllm_url = worker.url
+
+    async def stream(url: str, n: int, max_tokens: int) -> httpx.Response:
+        ids = [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(n)]
+        body = {"model": SERVED, "prompt": ids, "max_tokens": max_tokens, "ignore_eos": True}
+        return await c.post(url + "/v1/completions", json=body)
+
+    decodes = [asyncio.create_task(stream(vllm_url, 20, 600 + 100 * i)) for i in range(slots)]
+    running, waiting = "vllm:num_requests_running", "vllm:num_requests_waiting"
+
+    async def full() -> bool:
+        return await _vllm_gauge(c, vllm_url, running) >= slots
+
+    await until(full, 60, "every sequence slot decoding")
+    order: list[str] = []
+
+    async def waiter(label: str, n: int) -> None:
+        r = await stream(base, n, 1)
+        assert r.status_code == 200, r.text
+        order.append(label)
+
+    tasks = [asyncio.create_task(waiter("long", 600))]
+
+    async def one_waiting() -> bool:
+        return await _vllm_gauge(c, vllm_url, waiting) >= 1
+
+    await until(one_waiting, 30, "the long prompt waiting")
+    tasks.append(asyncio.create_task(waiter("short", 100)))
+    await until(lambda: worker.inflight >= 2, 30, "the short prompt sent too")
+    assert await _vllm_gauge(c, vllm_url, running) >= slots, "a decode ended before both waited"
+    await asyncio.gather(*tasks, *decodes)
+    return order
