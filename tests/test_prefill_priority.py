@@ -1,6 +1,7 @@
 """Shortest prefill first through vLLM's request priority: the class the router writes, the order
 a simulated worker running ``--scheduling-policy priority`` then serves requests in (end to end
-over HTTP), a client's own priority kept, and a worker that refuses priorities getting none."""
+over HTTP), a client's own priority kept, a worker that refuses priorities getting none, the
+router's aging of a request passed over too long, and the counts in /metrics."""
 
 from __future__ import annotations
 
