@@ -100,7 +100,7 @@ from router.candidates import build_candidates, record_sent, speculative_hits
 from router.config import AdmissionConfig, WorkerSpec
 from router.policy import PolicyParams, SpeculativeCache, make_policy
 from router.popularity import PromptKeys
-from router.prefill_priority import prefill_priority
+from router.prefill_priority import engine_priority
 from router.proxy import Ticket
 from router.workers import Worker
 from simulator.engine import EngineConfig, SimEngine
@@ -427,13 +427,7 @@ def run_policy(
         w = by_engine[d.engine]
         priority = 0
         if kv and rs.params.prefill_priority:  # as Router.prioritized writes vLLM's priority
-            priority = prefill_priority(
-                uncached,
-                workers[w].awaiting_first.get(0, ()),
-                t,
-                max_wait_s=rs.params.prefill_priority_max_wait_s,
-                tokens_per_s=policy.prefill_rate(d.engine) or rs.params.prefill_tokens_per_s,
-            )
+            priority = engine_priority(uncached, d.engine, workers[w], policy, rs.params, t)
         ticket = Ticket(workers[w], 0, uncached, buffered=not streams, now=t)
         tickets[req.rid] = ticket
         fleet.submit(w, req.rid, toks, req.max_tokens, t, priority=priority)

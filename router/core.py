@@ -34,9 +34,9 @@ from router.errors import BodyError
 from router.load import EngineLoad
 from router.lora import LoraPlacement
 from router.metrics import RouterMetrics, fleet_state
-from router.policy import Candidate, Decision, KvRouterPolicy, make_policy
+from router.policy import Candidate, Decision, make_policy
 from router.popularity import PromptKeys
-from router.prefill_priority import prefill_class, prefill_priority, with_prefill_priority
+from router.prefill_priority import engine_priority, prefill_class, with_prefill_priority
 from router.quotas import Limits, QuotaTable
 from router.recorder import Recorder
 from router.resilience import WorkerWatch, load_only
@@ -384,14 +384,8 @@ class Router:
             if w is None or w.priority_refused is not None:
                 return None
         first = engines[0]
-        pol = self.policy
-        learned = pol.prefill_rate(first) if isinstance(pol, KvRouterPolicy) else None
-        priority = prefill_priority(
-            uncached,
-            workers[first[0]].awaiting_first.get(first[1], ()),
-            time.monotonic(),
-            max_wait_s=p.prefill_priority_max_wait_s,
-            tokens_per_s=learned or p.prefill_tokens_per_s,
+        priority = engine_priority(
+            uncached, first, workers[first[0]], self.policy, p, time.monotonic()
         )
         written = with_prefill_priority(body, priority)
         if written is not None and record:

@@ -27,11 +27,19 @@ its V0 engine answered it 400.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+from router.policy import KvRouterPolicy
+
+if TYPE_CHECKING:
+    from indexer.index import EngineId
+    from router.policy import Policy, PolicyParams
+    from router.workers import Worker
 
 __all__ = [
     "PRIORITY_UNIT_TOKENS",
     "Waiting",
+    "engine_priority",
     "prefill_class",
     "prefill_priority",
     "with_prefill_priority",
@@ -79,6 +87,28 @@ def prefill_priority(
         if r.prefill_pending and now - r.sent_s - r.uncached / tokens_per_s > max_wait_s:
             cls = max(cls, prefill_class(r.uncached))
     return cls
+
+
+def engine_priority(
+    uncached_tokens: int,
+    engine: EngineId,
+    worker: Worker,
+    policy: Policy,
+    params: PolicyParams,
+    now: float,
+) -> int:
+    """:func:`prefill_priority` on ``engine`` of ``worker``: against this router's requests
+    waiting there, their prefill timed at the engine's learned rate (else the configured
+    ``prefill_tokens_per_s``), with ``params.prefill_priority_max_wait_s``. What the router
+    writes, and what the routing bench has its workers run by."""
+    learned = policy.prefill_rate(engine) if isinstance(policy, KvRouterPolicy) else None
+    return prefill_priority(
+        uncached_tokens,
+        worker.awaiting_first.get(engine[1], ()),
+        now,
+        max_wait_s=params.prefill_priority_max_wait_s,
+        tokens_per_s=learned or params.prefill_tokens_per_s,
+    )
 
 
 def with_prefill_priority(body: dict[str, Any], priority: int) -> dict[str, Any] | None:
