@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from test_router_support import config_for, serve_router, until, words
+from test_router_support import config_for, serve_router, until, words, worker_load
 
 from router.prefill_priority import (
     PRIORITY_UNIT_TOKENS,
@@ -63,16 +63,6 @@ def _body(n: int, seed: Any, **extra: Any) -> dict[str, Any]:
     return {"model": "sim-model", "prompt": words(n, seed), "max_tokens": 1, **extra}
 
 
-async def _gauge(c: httpx.AsyncClient, worker_url: str, name: str) -> float:
-    """A gauge of the worker's own /metrics, summed over its labels."""
-    text = (await c.get(worker_url + "/metrics")).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") or line.startswith(name + " ")
-    )
-
-
 async def _finish_order(base: str, worker_url: str, c: httpx.AsyncClient) -> list[str]:
     """A blocker prefilling, then a long request, three short ones and a short one carrying the
     client's own low priority queued behind it: the order their answers come back in."""
@@ -85,10 +75,9 @@ async def _finish_order(base: str, worker_url: str, c: httpx.AsyncClient) -> lis
 
     # Each run's router listens on its own port: the prompts differ, nothing is cached.
     blocker = asyncio.create_task(send("blocker", _body(BLOCKER_TOKENS, f"b{base}")))
-    running, waiting = "vllm:num_requests_running", "vllm:num_requests_waiting"
-    await until(lambda: _gauge(c, worker_url, running), 10, "the blocker running")
+    await until(lambda: worker_load(c, worker_url, "running"), 10, "the blocker running")
     rest = [asyncio.create_task(send("long", _body(LONG_TOKENS, f"l{base}")))]
-    await until(lambda: _gauge(c, worker_url, waiting), 10, "the long request waiting")
+    await until(lambda: worker_load(c, worker_url, "waiting"), 10, "the long request waiting")
     rest += [
         asyncio.create_task(send(f"short{i}", _body(SHORT_TOKENS, f"s{i}{base}"))) for i in range(3)
     ]

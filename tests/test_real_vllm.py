@@ -62,7 +62,7 @@ from real_vllm_models import (
     write_model,
 )
 from real_vllm_traffic import FIRST_PLAIN_TOKEN, EventTap, Reply, request_body, scenario
-from test_router_support import serve_router, until
+from test_router_support import serve_router, until, worker_load
 
 from router.config import Config, WorkerSpec
 
@@ -447,15 +447,6 @@ async def test_prefill_priority_is_taken_by_vllm_with_and_without_priority_sched
         )
 
 
-async def _vllm_gauge(c: httpx.AsyncClient, url: str, name: str) -> float:
-    text = (await c.get(url + "/metrics")).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") or line.startswith(name + " ")
-    )
-
-
 async def _first_of_two_waiting(
     c: httpx.AsyncClient, base: str, worker: Any, rng: random.Random
 ) -> list[str] | None:
@@ -467,7 +458,6 @@ async def _first_of_two_waiting(
     when the second is sent.)"""
     slots = 4  # the --max-num-seqs of real_vllm_models.serve
     vllm_url = worker.url
-    running, waiting = "vllm:num_requests_running", "vllm:num_requests_waiting"
 
     async def send(url: str, n: int, max_tokens: int) -> httpx.Response:
         ids = [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(n)]
@@ -483,10 +473,10 @@ async def _first_of_two_waiting(
         return False
 
     async def full() -> bool:
-        return await _vllm_gauge(c, vllm_url, running) >= slots
+        return await worker_load(c, vllm_url, "running") >= slots
 
     async def one_waiting() -> bool:
-        return await _vllm_gauge(c, vllm_url, waiting) >= 1
+        return await worker_load(c, vllm_url, "waiting") >= 1
 
     async def both_sent() -> bool:
         return worker.inflight >= 2

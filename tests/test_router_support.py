@@ -18,6 +18,7 @@ from router.config import Config, WorkerSpec
 from router.core import Router
 from router.load import EngineLoad
 from router.policy import Candidate
+from router.workers import parse_vllm_metrics
 
 
 async def until(
@@ -87,6 +88,13 @@ async def serve_router(cfg: Config) -> AsyncIterator[tuple[str, Router]]:
     app, _admin, router = create_apps(cfg, seed=0)
     async with serve_app(app) as url:
         yield url, router
+
+
+async def worker_load(client: Any, worker_url: str, field: str) -> float:
+    """``field`` (``running``, ``waiting``, ...) of a worker's own /metrics as the router reads
+    it (``router.workers.parse_vllm_metrics``), summed over its DP engines."""
+    text = (await client.get(worker_url + "/metrics")).text
+    return sum(engine.get(field, 0.0) for engine in parse_vllm_metrics(text).values())
 
 
 def config_for(workers: list[Any], **sections: dict[str, Any]) -> Config:
