@@ -205,20 +205,20 @@ class RunResult:
     """Requests the workers refuse (:func:`rejects`)."""
     refused: int = 0
     """Requests the router's admission queue refuses (429: full, or past its deadline)."""
-    resumed: list[bool] = field(default_factory=list)
-    """Per served request, in ``ttft`` order: whether it resumes an earlier prompt
-    (:func:`bench.bounds.resumes_earlier`)."""
     ids: list[str] = field(default_factory=list)
     """Per served request, in ``ttft`` order: its id."""
+    resuming: frozenset[str] | None = None
+    """The ids of the requests that resume an earlier prompt (:func:`bench.bounds.
+    resumes_earlier`), for the summary's split of queueing; None: no split."""
 
     def summary(self) -> dict[str, float | None]:
         t = sorted(self.ttft)
         d = sorted(self.decision_ms)
         resumed: list[float] = []
         fresh: list[float] = []
-        if self.resumed:
-            for ttft, floor, r in zip(self.ttft, self.ttft_floor, self.resumed, strict=True):
-                (resumed if r else fresh).append(ttft - floor)
+        if self.resuming is not None:
+            for ttft, floor, rid in zip(self.ttft, self.ttft_floor, self.ids, strict=True):
+                (resumed if rid in self.resuming else fresh).append(ttft - floor)
         return {
             "hit_rate": round(self.hit_rate, 4),
             "ttft_mean_s": round(statistics.fmean(t), 4) if t else math.nan,
@@ -330,7 +330,6 @@ def run_policy(
     hit_tokens = prompt_tokens = 0
     ttfts: list[float] = []
     floors: list[float] = []
-    resumed: list[bool] = []
     ids: list[str] = []
     ecfg = fleet.config
     last_finish = 0.0
@@ -354,8 +353,6 @@ def run_policy(
             ttfts.append(c.first_token_s - arrived.pop(c.request_id, c.arrival_s))
             ids.append(c.request_id)
             floors.append(_prefill_floor(c.prompt_tokens, gpu_hit, cpu_hit, ecfg))
-            if resuming is not None:
-                resumed.append(c.request_id in resuming)
             last_finish = max(last_finish, c.finish_s)
             if peer is not None:
                 peer.finished(c.request_id)
@@ -507,8 +504,8 @@ def run_policy(
         prefill_steps_with_decode=mixed[1],
         rejected=rejected,
         refused=refused,
-        resumed=resumed,
         ids=ids,
+        resuming=resuming,
     )
 
 

@@ -606,7 +606,8 @@ def test_a_prompt_resumes_an_earlier_one_when_it_shares_half_of_it():
 def test_a_queueing_split_with_no_request_on_one_side_is_null_not_nan():
     run = routing_bench.RunResult(
         name="x", hit_rate=0.0, ttft=[1.0, 2.0], throughput_rps=1.0, imbalance=1.0,
-        decision_ms=[0.1], completed=2, ttft_floor=[0.5, 0.5], resumed=[False, False],
+        decision_ms=[0.1], completed=2, ttft_floor=[0.5, 0.5], ids=["a", "b"],
+        resuming=frozenset(),
     )  # fmt: skip
     s = run.summary()
     assert s["queueing_resumed_s"] is None and s["queueing_fresh_s"] == 1.0
