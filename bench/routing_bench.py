@@ -334,6 +334,18 @@ def run_policy(
     ecfg = fleet.config
     last_finish = 0.0
 
+    def release_first_tokens() -> None:
+        # The proxy releases a request's queued prefill tokens at its first streamed token, as
+        # it comes: in time order across engines, and before any answer that has since ended.
+        done = [
+            (r.first_token_s, w, rid)
+            for w in range(n)
+            for rid, (r, _) in prefilling[w].items()
+            if r.first_token_s is not None
+        ]
+        for at, w, rid in sorted(done):
+            prefilling[w].pop(rid)[1].first_token(at, prefilled=True)
+
     def ingest() -> None:
         nonlocal n_done, hit_tokens, prompt_tokens, last_finish
         for w, rank, _seq, payload in fleet.drain_events():
@@ -345,6 +357,8 @@ def run_policy(
                 index.apply((workers[w].url, rank), batch.events)
             if peer is not None:
                 peer.on_events(w, batch.events)
+        if streams:
+            release_first_tokens()
         for c in fleet.completed():
             n_done += 1
             gpu_hit, cpu_hit = first_hit.pop(c.request_id, (c.cached_tokens, c.cpu_loaded_tokens))
@@ -358,26 +372,15 @@ def run_policy(
                 peer.finished(c.request_id)
             t = tickets.pop(c.request_id, None)
             if t is not None:
-                prefilling[c.worker_idx].pop(c.request_id, None)
-                t.finish()
+                t.finish(c.finish_s)
 
-    def release_first_tokens() -> None:
-        # The proxy releases a request's queued prefill tokens at its first streamed token.
-        for w in range(n):
-            pend = prefilling[w]
-            if not pend:
-                continue
-            done = [rid for rid, (r, _) in pend.items() if r.first_token_s is not None]
-            for rid in done:
-                pend.pop(rid)[1].first_token()
-
-    def poll() -> None:
+    def poll(t: float) -> None:
         # router.workers.WorkerRegistry._check: the gauges of vLLM's /metrics.
         for w in range(n):
             ld = fleet.load(w)
             workers[w].load(0).set_gauges(ld.waiting, ld.running, ld.kv_usage)
             # vllm:time_to_first_token_seconds_count: releases buffered requests' prefill
-            workers[w].observe_first_tokens(0, fleet.engines[w].first_tokens, ld.waiting)
+            workers[w].observe_first_tokens(0, fleet.engines[w].first_tokens, ld.waiting, t)
 
     def advance(t: float) -> None:
         nonlocal next_poll
@@ -386,12 +389,10 @@ def run_policy(
         while next_poll <= t:
             fleet.run_until(next_poll)
             ingest()
-            poll()
+            poll(next_poll)
             next_poll += rs.poll_s
         fleet.run_until(t)
         ingest()
-        if streams:
-            release_first_tokens()
 
     def send(req: Req, t: float) -> None:
         toks = src.tokens(req)
@@ -455,7 +456,7 @@ def run_policy(
             advance(nxt)
             admit(nxt)
 
-    poll()  # the registry checks every worker before the router serves (WorkerRegistry.start)
+    poll(0.0)  # the registry checks every worker before the router serves (WorkerRegistry.start)
     for req in PROGRESS.iterate(reqs, name, len(reqs)):
         t = req.arrival_s / speed
         wait_for_room(t)

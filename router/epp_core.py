@@ -300,7 +300,7 @@ class Picker:
         if st.ttft_s is None:
             st.ttft_s = time.perf_counter() - st.t0
             if st.ticket is not None:
-                st.ticket.first_token()
+                st.ticket.first_token(prefilled=st.status == 200 and not st.pick.buffered)
 
     def _release(self, st: RequestState) -> None:
         if st.ticket is not None:

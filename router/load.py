@@ -32,6 +32,19 @@ class EngineLoad(msgspec.Struct):
     prefilling_at_poll: int = 0
     """``prefilling_requests`` when ``waiting`` was read: how many of those waiting requests
     could be this router's own (see :meth:`foreign_waiting`)."""
+    head_tokens: int = 0
+    """Uncached prompt tokens of this router's oldest request there without a first token: the
+    one the engine is prefilling, as it admits requests first come first served (0: none)."""
+    head_since: float = 0.0
+    """When the engine began that prefill, as far as the router can tell (its monotonic clock):
+    the later of the request's send and the first token before it there."""
+    prefilled_tokens: int = 0
+    """Uncached tokens of this router's streamed requests whose first token came while they
+    headed the engine's queue: what :attr:`prefill_seconds` was spent on (cumulative)."""
+    prefill_seconds: float = 0.0
+    """Seconds from each such request's ``head_since`` to its first token (cumulative): with
+    :attr:`prefilled_tokens`, the engine's prefill rate as served, chunks, decodes riding
+    along and idle-free (router/policy.py learns it)."""
 
     def set_gauges(self, waiting: int, running: int, kv_usage: float) -> None:
         """A poll of the worker's /metrics: its gauges, and this router's own requests there at
@@ -64,6 +77,10 @@ class EngineLoad(msgspec.Struct):
                 self.waiting,
                 self.kv_usage,
                 self.prefilling_at_poll,
+                self.head_tokens,
+                self.head_since,
+                self.prefilled_tokens,
+                self.prefill_seconds,
             )
         return EngineLoad(
             self.inflight_requests + other.inflight_requests,
@@ -75,6 +92,12 @@ class EngineLoad(msgspec.Struct):
             # Other replicas' requests at this router's poll are not known; their count now is
             # the nearest figure (shared state is refreshed more often than workers are polled).
             self.prefilling_at_poll + other.prefilling_requests,
+            # Where this router's own queue there stands; other replicas' requests are in the
+            # count above but not in its clock.
+            self.head_tokens,
+            self.head_since,
+            self.prefilled_tokens,
+            self.prefill_seconds,
         )
 
     def is_idle(self) -> bool:

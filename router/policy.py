@@ -6,7 +6,8 @@ The kvrouter policy picks the engine with the lowest *expected time to first tok
     cost = uncached prefill tokens of this prompt on that engine
          + cpu_hit_tokens * cpu_transfer_discount        (loading offloaded chunks is cheaper)
          + prefill tokens already queued there by this router (released at first token),
-           decayed in time at the engine's learned drain rate (``queued_estimate``)
+           less what the engine has done of the oldest of them at its learned prefill rate
+           (``queued_estimate``)
          + the worker's own /metrics correction for that engine:
              waiting requests the router did not send itself  * mean prompt tokens
              running requests                                  * running_request_tokens
@@ -95,7 +96,8 @@ class Candidate:
 class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
     """The ``policy`` section of the configuration: which policy, and the kvrouter cost model.
 
-    ``queue_drain`` is learned per engine, ``recompute_weight`` from the fleet (unless fixed);
+    The rate behind ``queue_drain`` is learned per engine, ``recompute_weight`` from the fleet
+    (unless fixed);
     docs/benchmarks.md has the A/B figures of both.
     """
 
@@ -116,13 +118,13 @@ class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
     kv_pressure_tokens: float = 2048.0
     """Added cost at 100 % KV usage (linear from the threshold): preemption and eviction risk."""
     queue_drain: float = 1.0
-    """How much of each worker's learned prefill drain rate to trust (0 = none). The router's
-    queued tokens only fall at first tokens, so a worker 3 s into a 60k-token prefill still
-    counts all 60k; the policy instead decays each worker's queue by the rate at which that
-    worker has been releasing queued tokens while backlogged (learned per worker, so it fits
-    the GPU and model without configuration, and never above what is still queued). A fixed
-    rate above the real one is worse than none, which is why the rate is learned and not
-    configured."""
+    """How much of each worker's learned prefill rate to trust (0 = none). The router's queued
+    tokens only fall at first tokens, so a worker 3 s into a 60k-token prefill still counts all
+    60k; the policy instead counts the request at the head of the router's queue there as done
+    at that rate since it began (its send, or the first token before it), never beyond the
+    request itself. The rate is learned per worker from its streamed requests' prefill times,
+    so it fits the GPU and model without configuration; a rate above the real one makes a busy
+    worker look idle, which is why it is learned and not configured."""
     recompute_weight: float = 0.0
     """Weight of a prompt's uncached tokens against queued ones when ranking; 0 (the default)
     learns it from the fleet's utilization and KV usage (:meth:`KvRouterPolicy.
@@ -261,29 +263,41 @@ def kv_weight(kv_usage: float) -> float:
     return k / (1.0 - k)
 
 
-DRAIN_WINDOW_S = 60.0
-"""Backlogged seconds the learned drain rate averages over (older evidence is halved away)."""
-DRAIN_MIN_BUSY_S = 2.0
-"""No drain is assumed before an engine has been seen backlogged this long."""
-DRAIN_SATURATED_TOKENS = 4096
-"""The rate is learned only over intervals starting with at least this many queued tokens: the
-queue-draining rate of a busy engine (full chunks), not that of lone short prompts, whose steps
-are mostly fixed overhead and would understate it."""
+RATE_WINDOW_S = 60.0
+"""Prefill seconds the learned rate averages over (older evidence is halved away)."""
+RATE_MIN_S = 2.0
+"""No rate is assumed before an engine has been seen prefilling this long."""
 
 
 @dataclass(slots=True)
-class _Drain:
-    """One engine's queue-drain model (see ``KvRouterPolicy.queued_estimate``)."""
+class _Rate:
+    """One engine's prefill rate as served (see ``KvRouterPolicy.queued_estimate``)."""
 
-    est: float
-    """Estimated queued prefill tokens still to compute, as of ``t``."""
-    last_q: int
-    """``queued_prefill_tokens`` seen at ``t``."""
-    t: float
-    released: float = 0.0
-    """Queued tokens released (first tokens) during backlogged intervals, decayed."""
-    busy_s: float = 0.0
-    """Length of those intervals, decayed alike: ``released / busy_s`` is the drain rate."""
+    tokens: int = 0
+    """``EngineLoad.prefilled_tokens`` already taken in."""
+    seconds: float = 0.0
+    """``EngineLoad.prefill_seconds`` already taken in."""
+    window_tokens: float = 0.0
+    """Prefilled tokens in the window, decayed."""
+    window_s: float = 0.0
+    """Their prefill seconds, decayed alike: ``window_tokens / window_s`` is the rate."""
+
+    def take(self, tokens: int, seconds: float) -> None:
+        """The load record's counters now. Counters that went back (a new record: the worker
+        was replaced) start the count again from there."""
+        dt, ds = tokens - self.tokens, seconds - self.seconds
+        if dt >= 0 and ds >= 0:
+            self.window_tokens += dt
+            self.window_s += ds
+            if self.window_s > RATE_WINDOW_S:
+                self.window_tokens *= 0.5
+                self.window_s *= 0.5
+        self.tokens, self.seconds = tokens, seconds
+
+    def rate(self) -> float | None:
+        if self.window_s < RATE_MIN_S or self.window_tokens <= 0:
+            return None
+        return self.window_tokens / self.window_s
 
 
 class KvRouterPolicy(Policy):
@@ -292,8 +306,8 @@ class KvRouterPolicy(Policy):
     def __init__(self, params: PolicyParams | None = None, seed: int | None = None) -> None:
         self.params = params or PolicyParams()
         self._rng = random.Random(seed)
-        self._drain: dict[Engine, _Drain] = {}
-        """Per-engine queue-drain state; fed ``now``."""
+        self._rates: dict[Engine, _Rate] = {}
+        """Per engine, its learned prefill rate."""
         self._busy = 0.0  # see utilization()
         self._decisions = 0
         self._last_sent: dict[Engine, int] = {}
@@ -497,51 +511,41 @@ class KvRouterPolicy(Policy):
         self._prompt += a * (prompt - self._prompt)
 
     def queued_estimate(self, c: Candidate, now: float, commit: bool = True) -> float:
-        """Prefill tokens still queued on ``c.engine``, decayed in time.
+        """Prefill tokens still queued on ``c.engine``, as of ``now``.
 
         ``queued_prefill_tokens`` holds a request's whole uncached prompt until its first token,
-        so it overstates an engine that is part-way through a long prefill (the head request's
-        done chunks count in full). The estimate falls at the engine's drain rate between
-        observations, rises by whatever the count grew by (this router's or other replicas'
-        new requests), and never exceeds the count. The rate is learned from this engine's own
-        releases: tokens released / time spent backlogged. Releases that coincide with new
-        work in one interval are partly hidden, and an engine that went idle mid-interval
-        counts the whole interval as busy, so the learned rate errs low: an underestimated
-        rate only falls back toward the undecayed count, while an overestimated one would make
-        a busy engine look idle and draw a herd. ``commit=False`` (a dry run) computes the
-        same estimate and keeps no observation.
+        so it overstates an engine part-way through a long prefill. The engine admits requests
+        in order, so of this router's requests there only the oldest (``head_tokens``) is being
+        prefilled, since ``head_since``; at the engine's learned rate that much of it is done,
+        never more than the request itself: the rest of the count is still to come. Before a
+        rate is learned (or with ``queue_drain`` 0) the count stands in full. ``commit=False``
+        (a dry run) computes the same estimate and keeps no observation.
         """
-        q = c.load.queued_prefill_tokens
-        st = self._drain.get(c.engine)
+        ld = c.load
+        q = float(ld.queued_prefill_tokens)
+        rate = self._rate(c, commit)
+        if q <= 0 or rate is None or self.params.queue_drain <= 0:
+            return q
+        done = self.params.queue_drain * rate * max(0.0, now - ld.head_since)
+        return max(q - min(done, float(ld.head_tokens)), 0.0)
+
+    def _rate(self, c: Candidate, commit: bool) -> float | None:
+        st = self._rates.get(c.engine)
         if st is None:
+            st = _Rate()
             if commit:
-                self._drain[c.engine] = _Drain(float(q), q, now)
-            return float(q)
-        if not commit:
+                self._rates[c.engine] = st
+        elif not commit:
             st = copy.copy(st)
-        dt = max(0.0, now - st.t)
-        if st.last_q >= DRAIN_SATURATED_TOKENS:
-            st.busy_s += dt
-            st.released += max(0, st.last_q - q)
-        if st.busy_s > DRAIN_WINDOW_S:
-            st.busy_s *= 0.5
-            st.released *= 0.5
-        rate = st.released / st.busy_s if st.busy_s >= DRAIN_MIN_BUSY_S else 0.0
-        est = max(0.0, st.est - self.params.queue_drain * rate * dt)
-        if q > st.last_q:
-            est += q - st.last_q
-        st.est = min(est, float(q))
-        st.last_q = q
-        st.t = now
-        return st.est
+        st.take(c.load.prefilled_tokens, c.load.prefill_seconds)
+        return st.rate()
 
     def prefill_rate(self, engine: Engine) -> float | None:
-        """Tokens/s this engine has been seen to prefill while backlogged (its learned drain
-        rate), or None before there is enough evidence."""
-        st = self._drain.get(engine)
-        if st is None or st.busy_s < DRAIN_MIN_BUSY_S or st.released <= 0:
-            return None
-        return st.released / st.busy_s
+        """Tokens/s this engine has been seen to prefill (its learned rate: a request's
+        uncached tokens over the time from when it headed the queue to its first token), or
+        None before there is enough evidence."""
+        st = self._rates.get(engine)
+        return st.rate() if st is not None else None
 
     def cost(
         self,
@@ -601,9 +605,9 @@ class KvRouterPolicy(Policy):
     ) -> Decision:
         if not candidates:
             raise ValueError("no candidates")
-        if not dry_run and len(self._drain) > 2 * len(candidates) + 16:  # engines left: forget
+        if not dry_run and len(self._rates) > 2 * len(candidates) + 16:  # engines left: forget
             live = {c.engine for c in candidates}
-            self._drain = {e: st for e, st in self._drain.items() if e in live}
+            self._rates = {e: st for e, st in self._rates.items() if e in live}
             self._last_sent = {e: d for e, d in self._last_sent.items() if e in live}
             self._mean_queue = {e: q for e, q in self._mean_queue.items() if e in live}
         weight = self.recompute_weight(sum(c.load.kv_usage for c in candidates) / len(candidates))

@@ -95,6 +95,7 @@ class Ticket:
         "_done",
         "_first",
         "_on_released",
+        "_prefilling",
         "_rank",
         "_released",
         "_waiting",
@@ -127,6 +128,11 @@ class Ticket:
         self.ld.inflight_requests += 1
         self.ld.prefilling_requests += 1
         self.ld.queued_prefill_tokens += uncached
+        self._prefilling = w.prefilling.setdefault(rank, {})
+        if not self._prefilling:  # nothing of this router's ahead: the engine starts it now
+            self.ld.head_tokens = uncached
+            self.ld.head_since = self.sent_s
+        self._prefilling[self] = None
         self._first = False
         """A first token seen here: a stream's first chunk, a whole answer, or a failure."""
         self._released = False
@@ -150,38 +156,63 @@ class Ticket:
             if self.on_stall is not None:
                 self.on_stall()
 
-    def first_token(self) -> None:
-        """Seen here: a stream's first chunk, or a whole answer (or a failure) back."""
+    def first_token(self, now: float | None = None, *, prefilled: bool = False) -> None:
+        """Seen here: a stream's first chunk, or a whole answer (or a failure) back.
+        ``prefilled``: the first chunk of a successful stream, so the engine prefilled the
+        request just now: the time it took is a sample of the engine's prefill rate. ``now``:
+        ``time.monotonic()`` unless given (the routing bench's clock is simulated)."""
         if not self._first:
             self._first = True
             self._waiting.discard(self)
             if not self._released:
                 self._worker.saw_first_token(self._rank)
-        self._release()
+        self._release(now, prefilled)
 
     @property
     def prefill_pending(self) -> bool:
         """No first token yet, as far as the router knows (router/prefill_priority.py)."""
         return not self._released
 
-    def engine_first_token(self) -> None:
+    def engine_first_token(self, now: float | None = None) -> None:
         """Counted by the engine (a buffered answer still decoding). The request stays told
         of a stall until its answer is back: the count is an inference, and a stalled engine
         runs nothing, so it is never wrong to take such a request back."""
-        self._release()
+        self._release(now)
 
-    def _release(self) -> None:
+    def _release(self, now: float | None = None, prefilled: bool = False) -> None:
         if not self._released:
             self._released = True
             if self._buffered is not None:
                 self._buffered.pop(self, None)
-            self.ld.prefilling_requests -= 1
-            self.ld.queued_prefill_tokens -= self.uncached
+            ld = self.ld
+            ld.prefilling_requests -= 1
+            ld.queued_prefill_tokens -= self.uncached
+            self._next_head(time.monotonic() if now is None else now, prefilled)
             if self._on_released is not None:
                 self._on_released()
 
-    def finish(self) -> None:
-        self.first_token()
+    def _next_head(self, now: float, prefilled: bool) -> None:
+        """Out of the engine's queue: if it headed it, the next request there begins now.
+
+        Only a successful stream's first token, seen as it comes, times the prefill; one
+        released by the engine's count (seen at a poll), a whole answer or a failure moves the
+        head on without a sample. A request released before the head (vLLM's priority
+        scheduling, a CPU load that let it pass) leaves the head where it is."""
+        pending = self._prefilling
+        head = next(iter(pending), None) is self
+        pending.pop(self, None)
+        if not head:
+            return
+        ld = self.ld
+        if prefilled and self.uncached > 0:
+            ld.prefilled_tokens += self.uncached
+            ld.prefill_seconds += max(now - ld.head_since, 0.0)
+        nxt = next(iter(pending), None)
+        ld.head_tokens = nxt.uncached if nxt is not None else 0
+        ld.head_since = now
+
+    def finish(self, now: float | None = None) -> None:
+        self.first_token(now)
         if not self._done:
             self._done = True
             self.ld.inflight_requests -= 1
@@ -619,7 +650,7 @@ def _stream(
                 raise UpstreamBroken(message) from None
             if state["ttft"] is None:
                 state["ttft"] = time.perf_counter() - t0
-                ticket.first_token()
+                ticket.first_token(prefilled=resp.status_code == 200)
             if b'"completion_tokens"' in chunk:
                 state["completion"] = completion_tokens_in(chunk)
             if state["scan"] > 0:  # the answer's id, in its first bytes

@@ -141,8 +141,9 @@ class StallListener(Protocol):
 class BufferedRequest(Protocol):
     """A request whose answer comes whole, so the router never sees its first token."""
 
-    def engine_first_token(self) -> None:
-        """The engine's counters show it has had its first token: release its prefill."""
+    def engine_first_token(self, now: float | None = None) -> None:
+        """The engine's counters show it has had its first token: release its prefill (``now``:
+        the poll's time, ``time.monotonic()`` unless given)."""
 
 
 @dataclass
@@ -178,6 +179,9 @@ class Worker:
     awaiting_first: dict[int, set[StallListener]] = field(default_factory=dict)
     """Per DP rank, this router's requests there without a first token: the ones told when
     that rank's scheduler is found stalled."""
+    prefilling: dict[int, dict[StallListener, None]] = field(default_factory=dict)
+    """Per DP rank, this router's requests there still counted as queued prefill, in the order
+    they were sent: the first is the one the engine is prefilling (``EngineLoad.head_tokens``)."""
     buffered: dict[int, dict[BufferedRequest, None]] = field(default_factory=dict)
     """Per DP rank, this router's requests there that are answered whole and have no first
     token yet, in the order they were sent (see :meth:`observe_first_tokens`)."""
@@ -210,7 +214,9 @@ class Worker:
         answer back, its self-check's probe): not one of its buffered requests'."""
         self.first_tokens_seen[rank] = self.first_tokens_seen.get(rank, 0) + 1
 
-    def observe_first_tokens(self, rank: int, count: int, waiting: int = 0) -> int:
+    def observe_first_tokens(
+        self, rank: int, count: int, waiting: int = 0, now: float | None = None
+    ) -> int:
         """A poll's ``vllm:time_to_first_token_seconds_count`` of engine ``rank``: release the
         oldest buffered requests there, one per first token the engine counted since the last
         poll beyond those this router saw itself, and never one of the newest ``waiting`` (the
@@ -225,7 +231,8 @@ class Worker:
         admission queue holds requests behind engines with room. First tokens of requests
         this router did not send (other routers, clients) release its buffered ones early, but
         never more than it has nor one still waiting; its self-check's are counted as seen. A
-        count that went back (a restarted engine) only sets the baseline."""
+        count that went back (a restarted engine) only sets the baseline. ``now``: the poll's
+        time (``time.monotonic()`` unless given: the routing bench's clock is simulated)."""
         seen = self.first_tokens_seen.pop(rank, 0)
         last = self.first_tokens_reported.get(rank)
         self.first_tokens_reported[rank] = count
@@ -236,7 +243,7 @@ class Worker:
         if k <= 0:
             return 0
         for request in list(itertools.islice(pending, k)):  # each release leaves ``pending``
-            request.engine_first_token()
+            request.engine_first_token(now)
         return k
 
     @property

@@ -13,21 +13,29 @@ from router.policy import Candidate, KvRouterPolicy, PolicyParams, RoundRobinPol
 from simulator.testing import running_fleet
 
 
-def _busy(engine: tuple[str, int], queued: int) -> Candidate:
-    return Candidate(engine, load=EngineLoad(queued_prefill_tokens=queued))
+def _busy(
+    engine: tuple[str, int], queued: int, prefilled: int = 0, seconds: float = 0.0
+) -> Candidate:
+    load = EngineLoad(
+        queued_prefill_tokens=queued,
+        head_tokens=queued,
+        prefilled_tokens=prefilled,
+        prefill_seconds=seconds,
+    )
+    return Candidate(engine, load=load)
 
 
 def test_a_dry_run_leaves_the_policy_as_it_was() -> None:
     p = KvRouterPolicy(PolicyParams(), seed=1)
     a, b = ("http://a", 0), ("http://b", 0)
     for t, q in enumerate([40_000, 36_000, 32_000, 28_000]):
-        p.choose([_busy(a, q), _busy(b, 0)], 1000, float(t))
-    before = copy.deepcopy(p._drain)
-    dry = p.choose([_busy(a, 20_000), _busy(b, 5)], 1000, 10.0, dry_run=True)
-    assert p._drain == before, "a dry run changed the learned drain state"
-    real = p.choose([_busy(a, 20_000), _busy(b, 5)], 1000, 10.0)
+        p.choose([_busy(a, q, 4000 * t, 1.0 * t), _busy(b, 0)], 1000, float(t))
+    before = copy.deepcopy(p._rates)
+    dry = p.choose([_busy(a, 20_000, 30_000, 5.0), _busy(b, 5)], 1000, 10.0, dry_run=True)
+    assert p._rates == before, "a dry run changed the learned rates"
+    real = p.choose([_busy(a, 20_000, 30_000, 5.0), _busy(b, 5)], 1000, 10.0)
     assert [c.cost_tokens for c in dry.costs] == [c.cost_tokens for c in real.costs]
-    assert p._drain != before
+    assert p._rates != before
 
     rr = RoundRobinPolicy()
     cands = [_busy(a, 0), _busy(b, 0)]
@@ -53,9 +61,9 @@ def test_a_dry_run_leaves_later_tie_breaks_as_they_were() -> None:
 def test_expected_ttft_uses_the_engines_learned_prefill_rate() -> None:
     p = KvRouterPolicy(PolicyParams(prefill_tokens_per_s=8000.0), seed=1)
     a = ("http://a", 0)
-    # Backlogged and releasing 4,000 queued tokens per second for 4 s.
+    # Its requests took 4 s to prefill 16,000 tokens from heading its queue to first token.
     for t in range(5):
-        d = p.choose([_busy(a, 40_000 - 4000 * t)], 1000, float(t))
+        d = p.choose([_busy(a, 40_000 - 4000 * t, 4000 * t, 1.0 * t)], 1000, float(t))
     (cost,) = d.costs
     assert cost.rate_learned and abs(cost.prefill_tokens_per_s - 4000.0) < 1.0
     assert abs(cost.expected_ttft_s - cost.cost_tokens / 4000.0) < 1e-9

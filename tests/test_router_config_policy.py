@@ -410,73 +410,70 @@ def test_simple_policies():
     assert {rnd.choose([cand("a"), cand("b")], 10, 0).engine for _ in range(30)} == {"a", "b"}
 
 
-def test_queued_prefill_drains_in_time_at_the_learned_rate() -> None:
+def test_queued_prefill_counts_the_head_done_at_the_learned_rate() -> None:
     """A worker part-way through a long prefill looks busier to the raw count (held in full
-    until the first token) than it is: once the policy has seen the worker release queued
-    tokens at ~10k tokens/s while backlogged, it decays the count at that rate, never below
-    zero, never above the count, and not at all before it has evidence (or with
-    ``queue_drain=0``)."""
+    until the first token) than it is. The engine admits in order, so only the head of the
+    router's queue there is being prefilled: at the worker's learned rate (tokens over the
+    seconds its requests took from heading the queue to their first tokens) that much of it
+    counts as done, never more than the head itself, not at all before there is evidence, and
+    in proportion to ``queue_drain``."""
+    # 20,000 tokens prefilled in 2 s: 10k tokens/s. The head, 10,000 tokens, began at t=10.
+    busy = {
+        "queued_prefill_tokens": 40_000,
+        "head_tokens": 10_000,
+        "head_since": 10.0,
+        "prefilled_tokens": 20_000,
+        "prefill_seconds": 2.0,
+    }
 
-    def run(drain: float) -> tuple[KvRouterPolicy, list[float]]:
+    def queued(now: float, drain: float = 1.0, **load: float) -> float:
         p = KvRouterPolicy(PolicyParams(near_tie_tokens=0, queue_drain=drain), seed=0)
-        seen = []
-        t = 0.0
-        q = 0
-        for _ in range(6):  # 6 s of a worker releasing 10,000 tokens each second
-            q += 10_000
-            seen.append(p.choose([cand("a", queued_prefill_tokens=q)], 100, t).costs[0])
-            t += 1.0
-            q -= 10_000
-            p.choose([cand("a", queued_prefill_tokens=q)], 100, t - 1e-9)
-        return p, [c.queued_tokens for c in seen]
+        c = p.choose([cand("a", **(busy | load))], 100, now).costs[0]
+        assert c.cost_tokens == pytest.approx(c.queued_tokens + 100)
+        return c.queued_tokens
 
-    p, _ = run(1.0)
-    # The raw count says 40k tokens, sent 2 s ago. The rate is the released tokens over the
-    # backlogged time seen so far, these 2 s included (60k / 8 s), so 15k of them count as done:
-    # less than the true 10k/s would have drained, the safe side.
-    p.choose([cand("a", queued_prefill_tokens=40_000)], 100, 10.0)
-    c = p.choose([cand("a", queued_prefill_tokens=40_000)], 100, 12.0).costs[0]
-    assert c.queued_tokens == pytest.approx(40_000 - 2 * 60_000 / 8, rel=1e-6)
-    assert c.cost_tokens == pytest.approx(c.queued_tokens + 100)
-    c = p.choose([cand("a", queued_prefill_tokens=40_000)], 100, 30.0).costs[0]
-    assert c.queued_tokens == 0
-    # New work shows up in full however long the worker has been draining.
-    c = p.choose([cand("a", queued_prefill_tokens=45_000)], 100, 30.0).costs[0]
-    assert c.queued_tokens == 5_000
-    # No drain before evidence (a fresh policy) or when switched off.
-    fresh = KvRouterPolicy(PolicyParams(near_tie_tokens=0), seed=0)
-    fresh.choose([cand("a", queued_prefill_tokens=40_000)], 100, 0.0)
-    assert (
-        fresh.choose([cand("a", queued_prefill_tokens=40_000)], 100, 5.0).costs[0].queued_tokens
-        == 40_000
-    )
-    off, _ = run(0.0)
-    off.choose([cand("a", queued_prefill_tokens=40_000)], 100, 10.0)
-    assert (
-        off.choose([cand("a", queued_prefill_tokens=40_000)], 100, 12.0).costs[0].queued_tokens
-        == 40_000
-    )
+    assert queued(10.5) == pytest.approx(35_000)
+    assert queued(12.0) == pytest.approx(30_000)  # the head is done; the rest is still to come
+    assert queued(60.0) == pytest.approx(30_000)
+    assert queued(9.0) == pytest.approx(40_000)  # a clock behind the head: nothing done
+    assert queued(10.5, drain=0.5) == pytest.approx(37_500)
+    assert queued(12.0, drain=0.0) == 40_000
+    assert queued(12.0, prefill_seconds=1.0) == 40_000  # under 2 s of evidence: no rate yet
+    assert queued(12.0, queued_prefill_tokens=0, head_tokens=0) == 0
+
+
+def test_the_learned_prefill_rate_windows_and_restarts() -> None:
+    """The rate is what the counters grew by since the policy last looked, decayed over a
+    window; counters that went back (a replaced worker's new record) start it again."""
+    p = KvRouterPolicy(PolicyParams(near_tie_tokens=0), seed=0)
+    a = ("http://a", 0)
+
+    def seen(tokens: int, seconds: float, now: float) -> float | None:
+        load = EngineLoad(prefilled_tokens=tokens, prefill_seconds=seconds)
+        p.choose([Candidate(a, load=load)], 100, now)
+        return p.prefill_rate(a)
+
+    assert seen(1_000, 1.0, 0.0) is None  # 1 s of evidence: not yet
+    assert seen(20_000, 2.0, 1.0) == pytest.approx(10_000)
+    assert seen(20_000, 2.0, 2.0) == pytest.approx(10_000)  # nothing new: unchanged
+    # 100 s more at 20k tokens/s: past 60 s the window halves (both sides: the same rate).
+    assert seen(2_020_000, 102.0, 3.0) == pytest.approx(2_020_000 / 102.0)
+    assert seen(5_000, 1.0, 4.0) == pytest.approx(2_020_000 / 102.0)  # a new record: no sample
+    # From the new record on, 40,000 tokens in 2 s join the halved window (1,010,000 in 51 s).
+    assert seen(45_000, 3.0, 5.0) == pytest.approx(1_050_000 / 53.0)
 
 
 def test_drained_worker_wins_over_an_equal_raw_count() -> None:
-    """Two workers report the same queued tokens; one has held them for 3 s (its long prefill
-    is mostly done), the other just received them: the drained one is chosen."""
+    """Two workers report the same queued tokens; one began its head prefill 2.5 s ago (mostly
+    done), the other just now: the drained one is chosen."""
     p = KvRouterPolicy(PolicyParams(near_tie_tokens=0), seed=0)
-    for k in range(5):  # both workers seen releasing ~10k tokens/s while backlogged
-        t = 2.0 * k
-        p.choose(
-            [cand("a", queued_prefill_tokens=20_000), cand("b", queued_prefill_tokens=20_000)], 1, t
-        )
-        p.choose([cand("a"), cand("b")], 1, t + 2.0 - 1e-9)
-    p.choose([cand("a", queued_prefill_tokens=30_000), cand("b")], 100, 20.0)
-    d = p.choose(
-        [cand("a", queued_prefill_tokens=30_000), cand("b", queued_prefill_tokens=30_000)],
-        100,
-        23.0,
-    )
+    rate = {"prefilled_tokens": 40_000, "prefill_seconds": 4.0}  # 10k tokens/s, both
+    a = cand("a", queued_prefill_tokens=30_000, head_tokens=30_000, head_since=20.5, **rate)
+    b = cand("b", queued_prefill_tokens=30_000, head_tokens=30_000, head_since=23.0, **rate)
+    d = p.choose([b, a], 100, 23.0)
     assert d.engine == "a"
     costs = {c.engine: c.queued_tokens for c in d.costs}
-    assert costs["b"] == 30_000 and costs["a"] < 10_000
+    assert costs["b"] == 30_000 and costs["a"] == pytest.approx(5_000)
 
 
 def test_speculative_expiry_is_incremental_and_exact():

@@ -1,0 +1,88 @@
+"""Where each engine's prefill queue stands: the router's own requests there in the order they
+were sent, the oldest (the head) being prefilled since its send or the first token before it,
+and the engine's prefill rate sampled from its streamed requests' head-to-first-token times.
+The rule on the router's tickets, and end to end over HTTP against a simulated worker whose
+prefill rate is known."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from test_router_support import config_for, serve_router, until, words
+
+from router.config import WorkerSpec
+from router.proxy import Ticket
+from router.workers import Worker
+from simulator.testing import running_fleet
+
+
+def _worker() -> Worker:
+    return Worker(spec=WorkerSpec(url="http://w"), client=None)  # type: ignore[arg-type]
+
+
+def test_the_head_moves_on_at_each_first_token_and_times_the_prefill() -> None:
+    w = _worker()
+    ld = w.load(0)
+    a = Ticket(w, 0, 1000, now=0.0)
+    b = Ticket(w, 0, 2000, now=1.0)
+    assert (ld.head_tokens, ld.head_since) == (1000, 0.0)  # a queued first: the engine's head
+    a.first_token(2.0, prefilled=True)
+    assert (ld.prefilled_tokens, ld.prefill_seconds) == (1000, 2.0)
+    assert (ld.head_tokens, ld.head_since) == (2000, 2.0)  # b waited for a: begun at a's token
+    b.first_token(2.5)  # a failure, or a whole answer: no sample, the head moves on
+    assert (ld.prefilled_tokens, ld.prefill_seconds) == (1000, 2.0)
+    assert ld.head_tokens == 0 and ld.queued_prefill_tokens == 0
+    c = Ticket(w, 0, 500, now=5.0)  # an idle engine starts it when it is sent
+    assert (ld.head_tokens, ld.head_since) == (500, 5.0)
+    d = Ticket(w, 0, 800, now=5.5)
+    d.first_token(6.0, prefilled=True)  # passed the head (priority scheduling): no sample
+    assert (ld.head_tokens, ld.head_since) == (500, 5.0)
+    assert ld.prefilled_tokens == 1000
+    c.first_token(6.5, prefilled=True)
+    assert (ld.prefilled_tokens, ld.prefill_seconds) == (1500, 3.5)
+    assert ld.head_tokens == 0
+    for t in (a, b, c, d):
+        t.finish(7.0)
+    assert ld.inflight_requests == 0 and not w.prefilling[0]
+
+
+def test_a_buffered_request_released_by_the_poll_moves_the_head_without_a_sample() -> None:
+    """The poll sees a first token up to a poll interval late: the next request is taken to
+    begin then (its progress is under- rather than overstated), and no rate is sampled."""
+    w = _worker()
+    ld = w.load(0)
+    assert w.observe_first_tokens(0, 0, now=0.0) == 0  # the baseline
+    a = Ticket(w, 0, 3000, buffered=True, now=0.0)
+    Ticket(w, 0, 4000, now=0.5)
+    assert w.observe_first_tokens(0, 1, now=2.0) == 1
+    assert (ld.head_tokens, ld.head_since) == (4000, 2.0)
+    assert (ld.prefilled_tokens, ld.prefill_seconds) == (0, 0.0)
+    a.finish(9.0)
+    assert ld.head_tokens == 4000
+
+
+async def test_a_streamed_requests_prefill_time_is_the_workers_rate() -> None:
+    """A simulated worker prefilling 4,000 tokens/s: a streamed prompt's sample is its uncached
+    tokens over about the time they take there, so the learned rate is the worker's."""
+    with running_fleet(1, prefill_tps=4000, decode_ms=5) as ws:
+        cfg = config_for(ws)
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=60) as c:
+            body = {
+                "model": "sim-model",
+                "prompt": words(3000, "clock"),
+                "max_tokens": 2,
+                "stream": True,
+            }
+            async with c.stream("POST", base + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for _ in r.aiter_bytes():
+                    pass
+            ld = router.registry.workers[ws[0].url].load(0)
+            await until(lambda: ld.inflight_requests == 0, 10, "the request finished")
+            assert ld.prefilled_tokens > 2000  # the prompt, less the self-check's cached prefix
+            rate = ld.prefilled_tokens / ld.prefill_seconds
+            assert rate == pytest.approx(4000, rel=0.35), (ld.prefilled_tokens, ld.prefill_seconds)
+            doc = (await c.get(base + "/debug/index")).json()
+            shown = doc["workers"][0]["engines"][0]["load"]
+            assert shown["prefilled_tokens"] == ld.prefilled_tokens
+            assert shown["head_tokens"] == 0
