@@ -36,15 +36,16 @@ class EngineLoad(msgspec.Struct):
     """Uncached prompt tokens of this router's oldest request there without a first token: the
     one the engine is prefilling, as it admits requests first come first served (0: none)."""
     head_since: float = 0.0
-    """When the engine began that prefill, as far as the router can tell (its monotonic clock):
-    the later of the request's send and the first token before it there."""
+    """Since when the engine has been prefilling for this router's requests, as far as the
+    router can tell (its monotonic clock): their last first token there, or the send that found
+    none queued."""
     prefilled_tokens: int = 0
-    """Uncached tokens of this router's streamed requests whose first token came while they
-    headed the engine's queue: what :attr:`prefill_seconds` was spent on (cumulative)."""
+    """Uncached tokens of this router's streamed requests there that have had their first token
+    (cumulative)."""
     prefill_seconds: float = 0.0
-    """Seconds from each such request's ``head_since`` to its first token (cumulative): with
-    :attr:`prefilled_tokens`, the engine's prefill rate as served, chunks, decodes riding
-    along and idle-free (router/policy.py learns it)."""
+    """The engine's prefill time they took: from the ``head_since`` before each first token to
+    it (cumulative). With :attr:`prefilled_tokens`, the engine's prefill rate as served: chunks,
+    decodes riding along, no idle time (router/policy.py learns it)."""
 
     def set_gauges(self, waiting: int, running: int, kv_usage: float) -> None:
         """A poll of the worker's /metrics: its gauges, and this router's own requests there at

@@ -192,24 +192,24 @@ class Ticket:
                 self._on_released()
 
     def _next_head(self, now: float, prefilled: bool) -> None:
-        """Out of the engine's queue: if it headed it, the next request there begins now.
+        """Out of the engine's queue: the engine's clock restarts now, on the oldest request
+        still queued there.
 
-        Only a successful stream's first token, seen as it comes, times the prefill; one
-        released by the engine's count (seen at a poll), a whole answer or a failure moves the
-        head on without a sample. A request released before the head (vLLM's priority
-        scheduling, a CPU load that let it pass) leaves the head where it is."""
+        The clock runs from when the engine last had something of this router's to prefill
+        (the first send to an idle engine, then each first token), so the time since it is
+        prefill time, whichever request it went to: a successful stream's first token, seen as
+        it comes, is a sample of the engine's rate (its tokens over that time; requests that
+        end in the same step share it). One released by the engine's count (seen at a poll),
+        a whole answer or a failure restarts the clock without a sample."""
         pending = self._prefilling
-        head = next(iter(pending), None) is self
         pending.pop(self, None)
-        if not head:
-            return
         ld = self.ld
         if prefilled and self.uncached > 0:
             ld.prefilled_tokens += self.uncached
             ld.prefill_seconds += max(now - ld.head_since, 0.0)
         nxt = next(iter(pending), None)
         ld.head_tokens = nxt.uncached if nxt is not None else 0
-        ld.head_since = now
+        ld.head_since = max(now, ld.head_since)
 
     def finish(self, now: float | None = None) -> None:
         self.first_token(now)

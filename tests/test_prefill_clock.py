@@ -1,6 +1,7 @@
 """Where each engine's prefill queue stands: the router's own requests there in the order they
-were sent, the oldest (the head) being prefilled since its send or the first token before it,
-and the engine's prefill rate sampled from its streamed requests' head-to-first-token times.
+were sent, the oldest (the head) being prefilled since the engine's clock last restarted (the
+last first token there, or the send that found nothing queued), and the engine's prefill rate
+sampled from its streamed first tokens over that clock.
 The rule on the router's tickets, and end to end over HTTP against a simulated worker whose
 prefill rate is known."""
 
@@ -20,7 +21,7 @@ def _worker() -> Worker:
     return Worker(spec=WorkerSpec(url="http://w"), client=None)  # type: ignore[arg-type]
 
 
-def test_the_head_moves_on_at_each_first_token_and_times_the_prefill() -> None:
+def test_the_clock_restarts_at_each_first_token_and_times_the_prefill() -> None:
     w = _worker()
     ld = w.load(0)
     a = Ticket(w, 0, 1000, now=0.0)
@@ -29,21 +30,24 @@ def test_the_head_moves_on_at_each_first_token_and_times_the_prefill() -> None:
     a.first_token(2.0, prefilled=True)
     assert (ld.prefilled_tokens, ld.prefill_seconds) == (1000, 2.0)
     assert (ld.head_tokens, ld.head_since) == (2000, 2.0)  # b waited for a: begun at a's token
-    b.first_token(2.5)  # a failure, or a whole answer: no sample, the head moves on
+    b.first_token(2.5)  # a failure, or a whole answer: no sample, the clock restarts
     assert (ld.prefilled_tokens, ld.prefill_seconds) == (1000, 2.0)
     assert ld.head_tokens == 0 and ld.queued_prefill_tokens == 0
     c = Ticket(w, 0, 500, now=5.0)  # an idle engine starts it when it is sent
     assert (ld.head_tokens, ld.head_since) == (500, 5.0)
     d = Ticket(w, 0, 800, now=5.5)
-    d.first_token(6.0, prefilled=True)  # passed the head (priority scheduling): no sample
-    assert (ld.head_tokens, ld.head_since) == (500, 5.0)
-    assert ld.prefilled_tokens == 1000
+    # d passes the head (priority scheduling): the engine's time since 5.0 went to d, and it
+    # turns back to c now.
+    d.first_token(6.0, prefilled=True)
+    assert (ld.prefilled_tokens, ld.prefill_seconds) == (1800, 3.0)
+    assert (ld.head_tokens, ld.head_since) == (500, 6.0)
     c.first_token(6.5, prefilled=True)
-    assert (ld.prefilled_tokens, ld.prefill_seconds) == (1500, 3.5)
+    assert (ld.prefilled_tokens, ld.prefill_seconds) == (2300, 3.5)
     assert ld.head_tokens == 0
     for t in (a, b, c, d):
         t.finish(7.0)
     assert ld.inflight_requests == 0 and not w.prefilling[0]
+    assert ld.head_since == 6.5  # finishing after the first token changes nothing
 
 
 def test_a_buffered_request_released_by_the_poll_moves_the_head_without_a_sample() -> None:
