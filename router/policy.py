@@ -96,9 +96,8 @@ class Candidate:
 class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
     """The ``policy`` section of the configuration: which policy, and the kvrouter cost model.
 
-    The rate behind ``queue_drain`` is learned per engine, ``recompute_weight`` from the fleet
-    (unless fixed);
-    docs/benchmarks.md has the A/B figures of both.
+    The prefill rate ``queue_drain`` trusts is learned per engine, ``recompute_weight`` from the
+    fleet (unless fixed); docs/benchmarks.md has the A/B figures of both.
     """
 
     name: str = "kvrouter"
@@ -121,10 +120,11 @@ class PolicyParams(msgspec.Struct, forbid_unknown_fields=True):
     """How much of each worker's learned prefill rate to trust (0 = none). The router's queued
     tokens only fall at first tokens, so a worker 3 s into a 60k-token prefill still counts all
     60k; the policy instead counts the request at the head of the router's queue there as done
-    at that rate since it began (its send, or the first token before it), never beyond the
-    request itself. The rate is learned per worker from its streamed requests' prefill times,
-    so it fits the GPU and model without configuration; a rate above the real one makes a busy
-    worker look idle, which is why it is learned and not configured."""
+    at that rate since the worker turned to it (the router's last first token there, or the
+    send that found nothing queued), never beyond the request itself. The rate is learned per
+    worker from its streamed first tokens, so it fits the GPU and model without configuration;
+    a rate above the real one makes a busy worker look idle, which is why it is learned and not
+    configured."""
     recompute_weight: float = 0.0
     """Weight of a prompt's uncached tokens against queued ones when ranking; 0 (the default)
     learns it from the fleet's utilization and KV usage (:meth:`KvRouterPolicy.
@@ -541,9 +541,9 @@ class KvRouterPolicy(Policy):
         return st.rate()
 
     def prefill_rate(self, engine: Engine) -> float | None:
-        """Tokens/s this engine has been seen to prefill (its learned rate: a request's
-        uncached tokens over the time from when it headed the queue to its first token), or
-        None before there is enough evidence."""
+        """Tokens/s this engine has been seen to prefill (its learned rate: each streamed first
+        token's uncached tokens over the time since the one before it, or since the send that
+        found the engine idle), or None before there is enough evidence."""
         st = self._rates.get(engine)
         return st.rate() if st is not None else None
 
