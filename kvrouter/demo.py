@@ -162,15 +162,18 @@ async def _with_router(
     port: int,
     workers: list[WorkerInfo],
     body: Callable[[str, Any], Awaitable[Any]],
+    stop: asyncio.Event | None = None,
 ) -> Any:
     """Run ``body(url, router)`` against a router over ``workers``, served as `kvrouter serve`
     serves it, once that router is ready; the router stops when ``body`` returns or the process
-    is told to stop.
+    is told to stop (SIGTERM: exit status 143; SIGINT: KeyboardInterrupt, as Ctrl-C ends
+    ``asyncio.run``).
 
-    SIGTERM ends it the way asyncio.run ends on Ctrl-C: this task is cancelled, so the stop
-    unwinds from an ``await`` here. A handler that raised where the signal lands could raise
-    inside a request the router is answering, where the ASGI server logs it as that request's
-    error and serves on."""
+    A signal cancels this task, so the stop unwinds from an ``await`` here: a handler that
+    raised where the signal lands could raise inside a request the router is answering, where
+    the ASGI server logs it as that request's error and serves on. It also sets ``stop``, which
+    a body that waits for the end waits on: a cancellation that lands inside a client library's
+    shielded clean-up can be absorbed there, and the body must still end."""
     cfg = Config(workers=[WorkerSpec(url=w.url) for w in workers])
     cfg.server.host = "127.0.0.1"
     cfg.server.port = port
@@ -181,15 +184,17 @@ async def _with_router(
     loop = asyncio.get_running_loop()
     this = asyncio.current_task()
     assert this is not None
-    terminated = False
+    signalled: list[int] = []
 
-    def on_sigterm() -> None:
-        nonlocal terminated
-        terminated = True
+    def on_signal(sig: int) -> None:
+        signalled.append(sig)
+        if stop is not None:
+            stop.set()
         this.cancel()
 
-    previous = signal.getsignal(signal.SIGTERM)
-    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig in previous:
+        loop.add_signal_handler(sig, on_signal, sig)
     task = asyncio.create_task(server.serve())
     try:
         try:
@@ -203,16 +208,21 @@ async def _with_router(
         # In a thread: this event loop serves the router being polled.
         if not await asyncio.to_thread(wait_http_ok, url + "/ready", timeout=20):
             raise RuntimeError("router not ready within 20 s")
-        return await body(url, router)
+        result = await body(url, router)
     except asyncio.CancelledError:
-        if terminated:
-            raise SystemExit(128 + signal.SIGTERM) from None
-        raise
+        if not signalled:
+            raise
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, previous)  # the fleet's clean-up still answers SIGTERM
+        for sig, handler in previous.items():
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, handler)  # the fleet's clean-up still answers SIGTERM
         server.should_exit = True
         await asyncio.wait_for(task, 15)
+    if signalled:
+        if signalled[0] == signal.SIGTERM:
+            raise SystemExit(128 + signal.SIGTERM)
+        raise KeyboardInterrupt
+    return result
 
 
 def run_demo(ns: argparse.Namespace) -> int:
@@ -278,10 +288,11 @@ def _serve(ns: argparse.Namespace) -> int:
                 print(json.dumps((await c.get(url + "/debug/index")).json(), indent=1)[:4000])
             print(f"try: curl -s {url}/debug/index | python -m json.tool ; Ctrl-C to stop")
             sys.stdout.flush()
-            await asyncio.Event().wait()
+            await stop.wait()
 
+        stop = asyncio.Event()
         try:
-            asyncio.run(_with_router("kvrouter", ns.port, workers, body))
+            asyncio.run(_with_router("kvrouter", ns.port, workers, body, stop))
         except KeyboardInterrupt:
             pass
     return 0

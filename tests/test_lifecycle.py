@@ -3,6 +3,7 @@ every process ``kvrouter demo`` starts ends with it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -18,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvrouter.demo import _with_router
 from simulator.testing import find_port_block, running_fleet, wait_http_ok
 
 pytestmark = pytest.mark.timeout(180)
@@ -227,3 +229,28 @@ def test_demo_serve_ends_on_sigterm_while_answering_requests(tmp_path: Path) -> 
             if proc.poll() is None:
                 _kill_with_children(proc)
             err.close()
+
+
+def test_the_demo_ends_on_a_signal_its_body_absorbed() -> None:
+    """A cancellation can be absorbed inside a client library's shielded clean-up; the demo's
+    serving body also waits on the stop event the signal sets, so the demo still ends, and as
+    Ctrl-C ends ``asyncio.run``."""
+    seen: list[str] = []
+
+    async def body(url: str, _router: object) -> None:
+        asyncio.get_running_loop().call_later(0.05, os.kill, os.getpid(), signal.SIGINT)
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            seen.append("absorbed")  # and carries on, as a library that swallowed it would
+        await stop.wait()
+        seen.append("stopped")
+
+    stop = asyncio.Event()
+    with running_fleet(1) as workers:
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            asyncio.run(_with_router("kvrouter", 0, workers, body, stop))
+    assert seen == ["absorbed", "stopped"]
+    assert time.monotonic() - t0 < 20
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
