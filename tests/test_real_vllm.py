@@ -65,6 +65,7 @@ from real_vllm_traffic import FIRST_PLAIN_TOKEN, EventTap, Reply, request_body, 
 from test_router_support import serve_router, until, worker_load
 
 from router.config import Config, WorkerSpec
+from router.workers import parse_vllm_metrics
 
 pytestmark = [
     pytest.mark.real_vllm,
@@ -209,10 +210,22 @@ async def test_predicted_hits_equal_vllm_cached_tokens(
                     lambda: w.first_tokens_reported.get(0, 0) >= sent, 30, "first tokens counted"
                 )
                 engine = await asyncio.to_thread(sender.engine)
+                metrics = (await asyncio.to_thread(sender.client.get, served.url + "/metrics")).text
                 sender.client.close()
         finally:
             tap.close()
     out = sender.outcomes
+    # The prefill rate the router learns from its streams' first tokens against vLLM's own:
+    # uncached prompt tokens over the time to first token, over every request it answered.
+    load = engine["load"]
+    learned = load["prefilled_tokens"] / load["prefill_seconds"]
+    (vllm,) = parse_vllm_metrics(metrics).values()
+    ttft_sum = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:time_to_first_token_seconds_sum")
+    )
+    own = (vllm["prefix_queries"] - vllm["prefix_hits"]) / ttft_sum
     wrong = [f"{o.label}: {o.predicted} vs {o.cached}" for o in out if o.predicted != o.cached]
     with capsys.disabled():
         print(
@@ -220,7 +233,8 @@ async def test_predicted_hits_equal_vllm_cached_tokens(
             f"predictions == cached_tokens in {time.monotonic() - started:.0f} s; "
             f"{sum(1 for o in out if o.cached)} with a hit, "
             f"{engine['counters'].get('blocks_removed', 0)} blocks evicted; "
-            f"resident {engine['resident']}; mismatches {wrong}"
+            f"resident {engine['resident']}; mismatches {wrong}; prefill rate learned "
+            f"{learned:.0f} tokens/s from {load['prefilled_tokens']} tokens, vLLM's {own:.0f}"
         )
     assert len(out) == (60 if kind.offload else 54)
     assert wrong == [], wrong
@@ -232,6 +246,8 @@ async def test_predicted_hits_equal_vllm_cached_tokens(
     cpu = sum(n for k, n in engine["resident"].items() if k.endswith("/CPU"))
     assert (cpu > 0) == kind.offload, engine["resident"]
     assert engine["verify"]["state"] == "verified"
+    assert load["prefilled_tokens"] > 500, load  # the streamed requests of the scenario, sampled
+    assert own / 3 < learned < own * 3, (learned, own)
 
 
 @dataclass
