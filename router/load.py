@@ -40,8 +40,8 @@ class EngineLoad(msgspec.Struct):
     router can tell (its monotonic clock): their last first token there, or the send that found
     none queued."""
     prefilled_tokens: int = 0
-    """Uncached tokens of this router's streamed requests there that have had their first token
-    (cumulative)."""
+    """Uncached tokens of this router's requests there whose first token it saw in a stream or
+    in the engine's first-token count (cumulative)."""
     prefill_seconds: float = 0.0
     """The engine's prefill time they took: from the ``head_since`` before each first token to
     it (cumulative). With :attr:`prefilled_tokens`, the engine's prefill rate as served: chunks,

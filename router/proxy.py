@@ -176,8 +176,10 @@ class Ticket:
     def engine_first_token(self, now: float | None = None) -> None:
         """Counted by the engine (a buffered answer still decoding). The request stays told
         of a stall until its answer is back: the count is an inference, and a stalled engine
-        runs nothing, so it is never wrong to take such a request back."""
-        self._release(now)
+        runs nothing, so it is never wrong to take such a request back. Seen up to a poll
+        late, its prefill time is a sample of the engine's rate that errs long (low): the
+        only samples a fleet of clients asking for whole answers gives."""
+        self._release(now, prefilled=True)
 
     def _release(self, now: float | None = None, prefilled: bool = False) -> None:
         if not self._released:
@@ -199,8 +201,8 @@ class Ticket:
         (the first send to an idle engine, then each first token), so the time since it is
         prefill time, whichever request it went to: a successful stream's first token, seen as
         it comes, is a sample of the engine's rate (its tokens over that time; requests that
-        end in the same step share it). One released by the engine's count (seen at a poll),
-        a whole answer or a failure restarts the clock without a sample."""
+        end in the same step share it), and so is one the engine's count shows at a poll
+        (late, so it errs low). A whole answer or a failure restarts the clock without one."""
         pending = self._prefilling
         pending.pop(self, None)
         ld = self.ld

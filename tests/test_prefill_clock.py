@@ -50,19 +50,20 @@ def test_the_clock_restarts_at_each_first_token_and_times_the_prefill() -> None:
     assert ld.head_since == 6.5  # finishing after the first token changes nothing
 
 
-def test_a_buffered_request_released_by_the_poll_moves_the_head_without_a_sample() -> None:
-    """The poll sees a first token up to a poll interval late: the next request is taken to
-    begin then (its progress is under- rather than overstated), and no rate is sampled."""
+def test_a_buffered_request_released_by_the_poll_is_a_late_sample() -> None:
+    """The poll sees a first token up to a poll interval late: its sample errs long (a low
+    rate, the safe side), the next request is taken to begin then, and a fleet of clients that
+    ask for whole answers still teaches the router its engines' rates."""
     w = _worker()
     ld = w.load(0)
     assert w.observe_first_tokens(0, 0, now=0.0) == 0  # the baseline
     a = Ticket(w, 0, 3000, buffered=True, now=0.0)
     Ticket(w, 0, 4000, now=0.5)
     assert w.observe_first_tokens(0, 1, now=2.0) == 1
+    assert (ld.prefilled_tokens, ld.prefill_seconds) == (3000, 2.0)
     assert (ld.head_tokens, ld.head_since) == (4000, 2.0)
-    assert (ld.prefilled_tokens, ld.prefill_seconds) == (0, 0.0)
-    a.finish(9.0)
-    assert ld.head_tokens == 4000
+    a.finish(9.0)  # its whole answer back: already released, nothing more
+    assert (ld.prefilled_tokens, ld.head_tokens) == (3000, 4000)
 
 
 async def test_a_streamed_requests_prefill_time_is_the_workers_rate() -> None:
