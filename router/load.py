@@ -67,38 +67,20 @@ class EngineLoad(msgspec.Struct):
 
         ``other`` is another replica's (or the sum of several replicas') accounting for the same
         engine; the gauges are the worker's own, already seen by every replica, so they are
-        taken from ``self`` alone. ``None`` adds nothing (a copy, so the caller may keep it
-        while this record keeps changing)."""
+        taken from ``self`` alone, and so is this router's clock of its own queue there
+        (``head_tokens`` to ``prefill_seconds``: other replicas' requests are in the count but
+        not in it). ``None`` adds nothing (a copy, so the caller may keep it while this record
+        keeps changing)."""
         if other is None:
-            return EngineLoad(
-                self.inflight_requests,
-                self.prefilling_requests,
-                self.queued_prefill_tokens,
-                self.running,
-                self.waiting,
-                self.kv_usage,
-                self.prefilling_at_poll,
-                self.head_tokens,
-                self.head_since,
-                self.prefilled_tokens,
-                self.prefill_seconds,
-            )
-        return EngineLoad(
-            self.inflight_requests + other.inflight_requests,
-            self.prefilling_requests + other.prefilling_requests,
-            self.queued_prefill_tokens + other.queued_prefill_tokens,
-            self.running,
-            self.waiting,
-            self.kv_usage,
+            return msgspec.structs.replace(self)
+        return msgspec.structs.replace(
+            self,
+            inflight_requests=self.inflight_requests + other.inflight_requests,
+            prefilling_requests=self.prefilling_requests + other.prefilling_requests,
+            queued_prefill_tokens=self.queued_prefill_tokens + other.queued_prefill_tokens,
             # Other replicas' requests at this router's poll are not known; their count now is
             # the nearest figure (shared state is refreshed more often than workers are polled).
-            self.prefilling_at_poll + other.prefilling_requests,
-            # Where this router's own queue there stands; other replicas' requests are in the
-            # count above but not in its clock.
-            self.head_tokens,
-            self.head_since,
-            self.prefilled_tokens,
-            self.prefill_seconds,
+            prefilling_at_poll=self.prefilling_at_poll + other.prefilling_requests,
         )
 
     def is_idle(self) -> bool:

@@ -104,7 +104,7 @@ def engine_priority(
     learned = policy.prefill_rate(engine) if isinstance(policy, KvRouterPolicy) else None
     return prefill_priority(
         uncached_tokens,
-        worker.awaiting_first.get(engine[1], ()),
+        worker.prefilling.get(engine[1], ()),
         now,
         max_wait_s=params.prefill_priority_max_wait_s,
         tokens_per_s=learned or params.prefill_tokens_per_s,
