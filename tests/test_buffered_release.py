@@ -9,16 +9,16 @@ import asyncio
 
 import httpx
 import pytest
-from test_router_support import config_for, serve_router, until, words
+from test_router_support import config_for, offline_worker, serve_router, until, words
 
-from router.config import ConfigError, WorkerSpec, parse_config
+from router.config import ConfigError, parse_config
 from router.proxy import Ticket
-from router.workers import Worker, parse_vllm_metrics
+from router.workers import parse_vllm_metrics
 from simulator.testing import running_fleet
 
 
 def test_first_token_counts_release_the_oldest_buffered_requests() -> None:
-    w = Worker(spec=WorkerSpec(url="http://w"), client=None)  # type: ignore[arg-type]
+    w = offline_worker()
     ld = w.load(0)
     assert w.observe_first_tokens(0, 10) == 0  # the engine's history: only the baseline
     a, b, c = (Ticket(w, 0, 100, buffered=True) for _ in range(3))

@@ -9,20 +9,14 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from test_router_support import config_for, serve_router, until, words
+from test_router_support import config_for, offline_worker, serve_router, until, words
 
-from router.config import WorkerSpec
 from router.proxy import Ticket
-from router.workers import Worker
 from simulator.testing import running_fleet
 
 
-def _worker() -> Worker:
-    return Worker(spec=WorkerSpec(url="http://w"), client=None)  # type: ignore[arg-type]
-
-
 def test_the_clock_restarts_at_each_first_token_and_times_the_prefill() -> None:
-    w = _worker()
+    w = offline_worker()
     ld = w.load(0)
     a = Ticket(w, 0, 1000, now=0.0)
     b = Ticket(w, 0, 2000, now=1.0)
@@ -54,7 +48,7 @@ def test_a_buffered_request_released_by_the_poll_is_a_late_sample() -> None:
     """The poll sees a first token up to a poll interval late: its sample errs long (a low
     rate, the safe side), the next request is taken to begin then, and a fleet of clients that
     ask for whole answers still teaches the router its engines' rates."""
-    w = _worker()
+    w = offline_worker()
     ld = w.load(0)
     assert w.observe_first_tokens(0, 0, now=0.0) == 0  # the baseline
     a = Ticket(w, 0, 3000, buffered=True, now=0.0)

@@ -215,8 +215,9 @@ async def test_predicted_hits_equal_vllm_cached_tokens(
         finally:
             tap.close()
     out = sender.outcomes
-    # The prefill rate the router learns from its streams' first tokens against vLLM's own:
-    # uncached prompt tokens over the time to first token, over every request it answered.
+    # The prefill rate the router learns from first tokens (streams' as they come, whole
+    # answers' at the polls) against vLLM's own: uncached prompt tokens over the time to first
+    # token, over every request it answered.
     load = engine["load"]
     learned = load["prefilled_tokens"] / load["prefill_seconds"]
     (vllm,) = parse_vllm_metrics(metrics).values()
@@ -246,7 +247,7 @@ async def test_predicted_hits_equal_vllm_cached_tokens(
     cpu = sum(n for k, n in engine["resident"].items() if k.endswith("/CPU"))
     assert (cpu > 0) == kind.offload, engine["resident"]
     assert engine["verify"]["state"] == "verified"
-    assert load["prefilled_tokens"] > 500, load  # the streamed requests of the scenario, sampled
+    assert load["prefilled_tokens"] > 500, load  # the scenario's first tokens, sampled
     assert own / 3 < learned < own * 3, (learned, own)
 
 

@@ -18,7 +18,7 @@ from router.config import Config, WorkerSpec
 from router.core import Router
 from router.load import EngineLoad
 from router.policy import Candidate
-from router.workers import parse_vllm_metrics
+from router.workers import Worker, parse_vllm_metrics
 
 
 async def until(
@@ -156,6 +156,12 @@ def write_tokenizer(out: Any, vocab_size: int = 2048, template: str = CHAT_TEMPL
     cfg = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
     (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
     return str(out)
+
+
+def offline_worker(url: str = "http://w") -> Worker:
+    """A worker record with no client: for the router's own accounting (tickets, first-token
+    counts) without a server behind it."""
+    return Worker(spec=WorkerSpec(url=url), client=None)  # type: ignore[arg-type]
 
 
 def cand(w: str, gpu: int = 0, cpu: int = 0, spec: int = 0, **load: float) -> Candidate:
