@@ -14,6 +14,7 @@ import msgspec
 
 from indexer.subscriber import SourceStatus
 from router.core import Router, RouteResult
+from router.load import EngineLoad
 from router.policy import KvRouterPolicy
 from router.status import rows
 from router.workers import Worker
@@ -84,6 +85,15 @@ def debug_index(router: Router) -> dict[str, Any]:
     return doc
 
 
+def _load_view(ld: EngineLoad, now: float) -> dict[str, Any]:
+    """An engine's load as shown: its fields, and ``head_age_s``, how long the engine has been
+    on the head of this router's queue there (None without one): ``head_since`` is a reading
+    of the router's monotonic clock, which means nothing outside the process."""
+    out = msgspec.structs.asdict(ld)
+    out["head_age_s"] = round(max(now - ld.head_since, 0.0), 3) if ld.head_tokens else None
+    return out
+
+
 def _engines(router: Router, w: Worker, rows: list[SourceStatus]) -> list[dict[str, Any]]:
     index = router.index
     out = []
@@ -103,7 +113,7 @@ def _engines(router: Router, w: Worker, rows: list[SourceStatus]) -> list[dict[s
                 "counters": st.counters if st else {},
                 "degraded": degraded,
                 "subscriber": msgspec.structs.asdict(srow) if srow is not None else None,
-                "load": msgspec.structs.asdict(w.load(e[1])),
+                "load": _load_view(w.load(e[1]), time.monotonic()),
                 "verify": router.verifier.debug(e) if router.verifier is not None else None,
             }
         )
@@ -121,6 +131,7 @@ def explain(
     ``body``: a completion's, whose ``priority`` ``policy.prefill_priority`` may write (None for
     the rest of vLLM's API, forwarded untouched)."""
     d = res.decision
+    now = time.monotonic()
     costs = {c.engine: c for c in d.costs}
     rank = {e: i for i, e in enumerate(d.ranked)}
     workers = []
@@ -138,7 +149,7 @@ def explain(
                 "speculative_hit_tokens": c.speculative_tokens,
                 "adapter_tokens": c.adapter_tokens,
                 "groups": [msgspec.structs.asdict(g) for g in m.groups] if m else [],
-                "load": msgspec.structs.asdict(c.load),
+                "load": _load_view(c.load, now),
                 "cost": None
                 if wc is None
                 else {

@@ -3,7 +3,8 @@
 One type for every place load appears: the router's own accounting per engine (``Worker.loads``,
 changed by ``proxy.Ticket``), the worker's ``/metrics`` gauges (written by the registry's poll),
 what other replicas report through shared state, and what the policy scores. The field names are
-the keys of each engine's ``load`` in ``/debug/index`` and ``/debug/route``.
+the keys of each engine's ``load`` in ``/debug/index`` and ``/debug/route``, which add
+``head_age_s`` (``head_since`` as seconds ago: the clock is the process's own).
 """
 
 from __future__ import annotations

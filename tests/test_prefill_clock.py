@@ -7,6 +7,9 @@ prefill rate is known."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import httpx
 import pytest
 from test_router_support import config_for, offline_worker, serve_router, until, words
@@ -84,4 +87,39 @@ async def test_a_streamed_requests_prefill_time_is_the_workers_rate() -> None:
             doc = (await c.get(base + "/debug/index")).json()
             shown = doc["workers"][0]["engines"][0]["load"]
             assert shown["prefilled_tokens"] == ld.prefilled_tokens
-            assert shown["head_tokens"] == 0
+            assert shown["head_tokens"] == 0 and shown["head_age_s"] is None
+
+
+async def test_the_debug_views_show_how_long_the_engine_has_been_on_its_head() -> None:
+    """While a 3,000-word prompt prefills at 1,500 tokens/s, ``/debug/index`` and
+    ``/debug/route`` show the head's age in seconds (the clock itself is the process's own)."""
+    with running_fleet(1, prefill_tps=1500, decode_ms=5) as ws:
+        cfg = config_for(ws)
+        async with serve_router(cfg) as (base, _router), httpx.AsyncClient(timeout=60) as c:
+            body = {"model": "sim-model", "prompt": words(3000, "age"), "max_tokens": 1}
+            sent = asyncio.create_task(c.post(base + "/v1/completions", json=body))
+
+            async def shown() -> dict | None:
+                doc = (await c.get(base + "/debug/index")).json()
+                load = doc["workers"][0]["engines"][0]["load"]
+                return load if load["head_tokens"] else None
+
+            first = await until(shown, 10, "the prompt at the head")
+            assert 0.0 <= first["head_age_s"] < 1.0
+            later = await until(
+                lambda: _older(shown, first["head_age_s"] + 0.2), 10, "the head to age"
+            )
+            assert later["head_tokens"] == first["head_tokens"]
+            route = (
+                await c.post(base + "/debug/route", json={"model": "sim-model", "prompt": "x"})
+            ).json()
+            ages = [w["load"]["head_age_s"] for w in route["workers"]]
+            assert ages[0] is not None and ages[0] >= later["head_age_s"]
+            assert (await sent).status_code == 200
+            doc = (await c.get(base + "/debug/index")).json()
+            assert doc["workers"][0]["engines"][0]["load"]["head_age_s"] is None
+
+
+async def _older(shown: Any, age: float) -> dict | None:
+    load = await shown()
+    return load if load is not None and load["head_age_s"] >= age else None
