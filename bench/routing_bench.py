@@ -379,8 +379,10 @@ def run_policy(
         for w in range(n):
             ld = fleet.load(w)
             workers[w].load(0).set_gauges(ld.waiting, ld.running, ld.kv_usage)
-            # vllm:time_to_first_token_seconds_count: releases buffered requests' prefill
-            workers[w].observe_first_tokens(0, fleet.engines[w].first_tokens, ld.waiting, t)
+            # vllm:time_to_first_token_seconds _count and _sum: release buffered requests'
+            # prefill, each at its send plus the poll interval's mean time to first token
+            e = fleet.engines[w]
+            workers[w].observe_first_tokens(0, e.first_tokens, ld.waiting, t, e.ttft_sum_s)
 
     def advance(t: float) -> None:
         nonlocal next_poll

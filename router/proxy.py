@@ -165,7 +165,8 @@ class Ticket:
             self._first = True
             self._waiting.discard(self)
             if not self._released:
-                self._worker.saw_first_token(self._rank)
+                at = time.monotonic() if now is None else now
+                self._worker.saw_first_token(self._rank, at - self.sent_s if prefilled else None)
         self._release(now, prefilled)
 
     @property
@@ -176,9 +177,10 @@ class Ticket:
     def engine_first_token(self, now: float | None = None) -> None:
         """Counted by the engine (a buffered answer still decoding). The request stays told
         of a stall until its answer is back: the count is an inference, and a stalled engine
-        runs nothing, so it is never wrong to take such a request back. Seen up to a poll
-        late, its prefill time is a sample of the engine's rate that errs long (low): the
-        only samples a fleet of clients asking for whole answers gives."""
+        runs nothing, so it is never wrong to take such a request back. Its prefill time, up
+        to ``now`` (when the poll puts the first token: ``Worker.observe_first_tokens``), is a
+        sample of the engine's rate: the only samples a fleet of clients asking for whole
+        answers gives."""
         self._release(now, prefilled=True)
 
     def _release(self, now: float | None = None, prefilled: bool = False) -> None:
@@ -201,8 +203,10 @@ class Ticket:
         (the first send to an idle engine, then each first token), so the time since it is
         prefill time, whichever request it went to: a successful stream's first token, seen as
         it comes, is a sample of the engine's rate (its tokens over that time; requests that
-        end in the same step share it), and so is one the engine's count shows at a poll
-        (late, so it errs low). A whole answer or a failure restarts the clock without one."""
+        end in the same step share it), and so is one the engine's count shows at a poll,
+        timed by the poll. One timed before the clock's last restart adds its tokens and no
+        time: its prefill was in the sample that restarted it (a stream that got its first
+        token after it). A whole answer or a failure restarts the clock without a sample."""
         pending = self._prefilling
         pending.pop(self, None)
         ld = self.ld

@@ -59,6 +59,7 @@ _WANTED = {
     "vllm:prefix_cache_queries_total": "prefix_queries",
     # one per request at its first token: releases buffered requests' prefill (see Worker)
     "vllm:time_to_first_token_seconds_count": "first_tokens",
+    "vllm:time_to_first_token_seconds_sum": "ttft_sum",
 }
 
 
@@ -141,9 +142,13 @@ class StallListener(Protocol):
 class BufferedRequest(Protocol):
     """A request whose answer comes whole, so the router never sees its first token."""
 
+    sent_s: float
+    """When it was sent (the clock ``now`` is read on)."""
+
     def engine_first_token(self, now: float | None = None) -> None:
         """The engine's counters show it has had its first token: release its prefill (``now``:
-        the poll's time, ``time.monotonic()`` unless given)."""
+        when the first token was, as far as the poll can tell; ``time.monotonic()`` unless
+        given)."""
 
 
 @dataclass
@@ -188,8 +193,13 @@ class Worker:
     first_tokens_seen: dict[int, int] = field(default_factory=dict)
     """Per DP rank, first tokens this router saw itself (streams, answers that came whole)
     since the last poll."""
+    ttft_seen: dict[int, float] = field(default_factory=dict)
+    """Per DP rank, the times to first token of those it saw as they came (streams), summed."""
     first_tokens_reported: dict[int, int] = field(default_factory=dict)
     """Per DP rank, the engine's own count of first tokens at the last poll."""
+    ttft_reported: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Per DP rank, the engine's sum of times to first token at the last poll, and when that
+    poll was (see :meth:`observe_first_tokens`)."""
 
     @property
     def url(self) -> str:
@@ -209,13 +219,22 @@ class Worker:
             ld = self.loads[rank] = EngineLoad()
         return ld
 
-    def saw_first_token(self, rank: int) -> None:
+    def saw_first_token(self, rank: int, ttft_s: float | None = None) -> None:
         """A first token of engine ``rank`` this router saw itself (a stream's first chunk, an
-        answer back, its self-check's probe): not one of its buffered requests'."""
+        answer back, its self-check's probe): not one of its buffered requests'. ``ttft_s``:
+        its time to first token where the router saw the token itself (a stream), None where
+        it saw only the whole answer."""
         self.first_tokens_seen[rank] = self.first_tokens_seen.get(rank, 0) + 1
+        if ttft_s is not None:
+            self.ttft_seen[rank] = self.ttft_seen.get(rank, 0.0) + ttft_s
 
     def observe_first_tokens(
-        self, rank: int, count: int, waiting: int = 0, now: float | None = None
+        self,
+        rank: int,
+        count: int,
+        waiting: int = 0,
+        now: float | None = None,
+        ttft_sum: float | None = None,
     ) -> int:
         """A poll's ``vllm:time_to_first_token_seconds_count`` of engine ``rank``: release the
         oldest buffered requests there, one per first token the engine counted since the last
@@ -232,18 +251,45 @@ class Worker:
         this router did not send (other routers, clients) release its buffered ones early, but
         never more than it has nor one still waiting; its self-check's are counted as seen. A
         count that went back (a restarted engine) only sets the baseline. ``now``: the poll's
-        time (``time.monotonic()`` unless given: the routing bench's clock is simulated)."""
+        time (``time.monotonic()`` unless given: the routing bench's clock is simulated).
+
+        When each first token was: ``ttft_sum`` (the same histogram's ``_sum``) grew since
+        the last poll by the times to first token of every request that got its first token
+        since then; less those of the streams the router saw (``saw_first_token``), over the
+        first tokens it did not see, it is their mean (an upper one: a whole answer the router
+        saw is left in the sum, as its time to first token is not known). A released request's
+        first token is taken at its send plus that mean, never before the last poll (the count
+        did not hold it then) nor after this one.
+        That time restarts the engine's prefill clock and ends the request's sample of the
+        engine's rate (``proxy.Ticket``): taken at the poll instead, a short prefill's sample
+        would hold the rest of the poll interval, idle or decoding, and the rate learned from
+        answers that come whole would be a fraction of the engine's (against vLLM 0.32: a
+        sixth on a small model's prompts of a few hundred tokens). Without ``ttft_sum`` (a
+        server that does not export it) the poll's own time stands."""
+        now = time.monotonic() if now is None else now
         seen = self.first_tokens_seen.pop(rank, 0)
+        seen_ttft = self.ttft_seen.pop(rank, 0.0)
         last = self.first_tokens_reported.get(rank)
         self.first_tokens_reported[rank] = count
+        last_ttft = self.ttft_reported.pop(rank, None)
+        if ttft_sum is not None:
+            self.ttft_reported[rank] = (ttft_sum, now)
         if last is None or count < last:
             return 0
         pending = self.buffered.get(rank, {})
-        k = min(count - last - seen, len(pending) - min(waiting, len(pending)))
+        unseen = count - last - seen
+        k = min(unseen, len(pending) - min(waiting, len(pending)))
         if k <= 0:
             return 0
+        mean_ttft = since = None
+        if ttft_sum is not None and last_ttft is not None and ttft_sum >= last_ttft[0]:
+            mean_ttft = max(ttft_sum - last_ttft[0] - seen_ttft, 0.0) / unseen
+            since = last_ttft[1]
         for request in list(itertools.islice(pending, k)):  # each release leaves ``pending``
-            request.engine_first_token(now)
+            at = now
+            if mean_ttft is not None and since is not None:
+                at = min(max(request.sent_s + mean_ttft, since), now)
+            request.engine_first_token(at)
         return k
 
     @property
@@ -513,7 +559,9 @@ class WorkerRegistry:
                     )
                     if "first_tokens" in vals:
                         waiting = int(vals.get("waiting", 0))
-                        w.observe_first_tokens(rank, int(vals["first_tokens"]), waiting)
+                        w.observe_first_tokens(
+                            rank, int(vals["first_tokens"]), waiting, ttft_sum=vals.get("ttft_sum")
+                        )
                 w.lora_slots = parse_lora_info(r.text)
                 w.retention = parse_retention(r.text)
                 w.metrics_ts = time.monotonic()
