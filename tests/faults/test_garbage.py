@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import multiprocessing
 import time
 
@@ -19,12 +18,15 @@ from simulator.testing import running_fleet
 pytestmark = pytest.mark.timeout(120)
 
 TOPIC = "w0"
-FLOOD_S = 6.0
-N_ROUTES = 150
+FLOOD_S = 10.0
+N_ROUTES = 300
 # Stated bound on /debug/route latency during a ~40k msg/s flood. On a 2-core machine the
 # flooding process, the router's ZMQ I/O thread and its event loop share the cores; measured
 # p50 1-2 ms -> 15-21 ms, p99 6-10 ms -> 41-44 ms. The loop's share is bounded by the reader's
-# per-turn budget (indexer.subscriber.RECV_BUDGET_S); the rest is CPU contention.
+# per-turn budget (indexer.subscriber.RECV_BUDGET_S); the rest is CPU contention. The p99 is
+# the fourth slowest of 300 sequential requests: a busy CI runner has stalled the whole
+# process once or twice in a run (0.22 and 0.34 s, p50 unmoved), which is the machine's, not
+# the reader's; a reader holding the loop would slow every request.
 P50_BOUND_S = 0.060
 P99_BOUND_S = 0.200
 
@@ -69,11 +71,6 @@ async def test_garbage_frames_are_counted_and_leave_the_index_alone() -> None:
                 before = router.index.export_engine(engine)
                 blocks = router.index.resident_blocks(engine)
                 await _route_latencies(c, base, 20)  # warm the tokenizer cache
-                # The router freezes its start-up heap (router/serving.py); this process also
-                # holds the suite's earlier tests, whose full collections would be timed here as
-                # the router's (a few million objects take 0.2-0.4 s to scan).
-                gc.collect()
-                gc.freeze()
                 base_lat = await _route_latencies(c, base, N_ROUTES)
                 sent = multiprocessing.get_context("spawn").Value("q", 0)
                 proc = multiprocessing.get_context("spawn").Process(
@@ -87,6 +84,7 @@ async def test_garbage_frames_are_counted_and_leave_the_index_alone() -> None:
                         "the flood to reach the router",
                     )
                     flood_lat = await _route_latencies(c, base, N_ROUTES)
+                    assert proc.is_alive(), "the flood ended before the last request"
                 finally:
                     await asyncio.to_thread(proc.join, FLOOD_S + 20)
                 st = sub.status()[0]
@@ -111,5 +109,4 @@ async def test_garbage_frames_are_counted_and_leave_the_index_alone() -> None:
                 assert counted > 1000
                 assert f50 <= P50_BOUND_S and f99 <= P99_BOUND_S
             finally:
-                gc.unfreeze()
                 pub.close()
