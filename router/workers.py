@@ -256,11 +256,11 @@ class Worker:
         When each first token was: ``ttft_sum`` (the same histogram's ``_sum``) grew since
         the last poll by the times to first token of every request that got its first token
         since then; less those of the streams the router saw (``saw_first_token``), over the
-        first tokens it did not see, it is their mean (an upper one: a whole answer the router
-        saw is left in the sum, as its time to first token is not known). A released request's
-        first token is taken at its send plus that mean, never before the last poll (the count
-        did not hold it then) nor after this one.
-        That time restarts the engine's prefill clock and ends the request's sample of the
+        first tokens it did not see, it is about their mean (high by a whole answer's the router
+        saw, left in the sum as it is not known; low by the network between router and engine,
+        as the streams' are measured here). A released request's first token is taken at its
+        send plus that mean, never before the last poll (the count did not hold it then) nor
+        after this one. That time restarts the engine's prefill clock and ends the request's sample of the
         engine's rate (``proxy.Ticket``): taken at the poll instead, a short prefill's sample
         would hold the rest of the poll interval, idle or decoding, and the rate learned from
         answers that come whole would be a fraction of the engine's (against vLLM 0.32: a
