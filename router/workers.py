@@ -260,12 +260,12 @@ class Worker:
         saw, left in the sum as it is not known; low by the network between router and engine,
         as the streams' are measured here). A released request's first token is taken at its
         send plus that mean, never before the last poll (the count did not hold it then) nor
-        after this one. That time restarts the engine's prefill clock and ends the request's sample of the
-        engine's rate (``proxy.Ticket``): taken at the poll instead, a short prefill's sample
-        would hold the rest of the poll interval, idle or decoding, and the rate learned from
-        answers that come whole would be a fraction of the engine's (against vLLM 0.32: a
-        sixth on a small model's prompts of a few hundred tokens). Without ``ttft_sum`` (a
-        server that does not export it) the poll's own time stands."""
+        after this one. That time restarts the engine's prefill clock and ends the request's
+        sample of the engine's rate (``proxy.Ticket``): taken at the poll instead, a short
+        prefill's sample would hold the rest of the poll interval, idle or decoding, and the
+        rate learned from answers that come whole would be a fraction of the engine's (against
+        vLLM 0.32: a sixth on a small model's prompts of a few hundred tokens). Without
+        ``ttft_sum`` (a server that does not export it) the poll's own time stands."""
         now = time.monotonic() if now is None else now
         seen = self.first_tokens_seen.pop(rank, 0)
         seen_ttft = self.ttft_seen.pop(rank, 0.0)
