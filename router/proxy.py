@@ -161,12 +161,12 @@ class Ticket:
         ``prefilled``: the first chunk of a successful stream, so the engine prefilled the
         request just now: the time it took is a sample of the engine's prefill rate. ``now``:
         ``time.monotonic()`` unless given (the routing bench's clock is simulated)."""
+        now = time.monotonic() if now is None else now
         if not self._first:
             self._first = True
             self._waiting.discard(self)
             if not self._released:
-                at = time.monotonic() if now is None else now
-                self._worker.saw_first_token(self._rank, at - self.sent_s if prefilled else None)
+                self._worker.saw_first_token(self._rank, now - self.sent_s if prefilled else None)
         self._release(now, prefilled)
 
     @property

@@ -190,11 +190,10 @@ class Worker:
     buffered: dict[int, dict[BufferedRequest, None]] = field(default_factory=dict)
     """Per DP rank, this router's requests there that are answered whole and have no first
     token yet, in the order they were sent (see :meth:`observe_first_tokens`)."""
-    first_tokens_seen: dict[int, int] = field(default_factory=dict)
+    first_tokens_seen: dict[int, tuple[int, float]] = field(default_factory=dict)
     """Per DP rank, first tokens this router saw itself (streams, answers that came whole)
-    since the last poll."""
-    ttft_seen: dict[int, float] = field(default_factory=dict)
-    """Per DP rank, the times to first token of those it saw as they came (streams), summed."""
+    since the last poll, and the summed times to first token of those it saw as they came
+    (streams)."""
     first_tokens_reported: dict[int, int] = field(default_factory=dict)
     """Per DP rank, the engine's own count of first tokens at the last poll."""
     ttft_reported: dict[int, tuple[float, float]] = field(default_factory=dict)
@@ -224,9 +223,8 @@ class Worker:
         answer back, its self-check's probe): not one of its buffered requests'. ``ttft_s``:
         its time to first token where the router saw the token itself (a stream), None where
         it saw only the whole answer."""
-        self.first_tokens_seen[rank] = self.first_tokens_seen.get(rank, 0) + 1
-        if ttft_s is not None:
-            self.ttft_seen[rank] = self.ttft_seen.get(rank, 0.0) + ttft_s
+        n, ttft = self.first_tokens_seen.get(rank, (0, 0.0))
+        self.first_tokens_seen[rank] = (n + 1, ttft + (ttft_s or 0.0))
 
     def observe_first_tokens(
         self,
@@ -267,8 +265,7 @@ class Worker:
         vLLM 0.32: a sixth on a small model's prompts of a few hundred tokens). Without
         ``ttft_sum`` (a server that does not export it) the poll's own time stands."""
         now = time.monotonic() if now is None else now
-        seen = self.first_tokens_seen.pop(rank, 0)
-        seen_ttft = self.ttft_seen.pop(rank, 0.0)
+        seen, seen_ttft = self.first_tokens_seen.pop(rank, (0, 0.0))
         last = self.first_tokens_reported.get(rank)
         self.first_tokens_reported[rank] = count
         last_ttft = self.ttft_reported.pop(rank, None)
@@ -281,13 +278,13 @@ class Worker:
         k = min(unseen, len(pending) - min(waiting, len(pending)))
         if k <= 0:
             return 0
-        mean_ttft = since = None
+        window = None  # (the unseen first tokens' mean time to first token, the last poll)
         if ttft_sum is not None and last_ttft is not None and ttft_sum >= last_ttft[0]:
-            mean_ttft = max(ttft_sum - last_ttft[0] - seen_ttft, 0.0) / unseen
-            since = last_ttft[1]
+            window = (max(ttft_sum - last_ttft[0] - seen_ttft, 0.0) / unseen, last_ttft[1])
         for request in list(itertools.islice(pending, k)):  # each release leaves ``pending``
             at = now
-            if mean_ttft is not None and since is not None:
+            if window is not None:
+                mean_ttft, since = window
                 at = min(max(request.sent_s + mean_ttft, since), now)
             request.engine_first_token(at)
         return k
