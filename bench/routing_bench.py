@@ -7,6 +7,7 @@
     python bench/routing_bench.py --loads 0.5,0.6,...,1.2 # sweep offered load: goodput
     python bench/routing_bench.py --sweep-knobs           # kvrouter with each knob varied
     python bench/routing_bench.py --jobs 4                # policies in parallel processes
+    python bench/routing_bench.py --replicas 3            # kvrouter as three router replicas
 
 The last line printed is one JSON object (``workload``, ``workers``, ``config``, ``policies``
 at ``--load``, ``sweep`` per policy and load, ``goodput`` per policy: the highest load keeping
@@ -44,6 +45,12 @@ uncached prefill tokens per worker, released at first token), corrected by the w
   request's TTFT counted from its arrival, the wait at the router included;
 * ``dynamo``, ``llm_d``, ``sglang``, ``vllm_router_kv_aware``, ``aibrix``: the peer products,
   each with its own view of the caches and its own load signal (``bench/peers.py``);
+* with ``--replicas N``, ``kvrouter`` runs as N router replicas sharing state as through Redis
+  (``router.shared_state``): each request goes to a replica at random, as a Service spreads
+  them; each replica keeps its own accounting (so its own prefill clock per engine), policy
+  and speculative cache, polls the workers on its own phase, sees the others' in-flight load
+  as it was at the last share (every ``SHARE_S``) and their speculative entries (sampled as
+  published) at once; the index, built by every replica from the same events, is one;
 * ``pooled_ideal``: not a policy: one engine with the whole fleet's KV blocks, CPU chunks,
   prefill rate, token budget and sequence slots: what one engine as large as the fleet does
   (not a bound: bench/bounds.py has those).
@@ -75,13 +82,16 @@ kvrouter; keys + policy for the peers; policy only for the baselines).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
+import random
 import statistics
 import sys
 import time
 from array import array
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -92,16 +102,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import peer_report, peers
 from bench.bounds import resumes_earlier, workload_bounds
 from bench.workloads import Req, TokenSource, TraceError, load_workload
-from indexer.index import PrefixIndex
+from indexer.index import EngineId, PrefixIndex
 from indexer.wire import DecodeError, decode_payload
 from kvrouter.progress import Progress
 from router.admission import FairQueue, ShortestFirstQueue, headroom, make_queue
 from router.candidates import build_candidates, record_sent, speculative_hits
 from router.config import AdmissionConfig, WorkerSpec
-from router.policy import PolicyParams, SpeculativeCache, make_policy
+from router.load import EngineLoad
+from router.policy import Policy, PolicyParams, SpeculativeCache, make_policy
 from router.popularity import PromptKeys
 from router.prefill_priority import engine_priority
 from router.proxy import Ticket
+from router.shared_local import SharedSpeculativeCache
+from router.shared_redis import RedisSharedState, sampled_keys
 from router.workers import Worker
 from simulator.engine import EngineConfig, SimEngine
 from simulator.fleet import FastFleet
@@ -185,6 +198,9 @@ class RouterSpec:
     buffered: bool = False
     """Clients ask for whole answers (``stream: false``): the router sees no first token, and
     each poll's first-token count releases their prefill (``Worker.observe_first_tokens``)."""
+    replicas: int = 1
+    """Router replicas ``kvrouter`` runs as (``--replicas``), sharing load and speculative
+    entries as through Redis (:class:`Replica`); the other policies run as one."""
 
 
 @dataclass
@@ -272,6 +288,28 @@ class KeyCache:
         return k, self._cost[req.rid]
 
 
+MAX_SPEC_KEYS: int = inspect.signature(RedisSharedState).parameters["max_spec_keys"].default
+"""Keys of a speculative entry another replica hears of (before sampling), as the product."""
+SHARE_S = 0.15
+"""How often a replica's view of the others' in-flight load is renewed in the bench: the
+shared state's push interval plus its refresh interval (50 + 100 ms, router/shared_state.py),
+so the view is as stale as the product's at worst and on average (75 ms)."""
+
+
+@dataclass
+class Replica:
+    """One router replica of several: its own accounting per worker (and so its own prefill
+    clock per engine), policy and speculative cache; the others' load as of the last share
+    (``remote``, what ``RedisSharedState.remote_loads`` gives), their speculative entries
+    as they publish them (the index they all build from the same events is shared)."""
+
+    workers: list[Worker]
+    policy: Policy | None
+    spec: SpeculativeCache
+    remote: dict[EngineId, EngineLoad] = field(default_factory=dict)
+    next_poll: float = 0.0
+
+
 def run_policy(
     name: str,
     reqs: list[Req],
@@ -301,21 +339,54 @@ def run_policy(
         e._preempt = _counted(e._preempt, preempted, first_hit)
     unit = keys.index.unit
     index = PrefixIndex(unit=unit, cpu_chunk_tokens=fs.cpu_chunk_tokens)
-    workers = [Worker(spec=WorkerSpec(url=f"sim://w{i}"), client=None) for i in range(n)]
-    engines = [(w.url, 0) for w in workers]
+    engines = [(f"sim://w{i}", 0) for i in range(n)]
     for e in engines:
         index.add_engine(e, MODEL)
-    loads = [(e, w.load(0)) for e, w in zip(engines, workers, strict=True)]  # live records
     by_engine = {e: i for i, e in enumerate(engines)}
-    spec = SpeculativeCache(rs.speculative_ttl_s)
     peer = None
     if name in peers.NAMES:
         env = peers.PeerEnv(fleet, fs.block_size, unit, fs.cpu_chunk_tokens, MODEL, seed)
         peer = peers.make(name, env)
-    elif pooled:
-        policy = make_policy("round_robin")
-    else:
-        policy = make_policy("kvrouter" if kv else name, rs.params, seed=seed)
+    n_rep = rs.replicas if name == "kvrouter" else 1
+    clock = [0.0]  # the time of the decision being recorded (a published entry's receipt)
+    reps: list[Replica] = []
+    for r in range(n_rep):
+        pol: Policy | None = None  # a peer decides with its own model (bench/peers.py)
+        if pooled:
+            pol = make_policy("round_robin")
+        elif peer is None:  # replica 0 draws the single router's tie-breaks
+            pol = make_policy("kvrouter" if kv else name, rs.params, seed=seed + 7919 * r)
+        if n_rep == 1:
+            cache: SpeculativeCache = SpeculativeCache(rs.speculative_ttl_s)
+        else:
+            cache = SharedSpeculativeCache(
+                rs.speculative_ttl_s, publish=lambda e, k, r=r: publish(r, e, k)
+            )
+        ws = [Worker(spec=WorkerSpec(url=url), client=None) for url, _ in engines]
+        reps.append(Replica(ws, pol, cache, next_poll=rs.poll_s * (1 + r / n_rep)))
+
+    def publish(origin: int, engine: EngineId, k: Sequence[int]) -> None:
+        # RedisSharedState's pub/sub: the entry, its keys sampled, at every other replica
+        for other in reps[:origin] + reps[origin + 1 :]:
+            assert isinstance(other.spec, SharedSpeculativeCache)
+            other.spec.record_remote(engine, sampled_keys(k, MAX_SPEC_KEYS), clock[0])
+
+    def share() -> None:
+        # RedisSharedState._refresh: each replica sums the others' requests there
+        own = [[(e, w.load(0)) for e, w in zip(engines, rep.workers, strict=True)] for rep in reps]
+        for r, rep in enumerate(reps):
+            remote: dict[EngineId, EngineLoad] = {}
+            for o, theirs in enumerate(own):
+                for e, ld in theirs:
+                    if o == r or ld.is_idle():
+                        continue
+                    add = EngineLoad(
+                        ld.inflight_requests, ld.prefilling_requests, ld.queued_prefill_tokens
+                    )
+                    remote[e] = add if e not in remote else remote[e].plus(add)
+            rep.remote = remote
+
+    next_share = SHARE_S if n_rep > 1 else math.inf
     tickets: dict[str, Ticket] = {}
     prefilling: list[dict[str, tuple[object, Ticket]]] = [{} for _ in range(n)]
     decisions: list[float] = []
@@ -325,7 +396,7 @@ def run_policy(
     if name == ADMISSION_POLICY:
         queue = make_queue(rs.admission)
     arrived: dict[str, float] = {}  # a queued request's arrival (its TTFT counts the wait)
-    next_poll = rs.poll_s
+    pick_replica = random.Random(seed)  # a Service spreads requests over replicas at random
     n_done = 0
     hit_tokens = prompt_tokens = 0
     ttfts: list[float] = []
@@ -354,7 +425,7 @@ def run_policy(
             except DecodeError:
                 continue
             if kv:  # the other policies never read kvrouter's index
-                index.apply((workers[w].url, rank), batch.events)
+                index.apply((engines[w][0], rank), batch.events)
             if peer is not None:
                 peer.on_events(w, batch.events)
         if streams:
@@ -374,31 +445,43 @@ def run_policy(
             if t is not None:
                 t.finish(c.finish_s)
 
-    def poll(t: float) -> None:
+    def poll(rep: Replica, t: float) -> None:
         # router.workers.WorkerRegistry._check: the gauges of vLLM's /metrics.
         for w in range(n):
             ld = fleet.load(w)
-            workers[w].load(0).set_gauges(ld.waiting, ld.running, ld.kv_usage)
+            rep.workers[w].load(0).set_gauges(ld.waiting, ld.running, ld.kv_usage)
             # vllm:time_to_first_token_seconds _count and _sum: release buffered requests'
             # prefill, each at its send plus the poll interval's mean time to first token
             e = fleet.engines[w]
-            workers[w].observe_first_tokens(0, e.first_tokens, ld.waiting, t, e.ttft_sum_s)
+            rep.workers[w].observe_first_tokens(0, e.first_tokens, ld.waiting, t, e.ttft_sum_s)
 
     def advance(t: float) -> None:
-        nonlocal next_poll
+        nonlocal next_share
         if peer is not None:
             peer.advance(t)
-        while next_poll <= t:
-            fleet.run_until(next_poll)
+        while True:  # every replica's polls (each on its own phase) and the shares, in order
+            rep = min(reps, key=lambda x: x.next_poll)
+            at = min(rep.next_poll, next_share)
+            if at > t:
+                break
+            fleet.run_until(at)
             ingest()
-            poll(next_poll)
-            next_poll += rs.poll_s
+            if rep.next_poll == at:
+                poll(rep, at)
+                rep.next_poll += rs.poll_s
+            else:
+                share()
+                next_share += SHARE_S
         fleet.run_until(t)
         ingest()
 
     def send(req: Req, t: float) -> None:
         toks = src.tokens(req)
         n_tok = len(toks)
+        rep = reps[pick_replica.randrange(n_rep)] if n_rep > 1 else reps[0]
+        policy, spec, workers = rep.policy, rep.spec, rep.workers
+        loads = [(e, w.load(0)) for e, w in zip(engines, workers, strict=True)]
+        clock[0] = t
         if peer is not None:
             kk, kcost = keys.get(req, toks)
             t0 = time.perf_counter()
@@ -406,12 +489,18 @@ def run_policy(
             decisions.append((time.perf_counter() - t0 + kcost) * 1000)
             uncached = n_tok
         elif kv:
+            assert policy is not None
             kk, kcost = keys.get(req, toks)
             t0 = time.perf_counter()
             matches = index.match_keys(kk, n_tok, engines)
             sp, reach = speculative_hits(spec, index, engines, kk, n_tok, t)
             cands = build_candidates(
-                loads, matches, block_size=fs.block_size, speculative=sp, reach=reach
+                loads,
+                matches,
+                block_size=fs.block_size,
+                speculative=sp,
+                reach=reach,
+                remote=rep.remote,
             )
             d = policy.choose(cands, n_tok, t, prompt=PromptKeys(kk, index.unit))
             record_sent(spec, index, d.engine, kk, n_tok, matches.get(d.engine), t)
@@ -419,6 +508,7 @@ def run_policy(
             cost = next(c for c in d.costs if c.engine == d.engine)
             uncached = cost.uncached_tokens
         else:
+            assert policy is not None
             cands = build_candidates(loads, {}, block_size=fs.block_size)
             t0 = time.perf_counter()
             d = policy.choose(cands, n_tok, t)
@@ -437,6 +527,7 @@ def run_policy(
     def admit(t: float) -> None:
         # router.admission: route the queue's next request while the engines have room.
         nonlocal refused
+        workers = reps[0].workers  # the admission queue runs with one replica
         queued = [w.load(0).queued_prefill_tokens for w in workers]
         threshold = rs.admission.queued_prefill_tokens_threshold or 1
         while queue and headroom(queued, threshold) > 0:
@@ -458,7 +549,8 @@ def run_policy(
             advance(nxt)
             admit(nxt)
 
-    poll(0.0)  # the registry checks every worker before the router serves (WorkerRegistry.start)
+    for rep in reps:  # the registry checks every worker before the router serves
+        poll(rep, 0.0)
     for req in PROGRESS.iterate(reqs, name, len(reqs)):
         t = req.arrival_s / speed
         wait_for_room(t)
@@ -855,6 +947,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="clients ask for whole answers (stream: false); default: streamed answers",
     )
     ap.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="router replicas kvrouter runs as, sharing load and speculative entries as "
+        "through Redis (the other policies run as one)",
+    )
+    ap.add_argument(
         "--admission-tokens",
         type=int,
         default=ADMISSION_TOKENS,
@@ -980,6 +1079,8 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
         setattr(params, pname, type(getattr(params, pname))(float(val)))
     if args.admission_tokens < 1:
         raise SystemExit("--admission-tokens: must be >= 1")
+    if args.replicas < 1:
+        raise SystemExit("--replicas: must be >= 1")
     admission = AdmissionConfig(
         queued_prefill_tokens_threshold=args.admission_tokens, order=args.admission_order
     )
@@ -989,6 +1090,7 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
         params=params,
         admission=admission,
         buffered=args.buffered,
+        replicas=args.replicas,
     )
     src = TokenSource()
     unit = math.gcd(16, fs.block_size)
@@ -1066,6 +1168,7 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
                 "params": msgspec.structs.asdict(rs.params),
                 "admission": msgspec.structs.asdict(rs.admission),
                 "buffered": rs.buffered,
+                "replicas": rs.replicas,
             },
             "quick": args.quick,
             "seed": args.seed,

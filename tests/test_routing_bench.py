@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -338,6 +339,31 @@ def test_kvrouter_admission_holds_requests_at_the_router_and_counts_their_wait()
     assert sorted(held.ttft)[2] < 2 * one_long <= sorted(plain.ttft)[2]
     assert statistics.fmean(held.ttft) < statistics.fmean(fair.ttft)
     assert statistics.fmean(held.ttft) < statistics.fmean(plain.ttft)
+
+
+def test_router_replicas_see_each_others_load_through_the_shared_state(monkeypatch):
+    """Two replicas, two workers, two long prompts 0.3 s apart: the first goes through one
+    replica, the second through the other (seed 4 of the spread). With the others' load
+    shared (every ``SHARE_S``, as the product's push and refresh), the second replica sees the
+    first prompt queued on its worker and takes the idle one: neither waits. Blind to each
+    other (nothing shared), it sees two idle workers and takes the busy one here."""
+    reqs = [Req(f"r{i}", 0.3 * i, ((3_050_000 + i, 8000),), 8000, 2) for i in range(2)]
+    fs = routing_bench.FleetSpec(workers=2, prefill_tokens_per_s=10_000.0)
+    one_long = 8000 / 10_000.0
+
+    def run(replicas: int) -> routing_bench.RunResult:
+        rs = routing_bench.RouterSpec(replicas=replicas)
+        return routing_bench.run_policy(
+            "kvrouter", reqs, 1.0, fs, rs, TokenSource(), routing_bench.KeyCache(16), seed=4
+        )
+
+    single, shared = run(1), run(2)
+    assert single.completed == shared.completed == 2
+    assert max(single.ttft) < 1.5 * one_long
+    assert max(shared.ttft) < 1.5 * one_long
+    monkeypatch.setattr(routing_bench, "SHARE_S", math.inf)
+    blind = run(2)
+    assert max(blind.ttft) >= 1.5 * one_long  # the second waited for the first
 
 
 def test_prefill_priority_lets_short_prompts_pass_a_long_one_queued_on_the_worker():
