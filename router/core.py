@@ -124,6 +124,7 @@ class Router:
             export_engine=self._export_engine,
             on_redis_up=lambda up: self.metrics.redis_up.set(1 if up else 0),
         )
+        self.registry.on_load_change = self.shared.loads_changed
         self.speculative = self.shared.speculative
         self.speculative.retention = cfg.model.prefix_cache_retention_interval
         self.speculative.retention_of = self.retention

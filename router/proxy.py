@@ -133,6 +133,7 @@ class Ticket:
             self.ld.head_tokens = uncached
             self.ld.head_since = self.sent_s
         self._prefilling[self] = None
+        w.load_changed()
         self._first = False
         """A first token seen here: a stream's first chunk, a whole answer, or a failure."""
         self._released = False
@@ -192,6 +193,7 @@ class Ticket:
             ld.prefilling_requests -= 1
             ld.queued_prefill_tokens -= self.uncached
             self._next_head(time.monotonic() if now is None else now, prefilled)
+            self._worker.load_changed()
             if self._on_released is not None:
                 self._on_released()
 
@@ -222,6 +224,7 @@ class Ticket:
         if not self._done:
             self._done = True
             self.ld.inflight_requests -= 1
+            self._worker.load_changed()
 
 
 @dataclass

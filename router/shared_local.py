@@ -164,6 +164,10 @@ class SharedState:
     async def stop(self) -> None:
         return None
 
+    def loads_changed(self) -> None:
+        """This replica's load on some engine changed: tell the other replicas soon."""
+        return None
+
     def remote_load(self, engine: EngineId) -> EngineLoad:
         """The other replicas' summed accounting for ``engine`` (zero when they have none)."""
         return self.remote_loads().get(engine, _NO_LOAD)

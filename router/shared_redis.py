@@ -12,6 +12,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -85,6 +86,35 @@ class _SpecMsg(msgspec.Struct, array_like=True):
     keys: list[int]
 
 
+class _LoadMsg(msgspec.Struct, array_like=True):
+    """One push of a replica's load, as published: its number and each engine whose record
+    changed since the push before (``IDLE`` where it has nothing any more)."""
+
+    replica: str
+    n: int
+    fields: dict[str, str]
+
+
+PUSH_FIELD = "_n"
+"""The field of a replica's load hash holding the number of the push that wrote it (not an
+engine key: a replica that predates it skips the field as unparsable)."""
+IDLE = "0,0,0"
+
+
+def _parse_load(value: str | bytes) -> EngineLoad:
+    req, pre, tok = (int(x) for x in value.split(b"," if isinstance(value, bytes) else ","))
+    return EngineLoad(req, pre, tok)
+
+
+@dataclass
+class _Origin:
+    """Another replica's load as this one knows it: the number of the latest push it reflects
+    (-1: unknown) and its record per engine."""
+
+    n: int = -1
+    loads: dict[EngineId, EngineLoad] = field(default_factory=dict)
+
+
 class RedisSharedState(SharedState):
     """Shared state in Redis (see the module docstring for keys, bounds and failure modes)."""
 
@@ -99,6 +129,7 @@ class RedisSharedState(SharedState):
         snapshot_interval_s: float = 30.0,
         op_timeout_s: float = 0.1,
         push_interval_s: float = 0.05,
+        push_min_interval_s: float = 0.005,
         refresh_interval_s: float = 0.1,
         snapshot_timeout_s: float = 10.0,
         startup_timeout_s: float = 3.0,
@@ -115,6 +146,7 @@ class RedisSharedState(SharedState):
         self.snapshot_interval_s = snapshot_interval_s
         self.op_timeout_s = op_timeout_s
         self.push_interval_s = push_interval_s
+        self.push_min_interval_s = push_min_interval_s
         self.refresh_interval_s = refresh_interval_s
         self.snapshot_timeout_s = snapshot_timeout_s
         self.startup_timeout_s = startup_timeout_s
@@ -127,6 +159,7 @@ class RedisSharedState(SharedState):
         self.k_load = f"{key_prefix}:load:{self.replica_id}"
         self.k_replicas = f"{key_prefix}:replicas"
         self.k_spec = f"{key_prefix}:spec"
+        self.k_loads = f"{key_prefix}:loads"
         self.k_leader = f"{key_prefix}:snapshot:leader"
         self.k_snaps = f"{key_prefix}:snaps"
         self._up = False
@@ -134,6 +167,15 @@ class RedisSharedState(SharedState):
         self._up_event = asyncio.Event()
         self._down_event = asyncio.Event()
         self._remote: dict[EngineId, EngineLoad] = {}
+        self._origins: dict[str, _Origin] = {}
+        """Per other live replica, its load: from its hash at each refresh, and from each push
+        it publishes in between."""
+        self._remote_dirty = False
+        self._push_wake = asyncio.Event()
+        self._push_n = time.time_ns() // 1000
+        """The number of the last push. It starts at the wall clock's microseconds, so a
+        replica restarted under the same id (a pod's name) numbers its pushes after the ones
+        the others heard before the restart."""
         self._remote_at: float | None = None
         self._live_replicas: list[str] = []
         self._pushed: dict[str, str] | None = None
@@ -144,7 +186,10 @@ class RedisSharedState(SharedState):
         self._written: dict[EngineId, tuple[int, float | None]] = {}
         """(seq, batch timestamp) of each engine's snapshot as last written by this replica."""
         self._tasks: list[asyncio.Task[None]] = []
-        self._channels: dict[bytes, Callable[[bytes], None]] = {self.k_spec.encode(): self._on_spec}
+        self._channels: dict[bytes, Callable[[bytes], None]] = {
+            self.k_spec.encode(): self._on_spec,
+            self.k_loads.encode(): self._on_load,
+        }
         self._client: Any = None
         self._bulk: Any = None
         self._pubsub_client: Any = None
@@ -154,6 +199,7 @@ class RedisSharedState(SharedState):
             "transitions_down": 0,
             "load_pushes": 0,
             "load_refreshes": 0,
+            "load_received": 0,
             "spec_published": 0,
             "spec_published_bytes": 0,
             "spec_received": 0,
@@ -283,6 +329,8 @@ class RedisSharedState(SharedState):
         self._up_event.clear()
         self._down_event.set()
         self._remote = {}  # degrade to this replica's own view
+        self._origins.clear()
+        self._remote_dirty = False
         self._remote_at = None
         self._live_replicas = []
         self.leader = False
@@ -343,7 +391,21 @@ class RedisSharedState(SharedState):
     # ------------------------------------------------------------------ load
 
     def remote_loads(self) -> Mapping[EngineId, EngineLoad]:
+        if self._remote_dirty:  # a push heard since the last read: sum again, once
+            self._remote_dirty = False
+            self._remote = self._sum_origins()
         return self._remote
+
+    def _sum_origins(self) -> dict[EngineId, EngineLoad]:
+        remote: dict[EngineId, EngineLoad] = {}
+        for origin in self._origins.values():
+            for e, theirs in origin.loads.items():
+                r = remote.get(e)
+                remote[e] = theirs if r is None else r.plus(theirs)
+        return remote
+
+    def loads_changed(self) -> None:
+        self._push_wake.set()
 
     def _local_fields(self) -> dict[str, str]:
         out = {}
@@ -354,69 +416,116 @@ class RedisSharedState(SharedState):
                 )
         return out
 
-    async def push_now(self) -> None:
-        fields = self._local_fields()
+    async def push_now(self, fields: dict[str, str] | None = None) -> None:
+        """Write this replica's load hash (``fields``: its engines' records, read now unless
+        given) and publish what changed since the last push, both under the push's number."""
+        if fields is None:
+            fields = self._local_fields()
         ttl_ms = max(int(self.ttl_s * 1000), 1)
+        before = self._pushed or {}
+        changed = {k: v for k, v in fields.items() if before.get(k) != v}
+        changed.update((k, IDLE) for k in before if k not in fields)
+        self._push_n += 1
         async with self._client.pipeline(transaction=True) as p:
             p.delete(self.k_load)
-            if fields:
-                p.hset(self.k_load, mapping=fields)
-                p.pexpire(self.k_load, ttl_ms)
+            # The push number keeps the hash present while the replica lives, idle or not.
+            p.hset(self.k_load, mapping={**fields, PUSH_FIELD: str(self._push_n)})
+            p.pexpire(self.k_load, ttl_ms)
             p.zadd(self.k_replicas, {self.replica_id: time.time()})
+            if changed:
+                msg = _LoadMsg(self.replica_id, self._push_n, changed)
+                p.publish(self.k_loads, msgspec.msgpack.encode(msg))
             await self._call(p.execute())
         self._pushed = fields
         self._last_heartbeat = time.monotonic()
         self.counters["load_pushes"] += 1
 
     async def _push_loop(self) -> None:
+        # Woken by every change of this replica's load, pushing at most once per
+        # push_min_interval_s (what a burst of sends costs Redis) and looking at least once per
+        # push_interval_s (a change nobody announced), with a heartbeat every third of the TTL.
         beat = self.ttl_s / 3
         while True:
             await self._up_event.wait()
+            self._push_wake.clear()
             try:
-                due = time.monotonic() - self._last_heartbeat >= beat
-                if due or self._local_fields() != self._pushed:
-                    await self.push_now()
+                fields = self._local_fields()
+                if time.monotonic() - self._last_heartbeat >= beat or fields != self._pushed:
+                    await self.push_now(fields)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 pass  # marked down by _call; the probe brings it back
-            await asyncio.sleep(self.push_interval_s)
+            await asyncio.sleep(self.push_min_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._push_wake.wait(),
+                    max(self.push_interval_s - self.push_min_interval_s, 0.0),
+                )
+
+    def _on_load(self, data: bytes) -> None:
+        try:
+            msg = msgspec.msgpack.decode(data, type=_LoadMsg)
+            loads = {parse_engine_key(k): _parse_load(v) for k, v in msg.fields.items()}
+        except (msgspec.MsgspecError, ValueError):
+            return
+        if msg.replica == self.replica_id:
+            return
+        origin = self._origins.get(msg.replica)
+        if origin is None:
+            origin = self._origins[msg.replica] = _Origin()
+        if msg.n <= origin.n:
+            return  # a refresh already read a later push of it
+        origin.n = msg.n
+        for e, ld in loads.items():
+            if ld.is_idle():
+                origin.loads.pop(e, None)
+            else:
+                origin.loads[e] = ld
+        self._remote_dirty = True
+        self.counters["load_received"] += 1
 
     async def refresh_now(self) -> None:
         members = await self._call(self._client.zrange(self.k_replicas, 0, -1, withscores=True))
         others = [(m.decode() if isinstance(m, bytes) else str(m), float(s)) for m, s in members]
         others = [(m, s) for m, s in others if m != self.replica_id]
-        remote: dict[EngineId, EngineLoad] = {}
         live: list[str] = []
         stale: list[str] = []
+        rows: list[Any] = []
         if others:
             async with self._client.pipeline(transaction=False) as p:
                 for m, _ in others:
                     p.hgetall(f"{self.prefix}:load:{m}")
                 rows = await self._call(p.execute())
-            now = time.time()
-            for (m, score), row in zip(others, rows, strict=True):
-                if not row:
-                    # No hash: idle or dead. Forget the member once it is well past its TTL.
-                    if now - score > 3 * self.ttl_s:
-                        stale.append(m)
+        now = time.time()
+        for (m, score), row in zip(others, rows, strict=True):
+            if not row:
+                # No hash: gone. Forget the member once it is well past its TTL.
+                if now - score > 3 * self.ttl_s:
+                    stale.append(m)
+                continue
+            live.append(m)
+            n, loads = -1, {}
+            for k, v in row.items():
+                key = k.decode() if isinstance(k, bytes) else k
+                try:
+                    if key == PUSH_FIELD:
+                        n = int(v)
+                    else:
+                        loads[parse_engine_key(key)] = _parse_load(v)
+                except ValueError:
                     continue
-                live.append(m)
-                for k, v in row.items():
-                    try:
-                        e = parse_engine_key(k.decode() if isinstance(k, bytes) else k)
-                        req, pre, tok = (
-                            int(x) for x in v.split(b"," if isinstance(v, bytes) else ",")
-                        )
-                    except ValueError:
-                        continue
-                    theirs = EngineLoad(req, pre, tok)
-                    r = remote.get(e)
-                    remote[e] = theirs if r is None else r.plus(theirs)
+            known = self._origins.get(m)
+            if known is None or n < 0 or n >= known.n:
+                self._origins[m] = _Origin(n, loads)
+            # else: a push published while this read was under way is newer than the hash
+        for m in set(self._origins) - set(live):
+            del self._origins[m]
         if stale:
             with contextlib.suppress(Exception):
                 await self._call(self._client.zrem(self.k_replicas, *stale))
-        self._remote = remote
+        self._remote = self._sum_origins()
+        self._remote_dirty = False
         self._remote_at = time.monotonic()
         self._live_replicas = live
         self.counters["load_refreshes"] += 1
@@ -646,7 +755,8 @@ class RedisSharedState(SharedState):
                     self.push_interval_s + self.refresh_interval_s + 4 * self.op_timeout_s, 3
                 ),
                 "remote_inflight": {
-                    engine_key(e): r.inflight_requests for e, r in sorted(self._remote.items())
+                    engine_key(e): r.inflight_requests
+                    for e, r in sorted(self.remote_loads().items())
                 },
                 "snapshot_leader": self.leader,
                 "last_snapshot_at": self.last_snapshot_at,

@@ -11,16 +11,28 @@ Two implementations, one interface:
 
 **In-flight load.** Each replica owns one hash ``<prefix>:load:<replica>`` (field: engine
 ``url#rank``; value ``requests,prefilling,prefill_tokens``, absolute, not deltas, so a lost
-write heals itself on the next one) with a TTL of ``heartbeat_ttl_s``. A push task writes it
-within ``push_interval_s`` (50 ms) of a change, and at least every ``heartbeat_ttl_s / 3``
-(heartbeat: rewrite + PEXPIRE), in one MULTI pipeline. A refresh task reads every live
-replica's hash every ``refresh_interval_s`` (100 ms) and sums the *other* replicas'
-contributions; the router adds them to its own exact local accounting. Replicas are enumerated
-through the ZSET ``<prefix>:replicas``, but a contribution counts only while its hash exists: a
-replica that dies stops refreshing and Redis expires its hash after at most
-``heartbeat_ttl_s``, so no phantom load survives it. Staleness of another replica's load as
-seen here: ``push_interval_s + refresh_interval_s + 2 RTT`` (about 160 ms with defaults on a
-LAN); one's own load is always exact.
+write heals itself on the next one; field ``_n``: the number of the push that wrote it) with a
+TTL of ``heartbeat_ttl_s``. Every change of the replica's own load (a send, a prefill released,
+an answer's end: ``loads_changed``) wakes a push task, which rewrites the hash and publishes the
+engines whose record changed since its last push on the channel ``<prefix>:loads`` (msgpack
+``[replica, n, {url#rank: value}]``, ``0,0,0`` for an engine left idle) in one MULTI; it pushes
+at most every ``push_min_interval_s`` (5 ms: a burst of sends is one push), looks for an
+unannounced change every ``push_interval_s`` (50 ms), and rewrites the hash at least every
+``heartbeat_ttl_s / 3`` (heartbeat). Every other replica applies a published push at once, so
+another replica's send is seen one round trip after it is made: a burst of requests spread over
+the replicas does not land on the engines that looked emptiest to all of them, and a short
+prefill's release is seen before the next request (the routing bench's ``--replicas``;
+docs/benchmarks.md has the figures). A refresh task reads every live replica's hash every
+``refresh_interval_s`` (100 ms) and takes it as that replica's load unless a push published
+after it was already heard (``_n``), which heals whatever pub/sub lost; the router adds the
+others' sum to its own exact local accounting. Replicas are enumerated through the ZSET
+``<prefix>:replicas``, but a contribution counts only while its hash exists: a replica that
+dies stops refreshing it and Redis expires it after at most ``heartbeat_ttl_s``, so no phantom
+load survives it. Staleness of another replica's load as seen here: one round trip through
+Redis after the push (at most ``push_min_interval_s`` after the change); with its message lost,
+``push_interval_s + refresh_interval_s + 2 RTT`` (about 160 ms with defaults on a LAN); one's
+own load is always exact. Bounds: one push per ``push_min_interval_s`` per replica, each
+message at most one record per engine of that replica.
 
 **Speculative entries.** :class:`SharedSpeculativeCache` is the policy's
 :class:`SpeculativeCache` whose ``record`` also queues the entry for publication on the

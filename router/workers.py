@@ -199,6 +199,14 @@ class Worker:
     ttft_reported: dict[int, tuple[float, float]] = field(default_factory=dict)
     """Per DP rank, the engine's sum of times to first token at the last poll, and when that
     poll was (see :meth:`observe_first_tokens`)."""
+    on_load_change: Callable[[], None] | None = None
+    """Told whenever this router's load record of one of its engines changes (a send, a
+    prefill released, an answer's end: ``proxy.Ticket``), so that other router replicas hear
+    of it at once (``SharedState.loads_changed``)."""
+
+    def load_changed(self) -> None:
+        if self.on_load_change is not None:
+            self.on_load_change()
 
     @property
     def url(self) -> str:
@@ -392,6 +400,9 @@ class WorkerRegistry:
         self.on_events_ready = on_events_ready
         self.on_metrics: Callable[[str, dict[int, dict[str, float]]], None] | None = None
         """Called with every parsed /metrics poll (the verifier's counter deltas)."""
+        self.on_load_change: Callable[[], None] | None = None
+        """Called whenever this router's load on any engine changes (``Worker.on_load_change``
+        of every worker, present and future)."""
         self._max_connections = max_connections
         self._connect_timeout_s = connect_timeout_s
         self._first_byte_timeout_s = first_byte_timeout_s
@@ -422,10 +433,15 @@ class WorkerRegistry:
             authorization=self._authorization,
         )
         w = Worker(spec=spec, client=client, dp_size=spec.dp_size, topic=spec.topic)
+        w.on_load_change = self._load_changed
         if not spec.prefer_event_sources:
             w.events_endpoint = spec.events
             w.replay_endpoint = spec.replay
         return w
+
+    def _load_changed(self) -> None:
+        if self.on_load_change is not None:
+            self.on_load_change()
 
     def _start_loops(self, w: Worker) -> None:
         tasks = [

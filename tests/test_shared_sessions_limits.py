@@ -76,13 +76,14 @@ def keys_file(tmp_path: Path, text: str) -> str:
 
 
 def idle(routers: tuple[Any, ...]) -> bool:
-    """Every router's last poll of every engine shows nothing waiting and nothing running."""
+    """Every router's last poll of every engine shows nothing waiting and nothing running, and
+    no router sees another's request in flight (each end reaches the others a push later)."""
     return all(
         ld.waiting == 0 and ld.running == 0
         for r in routers
         for w in r.registry.workers.values()
         for ld in w.loads.values()
-    )
+    ) and not any(r.shared.remote_loads() for r in routers)
 
 
 async def test_a_session_bound_on_one_replica_stays_on_its_engine_through_the_other(

@@ -9,12 +9,14 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import msgspec
 import pytest
 from redis_server import RedisServer, redis_server
 from test_router_support import until
 
 from indexer.index import EngineId
 from router.load import EngineLoad
+from router.shared_redis import _LoadMsg
 from router.shared_state import (
     ExportedEngine,
     RedisSharedState,
@@ -112,6 +114,59 @@ async def test_load_is_shared_and_own_load_is_not_double_counted(srv: RedisServe
         await until(lambda: b.state.remote_load(E0).inflight_requests == 5, 5)
     st = b.state.status()
     assert st["backend"] == "redis" and st["counters"]["load_refreshes"] > 0
+
+
+async def test_a_change_is_published_at_once_not_at_the_next_refresh(srv: RedisServer) -> None:
+    """With refreshes 30 s apart and the change announced (``loads_changed``, as the router's
+    tickets do), the other replica hears a send and its end within a round trip of the push;
+    a push older than what it heard is ignored, and a malformed one is dropped."""
+    slow = {"refresh_interval_s": 30.0, "push_interval_s": 30.0, "heartbeat_ttl_s": 90.0}
+    async with replica(srv.url, **slow) as a, replica(srv.url, **slow) as b:
+        await until(lambda: a.state.counters["load_pushes"] > 0, 5, "a's first push")
+        await until(
+            lambda: (
+                b.state.counters["load_refreshes"] > 0 and a.state.counters["load_refreshes"] > 0
+            ),
+            5,
+            "the first refreshes",
+        )
+        a.loads[E0] = EngineLoad(1, 1, 8000)
+        t0 = time.monotonic()
+        a.state.loads_changed()
+        await until(lambda: b.state.remote_load(E0).queued_prefill_tokens == 8000, 2, "the send")
+        assert time.monotonic() - t0 < 1.0
+        a.loads[E1] = EngineLoad(1, 1, 300)
+        a.loads[E0] = EngineLoad(1, 0, 0)  # prefilled: tokens released, still decoding
+        a.state.loads_changed()
+        await until(lambda: b.state.remote_load(E1).queued_prefill_tokens == 300, 2, "E1")
+        assert b.state.remote_load(E0).queued_prefill_tokens == 0
+        assert b.state.remote_load(E0).inflight_requests == 1
+        a.loads.clear()
+        a.state.loads_changed()
+        await until(lambda: not b.state.remote_loads(), 2, "a's load gone")
+        assert b.state.counters["load_refreshes"] == 1  # nothing came by a refresh
+        received = b.state.counters["load_received"]
+        # An older push of a (a message delivered late) changes nothing.
+        old = _LoadMsg(a.state.replica_id, a.state._push_n - 1, {engine_key(E0): "9,9,9"})
+        b.state._on_load(msgspec.msgpack.encode(old))
+        b.state._on_load(b"not msgpack at all")
+        b.state._on_load(msgspec.msgpack.encode(["x", 1, {"no-engine-key": "1,1,1"}]))
+        assert not b.state.remote_loads()
+        assert b.state.counters["load_received"] == received
+
+
+async def test_a_replica_restarted_under_its_id_is_heard_again(srv: RedisServer) -> None:
+    """Pushes are numbered from the wall clock: a replica back under the same id (a pod's
+    name) numbers its pushes after the ones heard before, so they are not taken as old."""
+    async with replica(srv.url) as b:
+        async with replica(srv.url, replica_id="pod-a") as a:
+            a.loads[E0] = EngineLoad(2, 0, 0)
+            a.state.loads_changed()
+            await until(lambda: b.state.remote_load(E0).inflight_requests == 2, 5, "first life")
+        async with replica(srv.url, replica_id="pod-a") as a2:
+            a2.loads[E0] = EngineLoad(7, 0, 0)
+            a2.state.loads_changed()
+            await until(lambda: b.state.remote_load(E0).inflight_requests == 7, 5, "second life")
 
 
 async def test_killed_replica_leaves_no_phantom_load_after_ttl(srv: RedisServer) -> None:
