@@ -48,9 +48,9 @@ uncached prefill tokens per worker, released at first token), corrected by the w
 * with ``--replicas N``, ``kvrouter`` runs as N router replicas sharing state as through Redis
   (``router.shared_state``): each request goes to a replica at random, as a Service spreads
   them; each replica keeps its own accounting (so its own prefill clock per engine), policy
-  and speculative cache, polls the workers on its own phase, sees the others' in-flight load
-  as it was at the last share (every ``SHARE_S``) and their speculative entries (sampled as
-  published) at once; the index, built by every replica from the same events, is one;
+  and speculative cache, polls the workers on its own phase, hears of each change of the
+  others' in-flight load ``PUBLISH_LAG_S`` after it is made and of their speculative entries
+  (sampled as published) at once; the index, built by every replica from the same events, is one;
 * ``pooled_ideal``: not a policy: one engine with the whole fleet's KV blocks, CPU chunks,
   prefill rate, token budget and sequence slots: what one engine as large as the fleet does
   (not a bound: bench/bounds.py has those).
@@ -82,7 +82,9 @@ kvrouter; keys + policy for the peers; policy only for the baselines).
 from __future__ import annotations
 
 import argparse
+import heapq
 import inspect
+import itertools
 import json
 import math
 import os
@@ -290,23 +292,25 @@ class KeyCache:
 
 MAX_SPEC_KEYS: int = inspect.signature(RedisSharedState).parameters["max_spec_keys"].default
 """Keys of a speculative entry another replica hears of (before sampling), as the product."""
-SHARE_S = 0.15
-"""How often a replica's view of the others' in-flight load is renewed in the bench: the
-shared state's push interval plus its refresh interval (50 + 100 ms, router/shared_state.py),
-so the view is as stale as the product's at worst and on average (75 ms)."""
+PUBLISH_LAG_S = 0.001
+"""When the other replicas hear of a change of one replica's load: one round trip through
+Redis after it (``RedisSharedState`` pushes and publishes each change at once; in a burst, at
+most every ``push_min_interval_s``). Requests that arrive at one instant through different
+replicas therefore do not see one another, as in the product."""
 
 
 @dataclass
 class Replica:
     """One router replica of several: its own accounting per worker (and so its own prefill
-    clock per engine), policy and speculative cache; the others' load as of the last share
-    (``remote``, what ``RedisSharedState.remote_loads`` gives), their speculative entries
-    as they publish them (the index they all build from the same events is shared)."""
+    clock per engine), policy and speculative cache; ``heard``: its load per engine as the
+    other replicas know it (each change ``PUBLISH_LAG_S`` after it is made, through the
+    product's own notification, ``Worker.on_load_change``). The index, which every replica
+    builds from the same events, is one."""
 
     workers: list[Worker]
     policy: Policy | None
     spec: SpeculativeCache
-    remote: dict[EngineId, EngineLoad] = field(default_factory=dict)
+    heard: list[EngineLoad] = field(default_factory=list)
     next_poll: float = 0.0
 
 
@@ -348,7 +352,7 @@ def run_policy(
         env = peers.PeerEnv(fleet, fs.block_size, unit, fs.cpu_chunk_tokens, MODEL, seed)
         peer = peers.make(name, env)
     n_rep = rs.replicas if name == "kvrouter" else 1
-    clock = [0.0]  # the time of the decision being recorded (a published entry's receipt)
+    clock = [0.0]  # the time of what is being recorded: a decision, a first token, an end
     reps: list[Replica] = []
     for r in range(n_rep):
         pol: Policy | None = None  # a peer decides with its own model (bench/peers.py)
@@ -363,7 +367,31 @@ def run_policy(
                 rs.speculative_ttl_s, publish=lambda e, k, r=r: publish(r, e, k)
             )
         ws = [Worker(spec=WorkerSpec(url=url), client=None) for url, _ in engines]
-        reps.append(Replica(ws, pol, cache, next_poll=rs.poll_s * (1 + r / n_rep)))
+        if n_rep > 1:
+            for i, w in enumerate(ws):
+                w.on_load_change = lambda r=r, i=i: changed(r, i)
+        heard = [EngineLoad() for _ in range(n)]
+        reps.append(Replica(ws, pol, cache, heard, next_poll=rs.poll_s * (1 + r / n_rep)))
+    news: list[tuple[float, int, int, int, EngineLoad]] = []  # heap: (heard at, #, replica, ...)
+    order = itertools.count()
+
+    def changed(origin: int, i: int) -> None:
+        # RedisSharedState's push: the record as it is now, heard by the others a lag later
+        ld = reps[origin].workers[i].load(0)
+        add = EngineLoad(ld.inflight_requests, ld.prefilling_requests, ld.queued_prefill_tokens)
+        heapq.heappush(news, (clock[0] + PUBLISH_LAG_S, next(order), origin, i, add))
+
+    def remote_of(me: int, t: float) -> dict[EngineId, EngineLoad]:
+        # RedisSharedState.remote_loads: the others' records as heard by t, summed
+        while news and news[0][0] <= t:
+            _, _, origin, i, ld = heapq.heappop(news)
+            reps[origin].heard[i] = ld
+        remote: dict[EngineId, EngineLoad] = {}
+        for o, rep in enumerate(reps):
+            for e, ld in zip(engines, rep.heard, strict=True):
+                if o != me and not ld.is_idle():
+                    remote[e] = ld if e not in remote else remote[e].plus(ld)
+        return remote
 
     def publish(origin: int, engine: EngineId, k: Sequence[int]) -> None:
         # RedisSharedState's pub/sub: the entry, its keys sampled, at every other replica
@@ -371,22 +399,6 @@ def run_policy(
             assert isinstance(other.spec, SharedSpeculativeCache)
             other.spec.record_remote(engine, sampled_keys(k, MAX_SPEC_KEYS), clock[0])
 
-    def share() -> None:
-        # RedisSharedState._refresh: each replica sums the others' requests there
-        own = [[(e, w.load(0)) for e, w in zip(engines, rep.workers, strict=True)] for rep in reps]
-        for r, rep in enumerate(reps):
-            remote: dict[EngineId, EngineLoad] = {}
-            for o, theirs in enumerate(own):
-                for e, ld in theirs:
-                    if o == r or ld.is_idle():
-                        continue
-                    add = EngineLoad(
-                        ld.inflight_requests, ld.prefilling_requests, ld.queued_prefill_tokens
-                    )
-                    remote[e] = add if e not in remote else remote[e].plus(add)
-            rep.remote = remote
-
-    next_share = SHARE_S if n_rep > 1 else math.inf
     tickets: dict[str, Ticket] = {}
     prefilling: list[dict[str, tuple[object, Ticket]]] = [{} for _ in range(n)]
     decisions: list[float] = []
@@ -415,6 +427,7 @@ def run_policy(
             if r.first_token_s is not None
         ]
         for at, w, rid in sorted(done):
+            clock[0] = at
             prefilling[w].pop(rid)[1].first_token(at, prefilled=True)
 
     def ingest() -> None:
@@ -443,10 +456,12 @@ def run_policy(
                 peer.finished(c.request_id)
             t = tickets.pop(c.request_id, None)
             if t is not None:
+                clock[0] = c.finish_s
                 t.finish(c.finish_s)
 
     def poll(rep: Replica, t: float) -> None:
         # router.workers.WorkerRegistry._check: the gauges of vLLM's /metrics.
+        clock[0] = t
         for w in range(n):
             ld = fleet.load(w)
             rep.workers[w].load(0).set_gauges(ld.waiting, ld.running, ld.kv_usage)
@@ -456,31 +471,27 @@ def run_policy(
             rep.workers[w].observe_first_tokens(0, e.first_tokens, ld.waiting, t, e.ttft_sum_s)
 
     def advance(t: float) -> None:
-        nonlocal next_share
         if peer is not None:
             peer.advance(t)
-        while True:  # every replica's polls (each on its own phase) and the shares, in order
+        while True:  # every replica's polls, each on its own phase, in time order
             rep = min(reps, key=lambda x: x.next_poll)
-            at = min(rep.next_poll, next_share)
-            if at > t:
+            if rep.next_poll > t:
                 break
-            fleet.run_until(at)
+            fleet.run_until(rep.next_poll)
             ingest()
-            if rep.next_poll == at:
-                poll(rep, at)
-                rep.next_poll += rs.poll_s
-            else:
-                share()
-                next_share += SHARE_S
+            poll(rep, rep.next_poll)
+            rep.next_poll += rs.poll_s
         fleet.run_until(t)
         ingest()
 
     def send(req: Req, t: float) -> None:
         toks = src.tokens(req)
         n_tok = len(toks)
-        rep = reps[pick_replica.randrange(n_rep)] if n_rep > 1 else reps[0]
+        me = pick_replica.randrange(n_rep) if n_rep > 1 else 0
+        rep = reps[me]
         policy, spec, workers = rep.policy, rep.spec, rep.workers
         loads = [(e, w.load(0)) for e, w in zip(engines, workers, strict=True)]
+        remote = remote_of(me, t) if n_rep > 1 else None
         clock[0] = t
         if peer is not None:
             kk, kcost = keys.get(req, toks)
@@ -500,7 +511,7 @@ def run_policy(
                 block_size=fs.block_size,
                 speculative=sp,
                 reach=reach,
-                remote=rep.remote,
+                remote=remote,
             )
             d = policy.choose(cands, n_tok, t, prompt=PromptKeys(kk, index.unit))
             record_sent(spec, index, d.engine, kk, n_tok, matches.get(d.engine), t)

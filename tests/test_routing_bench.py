@@ -361,7 +361,7 @@ def test_router_replicas_see_each_others_load_through_the_shared_state(monkeypat
     assert single.completed == shared.completed == 2
     assert max(single.ttft) < 1.5 * one_long
     assert max(shared.ttft) < 1.5 * one_long
-    monkeypatch.setattr(routing_bench, "SHARE_S", math.inf)
+    monkeypatch.setattr(routing_bench, "PUBLISH_LAG_S", math.inf)
     blind = run(2)
     assert max(blind.ttft) >= 1.5 * one_long  # the second waited for the first
 
