@@ -4,6 +4,7 @@
     python bench/routing_bench.py                         # full Mooncake conversation trace
     python bench/routing_bench.py --workload chat|agentic # synthetic workloads
     python bench/routing_bench.py --trace PATH            # any Mooncake-format file
+    python bench/routing_bench.py --trace-spread-s 3      # its rounded timestamps spread
     python bench/routing_bench.py --loads 0.5,0.6,...,1.2 # sweep offered load: goodput
     python bench/routing_bench.py --sweep-knobs           # kvrouter with each knob varied
     python bench/routing_bench.py --jobs 4                # policies in parallel processes
@@ -103,7 +104,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import peer_report, peers
 from bench.bounds import resumes_earlier, workload_bounds
-from bench.workloads import Req, TokenSource, TraceError, load_workload
+from bench.workloads import Req, TokenSource, TraceError, load_workload, spread_arrivals
 from indexer.index import EngineId, PrefixIndex
 from indexer.wire import DecodeError, decode_payload
 from kvrouter.progress import Progress
@@ -930,6 +931,13 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="timestamp unit (default: s for lines with chat_id, the Bailian schema; else ms)",
     )
+    ap.add_argument(
+        "--trace-spread-s",
+        type=float,
+        default=0.0,
+        help="move each arrival later by a uniform draw from [0, S) (seeded): a trace whose "
+        "timestamps are rounded, e.g. 3 for the Mooncake conversation trace's 3 s steps",
+    )
     ap.add_argument("--quick", action="store_true", help="trace prefix; < 2 min")
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
     ap.add_argument("--scale", type=float, default=1.0, help="synthetic workload size factor")
@@ -1062,6 +1070,9 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
         raise SystemExit(
             f"cannot read the trace: {exc} (--trace PATH, or --workload chat|agentic)"
         ) from None
+    if args.trace_spread_s < 0:
+        raise SystemExit("--trace-spread-s: must be >= 0")
+    reqs = spread_arrivals(reqs, args.trace_spread_s, args.seed)
     if not reqs:
         raise SystemExit("empty workload")
     gpu_blocks = args.gpu_blocks or FleetSpec.gpu_blocks
@@ -1166,6 +1177,7 @@ def _run(args: argparse.Namespace, emit: bool = True) -> dict:
             "requests": len(reqs),
             "prompt_tokens_mean": round(statistics.fmean(r.n_tokens for r in reqs), 1),
             "trace_format": asdict(trace_format) if trace_format else None,
+            "trace_spread_s": args.trace_spread_s,
             "load": float(main_load),
             # unrounded: ``--speed`` with this value replays the same arrival times (a peer
             # scraping every 50 ms decides differently on arrivals 1e-5 s apart)

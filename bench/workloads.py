@@ -25,7 +25,7 @@ import json
 import math
 import random
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +41,7 @@ __all__ = [
     "load_workload",
     "mooncake",
     "read_trace",
+    "spread_arrivals",
 ]
 
 VOCAB_LO, VOCAB_HI = 100, 32000
@@ -304,6 +305,19 @@ def agentic(
             arrival += rng.expovariate(1.0 / step_gap_s) + 0.5
     reqs.sort(key=lambda q: q.arrival_s)
     return reqs
+
+
+def spread_arrivals(reqs: list[Req], spread_s: float, seed: int = 0) -> list[Req]:
+    """``reqs`` with each arrival moved later by a uniform draw from ``[0, spread_s)``, in
+    arrival order. For a trace whose timestamps are rounded (the Mooncake conversation trace's
+    come in steps of 3 s, so nine requests share an instant on average): spread over their step,
+    they arrive as the rounding hid. Seeded, so every policy sees the same arrivals."""
+    if spread_s <= 0:
+        return reqs
+    rng = random.Random(seed)
+    out = [replace(r, arrival_s=r.arrival_s + rng.uniform(0, spread_s)) for r in reqs]
+    out.sort(key=lambda q: q.arrival_s)
+    return out
 
 
 def load_workload(

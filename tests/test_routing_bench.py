@@ -16,7 +16,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import peer_index, peer_report, peers, routing_bench
 from bench.bounds import earlier_shared_prefix_units, resumes_earlier, workload_bounds
-from bench.workloads import Req, TokenSource, TraceError, chat, mooncake, read_trace
+from bench.workloads import (
+    Req,
+    TokenSource,
+    TraceError,
+    chat,
+    mooncake,
+    read_trace,
+    spread_arrivals,
+)
 from indexer.wire import BlockRemoved, BlockStored
 from router.policy import PolicyParams
 from simulator.hashing import RequestHasher
@@ -639,6 +647,44 @@ def test_a_queueing_split_with_no_request_on_one_side_is_null_not_nan():
     assert s["queueing_resumed_s"] is None and s["queueing_fresh_s"] == 1.0
     assert s["resumed_requests"] == 0
     json.loads(json.dumps(s), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+
+
+def test_rounded_arrivals_spread_over_their_step_the_same_way_for_every_run(tmp_path, capsys):
+    """``--trace-spread-s``: each arrival moves later by less than the spread, the requests are
+    the same and in arrival order, the same seed spreads them the same way, 0 changes nothing,
+    and the JSON says how the trace was read. A negative spread is a clear error."""
+    reqs = [Req(f"r{i}", 3.0 * (i // 4), ((i, 32),), 32, 2) for i in range(40)]
+    spread = spread_arrivals(reqs, 3.0, seed=5)
+    assert sorted(r.rid for r in spread) == sorted(r.rid for r in reqs)
+    assert [r.arrival_s for r in spread] == sorted(r.arrival_s for r in spread)
+    before = {r.rid: r.arrival_s for r in reqs}
+    assert all(0 <= r.arrival_s - before[r.rid] < 3.0 for r in spread)
+    assert len({r.arrival_s for r in spread}) == 40  # no two at one instant any more
+    assert spread == spread_arrivals(reqs, 3.0, seed=5)
+    assert spread != spread_arrivals(reqs, 3.0, seed=6)
+    assert spread_arrivals(reqs, 0.0) is reqs
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": 3000 * (i // 4),
+                    "input_length": 600,
+                    "output_length": 4,
+                    "hash_ids": [i, i + 1000],
+                }
+            )
+            + "\n"
+            for i in range(24)
+        )
+    )
+    common = ["--trace", str(trace), "--speed", "1", "--policies", "kvrouter", "--json"]
+    routing_bench.main([*common, "--trace-spread-s", "3"])
+    out = _last_json(capsys)
+    assert out["config"]["trace_spread_s"] == 3.0
+    assert out["policies"]["kvrouter"]["completed"] == 24
+    with pytest.raises(SystemExit, match="trace-spread-s"):
+        routing_bench.main([*common, "--trace-spread-s", "-1"])
 
 
 def test_a_missed_mean_ttft_target_splits_floor_and_queueing():
