@@ -309,6 +309,8 @@ class Replica:
     builds from the same events, is one."""
 
     workers: list[Worker]
+    loads: list[tuple[EngineId, EngineLoad]]
+    """Per engine, its live load record at this replica (the candidates' own load)."""
     policy: Policy | None
     spec: SpeculativeCache
     heard: list[EngineLoad] = field(default_factory=list)
@@ -371,8 +373,9 @@ def run_policy(
         if n_rep > 1:
             for i, w in enumerate(ws):
                 w.on_load_change = lambda r=r, i=i: changed(r, i)
+        loads = [(e, w.load(0)) for e, w in zip(engines, ws, strict=True)]
         heard = [EngineLoad() for _ in range(n)]
-        reps.append(Replica(ws, pol, cache, heard, next_poll=rs.poll_s * (1 + r / n_rep)))
+        reps.append(Replica(ws, loads, pol, cache, heard, next_poll=rs.poll_s * (1 + r / n_rep)))
     news: list[tuple[float, int, int, int, EngineLoad]] = []  # heap: (heard at, #, replica, ...)
     order = itertools.count()
 
@@ -490,8 +493,7 @@ def run_policy(
         n_tok = len(toks)
         me = pick_replica.randrange(n_rep) if n_rep > 1 else 0
         rep = reps[me]
-        policy, spec, workers = rep.policy, rep.spec, rep.workers
-        loads = [(e, w.load(0)) for e, w in zip(engines, workers, strict=True)]
+        policy, spec, workers, loads = rep.policy, rep.spec, rep.workers, rep.loads
         remote = remote_of(me, t) if n_rep > 1 else None
         clock[0] = t
         if peer is not None:

@@ -466,10 +466,10 @@ class RedisSharedState(SharedState):
     def _on_load(self, data: bytes) -> None:
         try:
             msg = msgspec.msgpack.decode(data, type=_LoadMsg)
+            if msg.replica == self.replica_id:
+                return  # every replica hears its own pushes back: nothing to parse
             loads = {parse_engine_key(k): _parse_load(v) for k, v in msg.fields.items()}
         except (msgspec.MsgspecError, ValueError):
-            return
-        if msg.replica == self.replica_id:
             return
         origin = self._origins.get(msg.replica)
         if origin is None:
