@@ -28,6 +28,7 @@ COUNTERS = (
     "malformed_events",
     "key_mismatch",
     "partial_blocks",
+    "partial_unplaced",
     "overflow_resets",
 )
 

@@ -29,7 +29,7 @@ from indexer.engine_state import EngineState
 from indexer.hit_rules import alignment, group_accepts
 from indexer.keys import chain_keys, mix_extra, tokens_to_bytes
 from indexer.residency import NATIVE_INGEST, STORE_BAIL, STORE_REANNOUNCED, Residency
-from indexer.types import CHUNKED, FULL, GPU, MAMBA, GroupSpec, group_kind
+from indexer.types import CHUNKED, FULL, GPU, GroupSpec, group_kind
 from indexer.vllm_hash import VllmHashLocator
 from indexer.wire import (
     REMOVED,
@@ -264,6 +264,15 @@ class Ingest:
             located = self._locate(e, ev)
         if not hashes:
             return False  # sparse groups may list nothing; the event is still sent
+        if (
+            ev.parent_block_hash is not None
+            and ev.parent_block_hash not in e.hashes
+            and _is_partial_event(e.groups.get(g), ev)
+        ):
+            # A partial entry's parent is the hash one unit before it, which vLLM publishes
+            # only where that is a block end: nothing later can place it, so it does not wait.
+            e.counters["partial_unplaced"] += 1
+            return False
         if ev.block_size <= 0 or not ev.token_ids:
             # CPU placeholder (vLLM OffloadingConnector default): one chunk-tail hash per chunk,
             # no tokens. The same hash was published for the chunk's last GPU block.
@@ -486,15 +495,16 @@ class Ingest:
         raw = (ev.kv_cache_spec_kind, ev.block_size, ev.kv_cache_spec_sliding_window)
         if e.group_facts.get(g) == raw:
             return
+        old = e.groups.get(g)
+        kind = group_kind(ev.kv_cache_spec_kind)
+        spec = GroupSpec(kind, ev.block_size, ev.kv_cache_spec_sliding_window)
+        if _is_partial_block(old, spec):
+            # Not kept as the group's facts, so every partial entry is counted.
+            e.counters["partial_blocks"] += 1
+            return
         e.group_facts[g] = raw
         if ev.kv_cache_spec_kind is None and g in e.configured_groups:
             e.groups[g] = e.configured_groups[g]
-            return
-        kind = group_kind(ev.kv_cache_spec_kind)
-        spec = GroupSpec(kind, ev.block_size, ev.kv_cache_spec_sliding_window)
-        old = e.groups.get(g)
-        if _is_partial_block(old, spec):
-            e.counters["partial_blocks"] += 1
             return
         if (
             old is None
@@ -584,15 +594,28 @@ class Ingest:
 
 
 def _is_partial_block(old: GroupSpec | None, new: GroupSpec) -> bool:
-    """A mamba group's ``cache_partial_block`` event (vLLM "align" mode): ``block_size`` is the
-    hash unit, a divisor of the group's block size learned from its full-block events. The
-    group keeps its block size; the partial entry itself is indexed like any block, but the
-    fine-grained hits it allows (aligned to the hash unit) are not predicted."""
+    """A ``cache_partial_block`` event: vLLM hashes prompts every ``--prefix-match-unit``
+    tokens, and when that unit is finer than a group's block, full-attention and mamba groups
+    register the prompt's last unit boundary inside a block as one entry whose ``block_size``
+    is the unit. The group keeps the block size learned from its full-block events; the entry
+    is indexed like any block, but the finer hits it allows are not predicted
+    (docs/vllm-reference.md, "Partial blocks")."""
     return (
         old is not None
-        and old.kind == MAMBA == new.kind
+        and old.kind == new.kind
         and new.block_size < old.block_size
         and old.block_size % new.block_size == 0
+    )
+
+
+def _is_partial_event(spec: GroupSpec | None, ev: BlockStored) -> bool:
+    """Whether ``ev`` is one partial entry of a group whose blocks are ``spec``'s."""
+    return (
+        spec is not None
+        and len(ev.block_hashes) == 1
+        and 0 < ev.block_size < spec.block_size
+        and spec.block_size % ev.block_size == 0
+        and len(ev.token_ids) == ev.block_size
     )
 
 
