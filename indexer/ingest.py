@@ -465,7 +465,7 @@ class Ingest:
 
     def _locate(self, e: EngineState, ev: BlockStored) -> dict[int, int]:
         """Event hash -> content key for every block of a sparse event, by recomputing vLLM's
-        default hash chain (indexer/vllm_hash.py). Empty when that cannot be done exactly."""
+        hash chain (indexer/vllm_hash.py). Empty when that cannot be done exactly."""
         parent = ev.parent_block_hash
         if isinstance(parent, bytes) or any(isinstance(h, bytes) for h in ev.block_hashes):
             return {}
@@ -483,10 +483,7 @@ class Ingest:
         keys = self._chain_from(seed, ev)
         if not keys:
             return {}
-        lows = e.locator.chain(parent, ev.token_ids, ev.block_size, keys)
-        if lows is None:
-            return {}
-        return dict(zip(lows, keys, strict=True))
+        return e.locator.chain(parent, ev.token_ids, ev.block_size, keys, ev.block_hashes) or {}
 
     # ------------------------------------------------------------------ group facts
 

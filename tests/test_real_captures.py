@@ -52,6 +52,7 @@ CAPTURES: dict[str, tuple[str, dict[str, tuple[str, int, int | None]], bool]] = 
         {"0": ("sliding_window", 32, 64), "1": ("full_attention", 32, None)},
         True,
     ),
+    "mistral-cbor": ("sliding", {"0": ("sliding_window", 32, 64)}, False),
     "gemma3-fine": (
         "hybrid",
         {"0": ("sliding_window", 32, 64), "1": ("full_attention", 32, None)},

@@ -1,7 +1,8 @@
 """kvrouter in front of a REAL vLLM (opt-in: ``KVROUTER_REAL_VLLM=1``; marker ``real_vllm``).
 
 One test per engine kind of tests/real_vllm_models.py: dense (Llama), hybrid (Gemma-3, sliding
-window 64 + full attention), all-sliding-window (Mistral-style), dense + CPU offloading,
+window 64 + full attention), all-sliding-window (Mistral-style; also with
+``--prefix-caching-hash-algo sha256_cbor``), dense + CPU offloading,
 hybrid + CPU offloading (vLLM's ``OffloadingConnector`` scheduler side with a no-copy transfer
 worker), mamba hybrid (Qwen3-Next: gated delta net + full attention, 96-token blocks), and the
 Gemma-3 and mamba hybrids with a ``--prefix-match-unit`` finer than their blocks. Each starts PyPI
