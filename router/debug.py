@@ -42,6 +42,7 @@ def debug_index(router: Router) -> dict[str, Any]:
                 "replay_endpoint": w.replay_endpoint,
                 "subscribed": w.subscribed,
                 "dp_size": w.dp_size,
+                "unseen_ranks": w.unseen_ranks,
                 "degraded": any(x["degraded"] for x in engines),
                 "resident_blocks": sum(x["resident_blocks"] for x in engines),
                 "engines": engines,

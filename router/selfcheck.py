@@ -192,7 +192,9 @@ class SelfCheck:
         root = self.root(model)
         engines = w.engines()
         events_before = self._events(w)
-        first = await self._probe(w, ids, model)
+        # Pinned to a rank: the second probe must reach the engine that cached the first, and
+        # which rank vLLM's own balancer picked is not known until its events are applied.
+        first = await self._probe(w, ids, model, rank=0 if w.dp_size > 1 else None)
         if first is None:
             res["events"] = "error"
             res["events_detail"] = "the probe completion failed"
@@ -361,8 +363,6 @@ class SelfCheck:
             cached = cached_tokens_of(_dec.decode(resp.content))
         if rank is None:
             rank = 0
-            if w.dp_size > 1:  # find the rank whose event stream moved
-                rank = max(w.engines(), key=lambda e: self.index.resident_blocks(e))[1]
         # Its first token is the router's own: it must not release a buffered request there.
         w.saw_first_token(rank)
         return rank, cached

@@ -175,6 +175,11 @@ class Worker:
     ``WorkerRegistry.routable``), None while none is."""
     stalled_ranks: frozenset[int] = frozenset()
     """The DP ranks skipped as stalled (:func:`serving_engines` leaves them out)."""
+    unseen_ranks: int = 0
+    """DP ranks the worker's /metrics shows beyond ``dp_size``: a worker configured with
+    ``events=`` and no ``dp_size`` runs more engines than the router subscribes to and routes
+    to, and vLLM's own balancer sends the router's requests to them too, where no prediction
+    holds. 0 while the two agree."""
     priority_refused: str | None = None
     """Why the worker gets no request ``priority`` (its self-check's probe with one was
     refused: vLLM's V0 engine without ``--scheduling-policy priority``), None while it takes
@@ -575,6 +580,7 @@ class WorkerRegistry:
                         w.observe_first_tokens(
                             rank, int(vals["first_tokens"]), waiting, ttft_sum=vals.get("ttft_sum")
                         )
+                self._check_ranks(w, parsed)
                 w.lora_slots = parse_lora_info(r.text)
                 w.retention = parse_retention(r.text)
                 w.metrics_ts = time.monotonic()
@@ -583,6 +589,21 @@ class WorkerRegistry:
                     self.on_metrics(w.url, parsed)
         except httpx.HTTPError:
             pass
+
+    @staticmethod
+    def _check_ranks(w: Worker, parsed: dict[int, dict[str, float]]) -> None:
+        unseen = max(max(parsed, default=0) + 1 - w.dp_size, 0)
+        if unseen and unseen != w.unseen_ranks:
+            log.error(
+                "worker %s runs %d DP ranks (its /metrics) but is configured with dp_size=%d: "
+                "the other ranks' caches are not indexed and requests reach them unpinned; "
+                "set dp_size=%d on the worker (or drop events= to read /kv_event_sources)",
+                w.url,
+                w.dp_size + unseen,
+                w.dp_size,
+                w.dp_size + unseen,
+            )
+        w.unseen_ranks = unseen
 
     def _observe_stall(self, w: Worker, parsed: dict[int, dict[str, float]], now: float) -> None:
         """Take an engine of ``w`` out of routing while it has had requests waiting and none

@@ -269,6 +269,41 @@ async def test_a_stalled_dp_rank_is_skipped_and_the_other_ranks_keep_serving():
             await until(lambda: not worker.stalled_ranks, 15, "rank 0 to be routable again")
 
 
+async def test_a_dp_worker_configured_as_one_engine_is_named_with_the_fix(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``events=`` given and no ``dp_size``: the router subscribes to rank 0 alone, while
+    vLLM's own balancer spreads its requests over every rank. The worker's /metrics show the
+    other rank; the router says so, with the setting that fixes it, and not once configured
+    right."""
+    with running_fleet(1, dp_size=2, **FAST) as (w,):
+        spec = WorkerSpec(url=w.url, events=w.events_endpoint, replay=w.replay_endpoint)
+        cfg = config_for([w])
+        cfg.workers = [spec]
+        async with serve_router(cfg) as (base, _router), httpx.AsyncClient(timeout=30) as c:
+
+            async def unseen() -> int:
+                return (await c.get(base + "/debug/index")).json()["workers"][0]["unseen_ranks"]
+
+            assert await until(unseen, 20, "the second rank to be noticed") == 1
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert any("runs 2 DP ranks" in m and "set dp_size=2" in m for m in errors), errors
+        cfg.workers = [WorkerSpec(url=w.url, events=w.events_endpoint, dp_size=2)]
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
+            (worker,) = router.registry.workers.values()
+            await until(lambda: worker.metrics_ts, 20, "a /metrics poll")
+            doc = (await c.get(base + "/debug/index")).json()["workers"][0]
+            assert (doc["dp_size"], doc["unseen_ranks"]) == (2, 0)
+            # The self-check's two probes go to one rank, so its hit check compares something.
+            check = await until(
+                lambda: (router.selfcheck.debug(w.url) or {}).get("hits_detail"),
+                20,
+                "the self-check",
+            )
+            predicted, cached = map(int, re.findall(r"\d+", check))
+            assert predicted == cached > 0, check
+
+
 async def test_eviction_changes_routing():
     prompt = words(480, "evict-me")
     half = " ".join(prompt.split()[:240])
