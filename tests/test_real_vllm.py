@@ -33,8 +33,9 @@ are recorded the same way).
 
 Runtime on two shared cores: the venv, when absent, about 80 s; per kind, vLLM's start-up
 (25 s idle, minutes under load) plus 54 requests (60 with offloading), each under a second of
-compute plus the quiet time: about 4 to 5 minutes per kind, 20 to 25 minutes in all; the
-speculative test about 40 s per model. Each test is bounded by its timeout.
+compute plus the quiet time: 60 to 110 s per kind when the machine is otherwise idle, the
+speculative test about 50 s per model, about 19 minutes in all. Each test is bounded by its
+timeout.
 
     KVROUTER_REAL_VLLM=1 KVROUTER_VLLM_VENV=/path/to/venv PYTHONPATH=$PWD \\
         python -m pytest -q -p no:cacheprovider -m real_vllm tests/test_real_vllm.py
