@@ -594,9 +594,9 @@ def _is_partial_block(old: GroupSpec | None, new: GroupSpec) -> bool:
     """A ``cache_partial_block`` event: vLLM hashes prompts every ``--prefix-match-unit``
     tokens, and when that unit is finer than a group's block, full-attention and mamba groups
     register the prompt's last unit boundary inside a block as one entry whose ``block_size``
-    is the unit. The group keeps the block size learned from its full-block events; the entry
-    is indexed like any block, but the finer hits it allows are not predicted
-    (docs/vllm-reference.md, "Partial blocks")."""
+    is the unit. The group keeps the block size learned from its full-block events; an entry
+    whose parent is known is indexed like any block (``_store`` counts the others), but the
+    finer hits it allows are not predicted (docs/vllm-reference.md, "Partial blocks")."""
     return (
         old is not None
         and old.kind == new.kind
