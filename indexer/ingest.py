@@ -597,12 +597,7 @@ def _is_partial_block(old: GroupSpec | None, new: GroupSpec) -> bool:
     is the unit. The group keeps the block size learned from its full-block events; an entry
     whose parent is known is indexed like any block (``_store`` counts the others), but the
     finer hits it allows are not predicted (docs/vllm-reference.md, "Partial blocks")."""
-    return (
-        old is not None
-        and old.kind == new.kind
-        and new.block_size < old.block_size
-        and old.block_size % new.block_size == 0
-    )
+    return old is not None and old.kind == new.kind and _finer(new.block_size, old.block_size)
 
 
 def _is_partial_event(spec: GroupSpec | None, ev: BlockStored) -> bool:
@@ -610,10 +605,14 @@ def _is_partial_event(spec: GroupSpec | None, ev: BlockStored) -> bool:
     return (
         spec is not None
         and len(ev.block_hashes) == 1
-        and 0 < ev.block_size < spec.block_size
-        and spec.block_size % ev.block_size == 0
         and len(ev.token_ids) == ev.block_size
+        and _finer(ev.block_size, spec.block_size)
     )
+
+
+def _finer(unit: int, block: int) -> bool:
+    """``unit`` divides ``block`` and is smaller: a partial entry's size beside its group's."""
+    return 0 < unit < block and block % unit == 0
 
 
 def _as_tuple(extra: Any) -> tuple[Any, ...]:

@@ -31,8 +31,6 @@ from collections.abc import Callable, Sequence
 
 __all__ = ["ALGORITHMS", "VllmHashLocator", "cbor_canonical"]
 
-_MASK64 = (1 << 64) - 1
-
 
 def _sha256_pickle(obj: object) -> bytes:
     return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
@@ -114,6 +112,7 @@ class VllmHashLocator:
             self._entries.move_to_end(parent)
             starts = [(found[2], found[0])]
         out: dict[int, int] = {}
+        wanted = set(listed) if len(self.algorithms) > 1 else set()
         for algorithm, first in starts:
             fn, digest = ALGORITHMS[algorithm], first
             for i, start in enumerate(range(0, len(content_keys) * block_size, block_size)):
@@ -122,12 +121,8 @@ class VllmHashLocator:
                 out[low] = content_keys[i]
                 self._entries[low] = (digest, content_keys[i], algorithm)
                 self._entries.move_to_end(low)
-        if len(self.algorithms) > 1:
-            for h in listed:
-                hit = self._entries.get(h) if h in out else None
-                if hit is not None:
-                    self.algorithms = (hit[2],)
-                    break
+                if low in wanted:
+                    self.algorithms = (algorithm,)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
         return out
