@@ -37,7 +37,7 @@ are recorded the same way).
 Runtime on two shared cores: the venv, when absent, about 80 s; per kind, vLLM's start-up
 (25 s idle, minutes under load) plus 54 requests (60 with offloading), each under a second of
 compute plus the quiet time: 60 to 110 s per kind when the machine is otherwise idle, the
-speculative test about 50 s per model, about 19 minutes in all. Each test is bounded by its
+speculative test about 50 s per model, about 24 minutes in all. Each test is bounded by its
 timeout.
 
     KVROUTER_REAL_VLLM=1 KVROUTER_VLLM_VENV=/path/to/venv PYTHONPATH=$PWD \\
@@ -120,9 +120,6 @@ class ThroughRouter:
     def engines(self) -> list[dict[str, Any]]:
         doc = self.client.get(self.base + "/debug/index").json()
         return sorted(doc["workers"][0]["engines"], key=lambda e: e["dp_rank"])
-
-    def engine(self) -> dict[str, Any]:
-        return self.engines()[0]
 
     def _poll(self, pred: Any, what: str, timeout: float = 60.0) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
@@ -247,28 +244,24 @@ async def test_predicted_hits_equal_vllm_cached_tokens(
     kind = KINDS[key]
     started = time.monotonic()
     with _served(vllm_python, kind, models, tmp_path) as (served, taps):
-        try:
-            cfg = _config(served)
-            cfg.model.cpu_chunk_tokens = kind.cpu_chunk
-            async with serve_router(cfg) as (base, _router):
-                await _router_ready(base)
-                sender = ThroughRouter(base, taps, adapter=kind.lora)
-                await asyncio.to_thread(scenario, sender.send, SEED, kind.offload)
-                # vLLM's own first-token count, read at the polls (it releases the prefill of
-                # the answers that come whole): one per request, the self-check's included.
-                (w,) = _router.registry.workers.values()
-                sent = len(sender.outcomes)
-                await until(
-                    lambda: sum(w.first_tokens_reported.values()) >= sent,
-                    30,
-                    "first tokens counted",
-                )
-                engines = await asyncio.to_thread(sender.engines)
-                metrics = (await asyncio.to_thread(sender.client.get, served.url + "/metrics")).text
-                sender.client.close()
-        finally:
-            for tap in taps:
-                tap.close()
+        cfg = _config(served)
+        cfg.model.cpu_chunk_tokens = kind.cpu_chunk
+        async with serve_router(cfg) as (base, _router):
+            await _router_ready(base)
+            sender = ThroughRouter(base, taps, adapter=kind.lora)
+            await asyncio.to_thread(scenario, sender.send, SEED, kind.offload)
+            # vLLM's own first-token count, read at the polls (it releases the prefill of
+            # the answers that come whole): one per request, the self-check's included.
+            (w,) = _router.registry.workers.values()
+            sent = len(sender.outcomes)
+            await until(
+                lambda: sum(w.first_tokens_reported.values()) >= sent,
+                30,
+                "first tokens counted",
+            )
+            engines = await asyncio.to_thread(sender.engines)
+            metrics = (await asyncio.to_thread(sender.client.get, served.url + "/metrics")).text
+            sender.client.close()
     out = sender.outcomes
     # The prefill rate the router learns from first tokens (streams' as they come, whole
     # answers' at the polls) against vLLM's own: uncached prompt tokens over the time to first
@@ -390,7 +383,12 @@ def _served(
     model = write_model(py, kind.model, models / kind.model)
     with serve(py, kind, model, tmp_path / "vllm.log", None) as served:
         assert served.events is not None
-        yield served, [EventTap(e, bind=False) for e in served.ranks_events]
+        taps = [EventTap(e, bind=False) for e in served.ranks_events]
+        try:
+            yield served, taps
+        finally:
+            for tap in taps:
+                tap.close()
 
 
 def _config(served: Any, **policy: float) -> Config:
@@ -460,14 +458,10 @@ async def test_speculative_entries_credit_what_vllm_caches(
     kind, retention = SPECULATIVE_KINDS[key]
     started = time.monotonic()
     with _served(vllm_python, kind, models, tmp_path) as (served, taps):
-        try:
-            cfg = _config(served, speculative_ttl_s=3600.0)
-            seen = await _probed(cfg, taps, _probes, retention)
-            cfg = _config(served, speculative_ttl_s=0.0)
-            seen += await _probed(cfg, taps, _session_probes, retention)
-        finally:
-            for tap in taps:
-                tap.close()
+        cfg = _config(served, speculative_ttl_s=3600.0)
+        seen = await _probed(cfg, taps, _probes, retention)
+        cfg = _config(served, speculative_ttl_s=0.0)
+        seen += await _probed(cfg, taps, _session_probes, retention)
     wrong = [f"{label}: credited {credit}, cached {cached}" for label, credit, cached in seen]
     wrong = [w for w, (_, credit, cached) in zip(wrong, seen, strict=True) if credit != cached]
     with capsys.disabled():
@@ -508,37 +502,33 @@ async def test_prefill_priority_is_taken_by_vllm_with_and_without_priority_sched
     without, the long one does."""
     kind = PRIORITY_KINDS[key]
     rng = random.Random(key)
-    with _served(vllm_python, kind, models, tmp_path) as (served, taps):
-        try:
-            cfg = _config(served)
-            cfg.policy.prefill_priority = True
-            async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=120) as c:
-                await _router_ready(base)
-                (w,) = (await c.get(base + "/debug/index")).json()["workers"]
-                check = w["selfcheck"]
-                assert check["priority"] == "ok", check
-                (worker,) = router.registry.workers.values()
-                assert worker.priority_refused is None
-                statuses = []
-                for n in (100, 600, 700):  # classes 0, 1, 1
-                    ids = [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(n)]
-                    body = {"model": SERVED, "prompt": ids, "max_tokens": 1}
-                    route = (await c.post(base + "/debug/route", json=body)).json()
-                    assert route["prefill_priority"] == (0 if n < 512 else 1), route
-                    statuses.append((await c.post(base + "/v1/completions", json=body)).status_code)
-                assert statuses == [200, 200, 200], statuses
-                ids = [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(600)]
-                direct = {"model": SERVED, "prompt": ids, "max_tokens": 1, "priority": 3}
-                r = await c.post(served.url + "/v1/completions", json=direct)
-                assert r.status_code == 200, r.text
-                for _ in range(3):
-                    order = await _first_of_two_waiting(c, base, worker, rng)
-                    if order is not None:
-                        break
-                assert order is not None, "the decodes never held every slot while both waited"
-        finally:
-            for tap in taps:
-                tap.close()
+    with _served(vllm_python, kind, models, tmp_path) as (served, _taps):
+        cfg = _config(served)
+        cfg.policy.prefill_priority = True
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=120) as c:
+            await _router_ready(base)
+            (w,) = (await c.get(base + "/debug/index")).json()["workers"]
+            check = w["selfcheck"]
+            assert check["priority"] == "ok", check
+            (worker,) = router.registry.workers.values()
+            assert worker.priority_refused is None
+            statuses = []
+            for n in (100, 600, 700):  # classes 0, 1, 1
+                ids = [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(n)]
+                body = {"model": SERVED, "prompt": ids, "max_tokens": 1}
+                route = (await c.post(base + "/debug/route", json=body)).json()
+                assert route["prefill_priority"] == (0 if n < 512 else 1), route
+                statuses.append((await c.post(base + "/v1/completions", json=body)).status_code)
+            assert statuses == [200, 200, 200], statuses
+            ids = [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(600)]
+            direct = {"model": SERVED, "prompt": ids, "max_tokens": 1, "priority": 3}
+            r = await c.post(served.url + "/v1/completions", json=direct)
+            assert r.status_code == 200, r.text
+            for _ in range(3):
+                order = await _first_of_two_waiting(c, base, worker, rng)
+                if order is not None:
+                    break
+            assert order is not None, "the decodes never held every slot while both waited"
     assert order == (["short", "long"] if key == "priority" else ["long", "short"]), order
     with capsys.disabled():
         print(
