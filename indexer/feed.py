@@ -79,6 +79,7 @@ class Feed:
         self.peers = 0
         self.handshakes = 0
         self.closed = False
+        self.bound = bind
         sock = ctx.socket(zmq.SUB)
         lo, hi = options.reconnect_backoff_s
         sock.setsockopt(zmq.LINGER, 0)
@@ -139,6 +140,20 @@ class Feed:
         if self.closed or not self.has_input():
             return 0
         return self._read()
+
+    def redial(self) -> bool:
+        """Dial the endpoint now if no peer is connected; True when it did.
+
+        While a publisher is down, ZMQ's retries back off to ``reconnect_backoff_s[1]``; once its
+        worker is known to be back, waiting out that interval loses every batch published
+        meanwhile (a PUB drops what no subscriber takes). The new connection's handshake is a
+        reconnect like any other (``on_reconnect``)."""
+        if self.closed or self.bound or self.peers > 0:
+            return False
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disconnect(self.endpoint)
+        self.sock.connect(self.endpoint)
+        return True
 
     def close(self) -> None:
         """Close the sockets and stop reading them."""

@@ -311,6 +311,15 @@ class Subscriber:
             n += 1
         return n
 
+    def redial_worker(self, worker_id: str) -> int:
+        """The worker answers again: dial its event sockets now rather than at ZMQ's next
+        backed-off retry (:meth:`indexer.feed.Feed.redial`). Returns how many were dialled."""
+        return sum(
+            1
+            for src in self._workers.get(worker_id, [])
+            if src.topic is None and src.feed is not None and src.feed.redial()
+        )
+
     def _new_source(
         self, worker_id: str, rank: int, endpoint: str, replay: str | None, topic: str | None = None
     ) -> Source:

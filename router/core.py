@@ -138,7 +138,9 @@ class Router:
             bind=e.bind,
         )
         self.proxy_limits = proxy.ProxyLimits.from_server(cfg.server)
-        self.watch = WorkerWatch(self.registry, self.subscriber.drop_worker_state)
+        self.watch = WorkerWatch(
+            self.registry, self.subscriber.drop_worker_state, self.subscriber.redial_worker
+        )
         # Predictions are checked against what workers report, and every worker is self-checked.
         self.verifier = self._verifier() if cfg.verify.enabled else None
         self.selfcheck = self._selfcheck() if cfg.verify.selfcheck else None

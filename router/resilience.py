@@ -6,7 +6,9 @@
   has every rank cleared from the index and marked degraded
   (:meth:`indexer.subscriber.Subscriber.drop_worker_state`): the router must not route to a cache
   that may no longer exist. Its event sockets stay subscribed; when the worker returns, its
-  health probe makes it routable again and its index is rebuilt from its events: a restarted
+  health probe makes it routable again, its event sockets are dialled at once (ZMQ's own retries
+  have backed off to seconds by then, and a PUB drops what no one takes), and its index is
+  rebuilt from its events: a restarted
   worker is recognised by its sequence numbers starting over (exact again from seq 0), a worker
   that was only unreachable stays degraded (routed by load) until rebuilt.
 * **A stream that broke mid-response re-probes its worker at once** (:meth:`probe_soon`), so a
@@ -41,18 +43,22 @@ class WorkerWatch:
 
     ``drop_worker_state(url, reason)`` clears every rank of a worker from the index and marks
     them degraded, returning how many ranks it affected
-    (:meth:`indexer.subscriber.Subscriber.drop_worker_state`)."""
+    (:meth:`indexer.subscriber.Subscriber.drop_worker_state`); ``redial(url)`` dials the event
+    sockets of a worker that answers again (:meth:`indexer.subscriber.Subscriber.redial_worker`)."""
 
     def __init__(
         self,
         registry: WorkerRegistry,
         drop_worker_state: Callable[[str, str], int],
+        redial: Callable[[str], int] | None = None,
         *,
         interval_s: float = 0.2,
         drop_after_s: float = 2.0,
     ) -> None:
         self.registry = registry
         self.drop_worker_state = drop_worker_state
+        self.redial = redial
+        self.redials = 0
         self.interval_s = interval_s
         self.drop_after_s = drop_after_s
         self.drops = 0
@@ -107,7 +113,8 @@ class WorkerWatch:
         for w in list(self.registry.workers.values()):
             seen.add(w.url)
             if w.healthy:
-                self._down_since.pop(w.url, None)
+                if self._down_since.pop(w.url, None) is not None and self.redial is not None:
+                    self.redials += self.redial(w.url)
                 self._dropped.discard(w.url)
                 continue
             since = self._down_since.setdefault(w.url, now)

@@ -350,6 +350,28 @@ async def test_publisher_restart_resets_engine(make) -> None:
     assert not sub.index.match(chains.prompts[0], root)[("w", 0)].gpu_tokens
 
 
+async def test_a_worker_back_is_dialled_at_once_not_at_the_backed_off_retry(make) -> None:
+    """ZMQ's retries back off while a publisher is down (here to 60 s); once the worker is
+    known to be back, ``redial_worker`` connects now, and the restart is found from its seqs."""
+    new_pub, _ = make
+    pub, sub = await _one(make, replay=False, reconnect_backoff_s=(60.0, 60.0))
+    chains = Chains(11)
+    for _ in range(3):
+        pub.publish(chains.request(3))
+    await _until(lambda: _st(sub, "w").last_seq == 2)
+    assert sub.redial_worker("w") == 0  # connected: nothing to do
+    port = pub.port
+    pub.close()
+    await _until(lambda: not _st(sub, "w").connected, what="the disconnect")
+    pub2 = new_pub(endpoint=f"tcp://*:{port}", replay_endpoint=None)
+    assert sub.redial_worker("w") == 1 and sub.redial_worker("nobody") == 0
+    await _sync(sub, pub2, "w")  # within DEADLINE, far below the 60 s retry
+    pub2.publish(Chains(12).request(2))
+    await _until(lambda: _st(sub, "w").restarts == 1 and _st(sub, "w").last_seq == 0)
+    root = sub.index.root(MODEL)
+    assert not sub.index.match(chains.prompts[0], root)[("w", 0)].gpu_tokens
+
+
 @pytest.mark.parametrize(
     ("replay", "buffer_steps", "degraded"),
     [(True, 100, False), (True, 2, True), (False, 100, True)],
