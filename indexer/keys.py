@@ -72,8 +72,8 @@ _token_keys: Callable[[int, Sequence[int], int, int | None, bool], Any] | None =
 def namespace_root(model: str, cache_salt: str | None = None) -> int:
     """K(0) of a namespace. Different models, LoRA adapters or salts never share keys."""
     salt = "" if cache_salt is None else cache_salt
-    # The NUL separator keeps ("ab", "c") and ("a", "bc") apart; the flag byte keeps a request
-    # with salt "" apart from one with no salt, as vLLM does (an empty salt is still a salt).
+    # The NUL separator keeps ("ab", "c") and ("a", "bc") apart; the flag byte keeps salt "" apart
+    # from no salt (vLLM answers an empty salt 400, so such a request never caches anything).
     flag = "0" if cache_salt is None else "1"
     return _xxh64(f"kvrouter/1\0{model}\0{flag}{salt}".encode())
 

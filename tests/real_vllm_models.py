@@ -281,6 +281,8 @@ class Served:
     replay: str
     ranks_events: tuple[str, ...] = ()
     """Every DP rank's events endpoint, rank 0 first (vLLM binds rank r at the port + r)."""
+    ports: tuple[int, ...] = ()
+    """HTTP, events and replay ports, for :func:`serve` to start the same worker again."""
 
 
 def _offload_args(kind: Kind) -> list[str]:
@@ -299,16 +301,24 @@ def _offload_args(kind: Kind) -> list[str]:
 
 
 @contextmanager
-def serve(py: Path, kind: Kind, model: Path, log: Path, events_at: str | None) -> Iterator[Served]:
+def serve(
+    py: Path,
+    kind: Kind,
+    model: Path,
+    log: Path,
+    events_at: str | None,
+    ports: list[int] | None = None,
+) -> Iterator[Served]:
     """``vllm serve`` on loopback until the block exits, then its whole process group is killed.
 
     ``events_at``: a subscriber's bound endpoint for vLLM's PUB socket to connect to (a
     non-wildcard endpoint makes vLLM connect rather than bind, so nothing listens beyond
     loopback); None: vLLM binds its PUB socket itself (a wildcard endpoint, the one way vLLM
-    binds) for any number of subscribers."""
+    binds) for any number of subscribers. ``ports``: the HTTP, events and replay ports of an
+    earlier :func:`serve` (``Served.ports``), to start the same worker again."""
     if kind.dp > 1 and events_at is not None:
         raise ValueError("a subscriber's bound endpoint takes one rank's events")
-    ports = free_ports(1 + 2 * kind.dp)
+    ports = ports or free_ports(1 + 2 * kind.dp)
     http, ev, rp = ports[0], ports[1], ports[1 + kind.dp]
     kv_events = {
         "enable_kv_cache_events": True,
@@ -348,7 +358,7 @@ def serve(py: Path, kind: Kind, model: Path, log: Path, events_at: str | None) -
         _wait_healthy(proc, url, log)
         events = None if events_at else f"tcp://127.0.0.1:{ev}"
         ranks = () if events_at else tuple(f"tcp://127.0.0.1:{ev + r}" for r in range(kind.dp))
-        yield Served(url, events, f"tcp://127.0.0.1:{rp}", ranks)
+        yield Served(url, events, f"tcp://127.0.0.1:{rp}", ranks, tuple(ports))
     finally:
         _kill_group(proc)
 

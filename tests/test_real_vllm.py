@@ -29,6 +29,12 @@ A third, on the dense model started with and without ``--scheduling-policy prior
 ``policy.prefill_priority``: vLLM takes a request priority either way (the self-check says so),
 and every request through the router is answered.
 
+A fourth, on the dense model, follows tenants and the worker's lifecycle: ``cache_salt`` on
+completions and chat (a salt shares nothing with another or with none), ``POST
+/reset_prefix_cache``, and vLLM stopped and started again on the same ports while the router
+runs (its event socket dialled as soon as the worker answers, the restart found from the seqs):
+every prediction equal to vLLM's cached tokens.
+
 Before each request the test waits until vLLM's event stream has been quiet for ``QUIET_S`` and
 the router has applied the last frame a second subscriber saw, so that a prediction is made on
 everything vLLM published for the earlier requests (the captures of scripts/record_captures.py
@@ -37,8 +43,8 @@ are recorded the same way).
 Runtime on two shared cores: the venv, when absent, about 80 s; per kind, vLLM's start-up
 (25 s idle, minutes under load) plus 54 requests (60 with offloading), each under a second of
 compute plus the quiet time: 60 to 110 s per kind when the machine is otherwise idle, the
-speculative test about 50 s per model, about 24 minutes in all. Each test is bounded by its
-timeout.
+speculative test about 50 s per model, the lifecycle test about 75 s: about 25 minutes in all.
+Each test is bounded by its timeout.
 
     KVROUTER_REAL_VLLM=1 KVROUTER_VLLM_VENV=/path/to/venv PYTHONPATH=$PWD \\
         python -m pytest -q -p no:cacheprovider -m real_vllm tests/test_real_vllm.py
@@ -53,7 +59,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -310,6 +316,138 @@ async def test_predicted_hits_equal_vllm_cached_tokens(
     assert len({o.rank for o in out}) == kind.dp, "every DP rank served some"
     assert load["prefilled_tokens"] > 500, load  # the scenario's first tokens, sampled
     assert own / 3 < learned < own * 3, (learned, own)
+
+
+def _tenants_and_resets(sender: ThroughRouter, reset: Callable[[], None]) -> list[int]:
+    """One prompt under no salt, two salts and again after vLLM reset its prefix cache: a salt
+    shares nothing with another or with no salt, and a reset leaves nothing to hit. Returns
+    the prompt."""
+    rng = random.Random(SEED + 3)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(n)]
+
+    def send(label: str, prompt: list[int], salt: str | None = None) -> None:
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": 4}
+        if salt is not None:
+            body["cache_salt"] = salt
+        sender.send(label, body, False)
+
+    shared = tokens(300)
+    send("plain", shared)
+    send("plain-again", shared + tokens(20))
+    send("salt-a", shared, "tenant-a")
+    send("salt-a-again", shared + tokens(30), "tenant-a")
+    send("salt-b", shared, "tenant-b")
+    send("plain-third", shared + tokens(10))
+    chat = [{"role": "system", "content": "w1 alpha " * 40}, {"role": "user", "content": "w2 beta"}]
+    for label in ("chat-salt-a", "chat-salt-a-again", "chat-salt-b"):
+        salt = "tenant-b" if label.endswith("-b") else "tenant-a"
+        sender.send(label, {"messages": chat, "max_tokens": 4, "cache_salt": salt}, True)
+    reset()
+    send("plain-after-reset", shared)
+    send("salt-a-after-reset", shared, "tenant-a")
+    send("plain-after-reset-again", shared + tokens(5))
+    return shared
+
+
+async def test_salts_a_prefix_cache_reset_and_a_restart_on_real_vllm(
+    vllm_python: Path, models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The dense model with what an operator's fleet does beside plain traffic: tenants kept
+    apart by ``cache_salt`` (completions and chat), ``POST /reset_prefix_cache``, and the worker
+    stopped and started again on the same ports while the router keeps running. Every
+    prediction must equal vLLM's cached tokens, the first request after the restart included
+    (the new vLLM holds nothing, whatever the router heard from the old one); an empty salt is
+    refused as vLLM refuses it."""
+    py = vllm_python
+    kind = KINDS["dense"]
+    model = write_model(py, kind.model, models / kind.model)
+    vllm = ExitStack()
+    served = vllm.enter_context(serve(py, kind, model, tmp_path / "vllm-1.log", None))
+    assert served.events is not None
+    tap = EventTap(served.events, bind=False)
+    try:
+        async with serve_router(_config(served)) as (base, router):
+            await _router_ready(base)
+            sender = ThroughRouter(base, [tap])
+
+            def reset() -> None:
+                r = sender.client.post(served.url + "/reset_prefix_cache")
+                assert r.status_code == 200 and r.json() == {"success": True}, r.text
+                # vLLM announces the reset with its next step's batch (docs/vllm-reference.md
+                # §2.5): until a request runs there, the router cannot know. One sent to vLLM
+                # directly makes that step.
+                nudge = {"model": SERVED, "prompt": [10] * 40, "max_tokens": 1}
+                assert sender.client.post(served.url + "/v1/completions", json=nudge).is_success
+
+            shared = await asyncio.to_thread(_tenants_and_resets, sender, reset)
+            empty = {"model": SERVED, "prompt": [9] * 40, "max_tokens": 1, "cache_salt": ""}
+            refused = await asyncio.to_thread(
+                sender.client.post, base + "/v1/completions", json=empty
+            )
+            assert refused.status_code == 400, refused.text
+            (w,) = router.registry.workers.values()
+            before = len(sender.outcomes)
+            await asyncio.to_thread(vllm.close)
+            await until(lambda: not w.healthy, 60, "the router to see the worker gone")
+            vllm = ExitStack()
+            again = serve(py, kind, model, tmp_path / "vllm-2.log", None, list(served.ports))
+            await asyncio.to_thread(vllm.enter_context, again)
+            await until(lambda: w.healthy, 120, "the router to see the worker back")
+            back = time.monotonic()
+
+            # Down for a minute, ZMQ's own retries are 5 s apart by now: the router dials the
+            # event socket as soon as the worker answers.
+            def heard() -> bool:
+                return next(s for s in router.subscriber.status() if s.worker_id == w.url).connected
+
+            await until(heard, 2, "the event socket to be dialled as the worker came back")
+            dialled = time.monotonic() - back
+            rng = random.Random(SEED + 4)
+            fresh = [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(200)]
+
+            def after_restart() -> None:
+                # The tap's seqs start again at 0, under the router's old ones: each request
+                # waits until the router has applied exactly what the tap saw.
+                bodies = {
+                    "plain-after-restart": shared,
+                    "fresh-after-restart": fresh,
+                    "fresh-after-restart-again": [*fresh, 11],
+                }
+                for label, prompt in bodies.items():
+                    sender.send(label, {"prompt": prompt, "max_tokens": 4}, False)
+                    tap.quiet(QUIET_S, sender.done_at)
+                    sender._poll(
+                        lambda es: _applied(es[0]) == tap.last_seq,
+                        f"the router to apply the restarted vLLM's frames up to {tap.last_seq}",
+                    )
+
+            await asyncio.to_thread(after_restart)
+            engines = await asyncio.to_thread(sender.engines)
+            sender.client.close()
+    finally:
+        tap.close()
+        vllm.close()
+    out = sender.outcomes
+    wrong = [f"{o.label}: {o.predicted} vs {o.cached}" for o in out if o.predicted != o.cached]
+    with capsys.disabled():
+        print(
+            f"\n[real vLLM {VLLM_VERSION} salts, reset, restart] "
+            f"{len(out) - len(wrong)}/{len(out)} predictions == cached_tokens; "
+            + ", ".join(f"{o.label} {o.cached}" for o in out)
+            + f"; events heard again {dialled:.2f} s after the worker answered"
+            + f" ({router.watch.redials} redial); subscriber {engines[0]['subscriber']}"
+        )
+    assert wrong == [], wrong
+    hits = {o.label: o.cached for o in out}
+    for label in ("plain-again", "salt-a-again", "plain-third", "chat-salt-a-again"):
+        assert hits[label] > 0, (label, hits)
+    for label in ("salt-a", "salt-b", "chat-salt-b", "plain-after-reset", "salt-a-after-reset"):
+        assert hits[label] == 0, (label, hits)
+    assert hits["plain-after-reset-again"] > 0, hits
+    assert out[before].label == "plain-after-restart"
+    assert hits["plain-after-restart"] == 0 and hits["fresh-after-restart-again"] > 0, hits
 
 
 @dataclass
