@@ -7,13 +7,20 @@ the model, so they have no logprobs to give. The OpenAI front end sets ``prompt_
 the request's own field, or, with ``echo``, from ``logprobs`` (completions) or ``top_logprobs``
 (chat, default 0). Such a request is served with ``cached_tokens`` 0 whatever the cache holds:
 the router predicts no hit, routes it by load, and leaves it out of verification.
+
+A request with ``n`` > 1 (parallel sampling) reads the cache, but its ``cached_tokens`` is not
+one lookup's: vLLM runs a child request per choice and answers with the usage of the child that
+ended last, and a child after the first finds the prompt blocks the first one allocated in the
+same step (checked against vLLM 0.32: a new 200-token prompt with ``n=2`` reports 192 cached
+tokens with 32-token blocks). The router predicts and routes it as one prompt, and leaves it out
+of verification.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["reads_prefix_cache"]
+__all__ = ["reads_prefix_cache", "reports_one_lookup"]
 
 
 def reads_prefix_cache(body: dict[str, Any], chat: bool) -> bool:
@@ -22,3 +29,9 @@ def reads_prefix_cache(body: dict[str, Any], chat: bool) -> bool:
     if prompt_logprobs is None and body.get("echo"):
         prompt_logprobs = body.get("top_logprobs", 0) if chat else body.get("logprobs")
     return prompt_logprobs is None
+
+
+def reports_one_lookup(body: dict[str, Any]) -> bool:
+    """False when vLLM's ``cached_tokens`` for ``body`` is not what one cache lookup found."""
+    n = body.get("n")
+    return not (isinstance(n, int) and n > 1)

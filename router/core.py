@@ -26,7 +26,7 @@ from indexer.index import EngineId, PrefixIndex, PrefixMatch
 from indexer.subscriber import SourceStatus, Subscriber
 from router import proxy
 from router.admission import Admission, make_admission
-from router.cache_read import reads_prefix_cache
+from router.cache_read import reads_prefix_cache, reports_one_lookup
 from router.candidates import build_candidates, record_sent, speculative_hits
 from router.config import Config, WorkerSpec, upstream_api_key
 from router.discovery import Discovery
@@ -79,6 +79,9 @@ class RouteResult(msgspec.Struct):
     reads_cache: bool = True
     """False when vLLM serves this request without reading its prefix cache
     (router/cache_read.py): no hit is predicted and the outcome is not verified."""
+    verifiable: bool = True
+    """False when the worker's ``cached_tokens`` cannot be checked against the prediction: no
+    cache read, or not one lookup's figure (``n`` > 1, router/cache_read.py)."""
 
 
 class Router:
@@ -504,7 +507,8 @@ class Router:
         if session is not None and tok is not None and len(tok.keys) and not dry_run:
             self.sessions.bind(session, decision.engine, tok.n_tokens, tok.keys[-1], now)
         churn = {c.engine: self.index.churn(c.engine) for c in cands}
-        return RouteResult(decision, tok, ns, matches, cands, err, churn, reads_cache)
+        verifiable = reads_cache and reports_one_lookup(body)
+        return RouteResult(decision, tok, ns, matches, cands, err, churn, reads_cache, verifiable)
 
     async def _tokenize(
         self,
@@ -578,7 +582,7 @@ class Router:
         tok = res.tokens
         if self.verifier is None or tok is None or o.engine is None or o.status != 200:
             return
-        if o.cached_tokens is None or not res.reads_cache:
+        if o.cached_tokens is None or not res.verifiable:
             return
         m = res.matches.get(o.engine)
         spec = next((c.speculative_tokens for c in res.candidates if c.engine == o.engine), 0)

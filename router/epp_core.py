@@ -328,7 +328,7 @@ class Picker:
         o = Outcome(status, st.engine[0], st.ttft_s, st.cached, st.prompt, st.engine, st.completion)
         if self.router.verifier is not None:
             self.router.verify_outcome(res, o)
-        elif o.cached_tokens is not None and res.tokens is not None:
+        elif o.cached_tokens is not None and res.tokens is not None and res.verifiable:
             m.prediction_error.observe(abs(res.decision.predicted_hit_tokens - o.cached_tokens))
 
     def count_rejected(self, status: int) -> None:

@@ -113,7 +113,7 @@ def _on_done(router: Router, res: RouteResult, req: _Request) -> Callable[[proxy
             m.ttft.observe(o.ttft_s)
         if router.verifier is not None:
             router.verify_outcome(res, o)
-        elif o.cached_tokens is not None and tok is not None:
+        elif o.cached_tokens is not None and tok is not None and res.verifiable:
             m.prediction_error.observe(abs(predicted - o.cached_tokens))
         if o.status == 200:
             label = model_label(models, req.model)

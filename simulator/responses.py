@@ -21,13 +21,23 @@ def usage(prompt: int, completion: int, cached: int, details: bool = True) -> di
 
 
 def completion_body(
-    rid: str, model: str, chat: bool, text: str, usage: dict[str, Any], finish: str
+    rid: str, model: str, chat: bool, texts: list[str], usage: dict[str, Any], finish: str
 ) -> dict[str, Any]:
-    """A whole (non-streamed) completion."""
-    choice: dict[str, Any]
+    """A whole (non-streamed) completion: one choice per text (``n``)."""
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [_choice(i, chat, text, finish) for i, text in enumerate(texts)],
+        "usage": usage,
+    }
+
+
+def _choice(index: int, chat: bool, text: str, finish: str) -> dict[str, Any]:
     if chat:
-        choice = {
-            "index": 0,
+        return {
+            "index": index,
             "message": {
                 "role": "assistant",
                 "content": text,
@@ -38,24 +48,13 @@ def completion_body(
             "finish_reason": finish,
             "stop_reason": None,
         }
-        obj = "chat.completion"
-    else:
-        choice = {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": finish,
-            "stop_reason": None,
-            "prompt_logprobs": None,
-        }
-        obj = "text_completion"
     return {
-        "id": rid,
-        "object": obj,
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": usage,
+        "index": index,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish,
+        "stop_reason": None,
+        "prompt_logprobs": None,
     }
 
 
@@ -79,12 +78,12 @@ class ChunkWriter:
             d["usage"] = usage
         return b"data: " + json.dumps(d, separators=(",", ":")).encode() + b"\n\n"
 
-    def role(self) -> bytes:
-        """A chat stream's first chunk: the assistant role, no text yet."""
+    def role(self, index: int = 0) -> bytes:
+        """A chat stream's first chunk of a choice: the assistant role, no text yet."""
         return self.chunk(
             [
                 {
-                    "index": 0,
+                    "index": index,
                     "delta": {"role": "assistant", "content": ""},
                     "logprobs": None,
                     "finish_reason": None,
@@ -92,18 +91,18 @@ class ChunkWriter:
             ]
         )
 
-    def token(self, text: str, finish: str | None) -> bytes:
+    def token(self, text: str, finish: str | None, index: int = 0) -> bytes:
         choice: dict[str, Any]
         if self.chat:
             choice = {
-                "index": 0,
+                "index": index,
                 "delta": {"content": text},
                 "logprobs": None,
                 "finish_reason": finish,
             }
         else:
             choice = {
-                "index": 0,
+                "index": index,
                 "text": text,
                 "logprobs": None,
                 "finish_reason": finish,

@@ -7,6 +7,7 @@ requests as vLLM does and answers completions in vLLM's formats (``simulator.res
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import json
@@ -80,6 +81,16 @@ class Generation:
     stream: bool
     include_usage: bool
     finish: str  # finish_reason once max_tokens is reached
+    n: int = 1
+    """Choices (parallel sampling): vLLM runs one child request per choice, ``{i}_{rid}``."""
+
+    @property
+    def children(self) -> list[str]:
+        return [self.rid] if self.n == 1 else [f"{i}_{self.rid}" for i in range(self.n)]
+
+
+MAX_N = 16384
+"""vLLM's ``VLLM_MAX_N_SEQUENCES`` default: the largest ``n``."""
 
 
 class Worker:
@@ -277,6 +288,22 @@ class Worker:
         return p
 
     @staticmethod
+    def _n(data: dict[str, Any]) -> int:
+        """vLLM's ``n``: 1 to ``VLLM_MAX_N_SEQUENCES`` (16384), and 1 under greedy sampling
+        (``temperature`` 0; vLLM's default is 1)."""
+        n = data.get("n")
+        if n is None:
+            return 1
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise ApiError(400, f"n must be an int, but is of type {type(n)}", param="n")
+        if not 1 <= n <= MAX_N:
+            raise ApiError(400, f"n must be at least 1 and at most {MAX_N}, got {n}.", param="n")
+        t = data.get("temperature")
+        if n > 1 and isinstance(t, int | float) and t < 1e-5:
+            raise ApiError(400, f"n must be 1 when using greedy sampling, got {n}.", param="n")
+        return n
+
+    @staticmethod
     def _salt(data: dict[str, Any]) -> str | None:
         salt = data.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
@@ -329,6 +356,7 @@ class Worker:
             include_usage=include_usage,
             # Without max_tokens the fake model "emits EOS" after default_max_tokens.
             finish="length" if explicit else "stop",
+            n=self._n(data),
         )
 
     async def generate(
@@ -338,69 +366,109 @@ class Worker:
         await self.loras.resolve(data.get("model"))
         g = self._generation(data, chat)
         runner = self.pick_runner(dp_rank)
+        queues: list[asyncio.Queue[TokenOut]] = []
         try:
-            q = runner.submit(
-                g.rid, g.ids, g.max_tokens, g.lora, g.salt, g.session, g.report_full, g.priority
-            )
-        except QueueFull:
+            for rid in g.children:
+                args = (g.ids, g.max_tokens, g.lora, g.salt, g.session, g.report_full, g.priority)
+                queues.append(runner.submit(rid, *args))
+        except (QueueFull, ValueError) as e:
+            for rid in g.children[: len(queues)]:
+                runner.abort(rid)
+            if isinstance(e, ValueError):
+                raise ApiError(400, str(e)) from None
             raise ApiError(
                 503, "server is overloaded, request queue full", "ServiceUnavailableError"
             ) from None
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
         if g.stream:
-            return StreamingResponse(self._sse(runner, q, g), media_type="text/event-stream")
-        return await self._complete(runner, q, g)
+            return StreamingResponse(self._sse(runner, queues, g), media_type="text/event-stream")
+        return await self._complete(runner, queues, g)
+
+    async def _outputs(
+        self, queues: list[asyncio.Queue[TokenOut]]
+    ) -> AsyncIterator[tuple[int, TokenOut]]:
+        """``(choice, output)`` as the children produce them, until each has ended (finished,
+        or ended without a token: aborted, engine restarted)."""
+        timeout = self.s.request_timeout_s
+        if len(queues) == 1:
+            while True:
+                out = await asyncio.wait_for(queues[0].get(), timeout)
+                yield 0, out
+                if out.finished or out.token is None:
+                    return
+        merged: asyncio.Queue[tuple[int, TokenOut]] = asyncio.Queue()
+
+        async def pump(i: int, q: asyncio.Queue[TokenOut]) -> None:
+            while True:
+                out = await q.get()
+                merged.put_nowait((i, out))
+                if out.finished or out.token is None:
+                    return
+
+        pumps = [asyncio.create_task(pump(i, q)) for i, q in enumerate(queues)]
+        try:
+            left = len(queues)
+            while left:
+                i, out = await asyncio.wait_for(merged.get(), timeout)
+                left -= out.finished or out.token is None
+                yield i, out
+        finally:
+            for t in pumps:
+                t.cancel()
 
     async def _complete(
-        self, runner: EngineRunner, q: asyncio.Queue[TokenOut], g: Generation
+        self, runner: EngineRunner, queues: list[asyncio.Queue[TokenOut]], g: Generation
     ) -> JSONResponse:
-        toks: list[int] = []
-        last = TokenOut(None, True)
+        toks: list[list[int]] = [[] for _ in queues]
+        ends: list[TokenOut] = []  # each child's last output, in the order they ended
         try:
-            while True:
-                last = await asyncio.wait_for(q.get(), self.s.request_timeout_s)
-                if last.token is not None:
-                    toks.append(last.token)
-                if last.finished:
-                    break
-        except (TimeoutError, asyncio.CancelledError):
-            runner.abort(g.rid)
+            async with contextlib.aclosing(self._outputs(queues)) as outs:
+                async for i, out in outs:
+                    if out.token is not None:
+                        toks[i].append(out.token)
+                    if out.finished or out.token is None:
+                        ends.append(out)
+                        if out.token is None and not toks[i]:
+                            raise ApiError(503, "engine restarted", "ServiceUnavailableError")
+        except (TimeoutError, asyncio.CancelledError, ApiError):
+            for rid in g.children:
+                runner.abort(rid)
             raise
-        if last.token is None and not toks:
-            raise ApiError(503, "engine restarted", "ServiceUnavailableError")
-        text = self.tokenizer.decode(toks)
-        u = usage(len(g.ids), len(toks), last.cached_tokens, self.s.prompt_tokens_details)
-        return JSONResponse(completion_body(g.rid, g.model, g.chat, text, u, g.finish))
+        texts = [self.tokenizer.decode(t) for t in toks]
+        # vLLM answers with the usage of the child that ended last: a later child finds the
+        # prompt blocks the first one allocated, so its cached tokens are not one lookup's.
+        cached = ends[-1].cached_tokens
+        completion = sum(len(t) for t in toks)
+        u = usage(len(g.ids), completion, cached, self.s.prompt_tokens_details)
+        return JSONResponse(completion_body(g.rid, g.model, g.chat, texts, u, g.finish))
 
     async def _sse(
-        self, runner: EngineRunner, q: asyncio.Queue[TokenOut], g: Generation
+        self, runner: EngineRunner, queues: list[asyncio.Queue[TokenOut]], g: Generation
     ) -> AsyncIterator[bytes]:
         chunks = ChunkWriter(g.rid, g.model, g.chat)
-        n_out = 0
+        n_out = [0] * len(queues)
+        done = [False] * len(queues)
         prompt_tokens = cached = 0
         try:
-            while True:
-                out = await asyncio.wait_for(q.get(), self.s.request_timeout_s)
-                prompt_tokens, cached = out.prompt_tokens, out.cached_tokens
-                fin = g.finish if out.finished else None
-                if out.token is None:
-                    break
-                if g.chat and n_out == 0:
-                    # vLLM sends the role with the request's first output, after its prefill.
-                    yield chunks.role()
-                n_out += 1
-                yield chunks.token(self.tokenizer.decode([out.token]), fin)
-                if out.finished:
-                    break
+            async with contextlib.aclosing(self._outputs(queues)) as outs:
+                async for i, out in outs:
+                    prompt_tokens, cached = out.prompt_tokens, out.cached_tokens
+                    if out.token is None:
+                        break
+                    if g.chat and n_out[i] == 0:
+                        # vLLM sends the role with a choice's first output, after its prefill.
+                        yield chunks.role(i)
+                    n_out[i] += 1
+                    fin = g.finish if out.finished else None
+                    yield chunks.token(self.tokenizer.decode([out.token]), fin, i)
+                    done[i] = out.finished
             if g.include_usage:
-                yield chunks.chunk(
-                    [], usage(prompt_tokens, n_out, cached, self.s.prompt_tokens_details)
-                )
+                u = usage(prompt_tokens, sum(n_out), cached, self.s.prompt_tokens_details)
+                yield chunks.chunk([], u)
             yield SSE_DONE
         finally:
-            if n_out == 0 or not out.finished:  # client went away or stream broke
-                runner.abort(g.rid)
+            for rid, ended in zip(g.children, done, strict=True):
+                if not ended:  # client went away or stream broke
+                    runner.abort(rid)
 
     # ---- state ---------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

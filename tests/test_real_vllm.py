@@ -30,10 +30,11 @@ A third, on the dense model started with and without ``--scheduling-policy prior
 and every request through the router is answered.
 
 A fourth, on the dense model, follows tenants and the worker's lifecycle: ``cache_salt`` on
-completions and chat (a salt shares nothing with another or with none), ``POST
-/reset_prefix_cache``, and vLLM stopped and started again on the same ports while the router
-runs (its event socket dialled as soon as the worker answers, the restart found from the seqs):
-every prediction equal to vLLM's cached tokens.
+completions and chat (a salt shares nothing with another or with none), parallel sampling (not
+verified: vLLM reports the last child's cached tokens), ``POST /reset_prefix_cache``, a second
+router joining (rebuilt from vLLM's replay), and vLLM stopped and started again on the same
+ports while the router runs (its event socket dialled as soon as the worker answers, the restart
+found from the seqs): every prediction equal to vLLM's cached tokens.
 
 Before each request the test waits until vLLM's event stream has been quiet for ``QUIET_S`` and
 the router has applied the last frame a second subscriber saw, so that a prediction is made on
@@ -318,11 +319,14 @@ async def test_predicted_hits_equal_vllm_cached_tokens(
     assert own / 3 < learned < own * 3, (learned, own)
 
 
-def _tenants_and_resets(sender: ThroughRouter, reset: Callable[[], None]) -> list[int]:
+def _tenants_and_resets(
+    sender: ThroughRouter, reset: Callable[[], None]
+) -> tuple[list[int], dict[str, int]]:
     """One prompt under no salt, two salts and again after vLLM reset its prefix cache: a salt
     shares nothing with another or with no salt, and a reset leaves nothing to hit. Returns
-    the prompt."""
+    the prompt, and vLLM's cached tokens for the requests with ``n`` = 2."""
     rng = random.Random(SEED + 3)
+    parallel: dict[str, int] = {}
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(n)]
@@ -333,6 +337,22 @@ def _tenants_and_resets(sender: ThroughRouter, reset: Callable[[], None]) -> lis
             body["cache_salt"] = salt
         sender.send(label, body, False)
 
+    def send_n2(label: str, prompt: list[int]) -> None:
+        """Parallel sampling (vLLM refuses it greedy): both choices come back, and the router
+        takes no sample of its prediction (router/cache_read.py)."""
+        body = request_body({"prompt": prompt, "max_tokens": 4})
+        body |= {"n": 2, "temperature": 1.0, "seed": 2}
+        sender.taps[0].quiet(QUIET_S, sender.done_at)
+        before = _verified(sender.engines())["samples"]
+        r = sender.client.post(sender.base + "/v1/completions", json=body)
+        assert r.status_code == 200, (label, r.text)
+        sender.done_at = time.monotonic()
+        doc = r.json()
+        assert [c["index"] for c in doc["choices"]] == [0, 1], doc
+        parallel[label] = doc["usage"]["prompt_tokens_details"]["cached_tokens"]
+        sender.taps[0].quiet(QUIET_S, sender.done_at)
+        assert _verified(sender.engines())["samples"] == before, label
+
     shared = tokens(300)
     send("plain", shared)
     send("plain-again", shared + tokens(20))
@@ -340,6 +360,8 @@ def _tenants_and_resets(sender: ThroughRouter, reset: Callable[[], None]) -> lis
     send("salt-a-again", shared + tokens(30), "tenant-a")
     send("salt-b", shared, "tenant-b")
     send("plain-third", shared + tokens(10))
+    send_n2("plain-n2", shared + tokens(15))
+    send_n2("fresh-n2", tokens(200))
     chat = [{"role": "system", "content": "w1 alpha " * 40}, {"role": "user", "content": "w2 beta"}]
     for label in ("chat-salt-a", "chat-salt-a-again", "chat-salt-b"):
         salt = "tenant-b" if label.endswith("-b") else "tenant-a"
@@ -348,18 +370,19 @@ def _tenants_and_resets(sender: ThroughRouter, reset: Callable[[], None]) -> lis
     send("plain-after-reset", shared)
     send("salt-a-after-reset", shared, "tenant-a")
     send("plain-after-reset-again", shared + tokens(5))
-    return shared
+    return shared, parallel
 
 
 async def test_salts_a_prefix_cache_reset_and_a_restart_on_real_vllm(
     vllm_python: Path, models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The dense model with what an operator's fleet does beside plain traffic: tenants kept
-    apart by ``cache_salt`` (completions and chat), ``POST /reset_prefix_cache``, and the worker
-    stopped and started again on the same ports while the router keeps running. Every
-    prediction must equal vLLM's cached tokens, the first request after the restart included
-    (the new vLLM holds nothing, whatever the router heard from the old one); an empty salt is
-    refused as vLLM refuses it."""
+    apart by ``cache_salt`` (completions and chat), parallel sampling (``n`` = 2), ``POST
+    /reset_prefix_cache``, a second router joining the running vLLM, and the worker stopped and
+    started again on the same ports while the router keeps running. Every prediction must equal
+    vLLM's cached tokens, the first request after the restart included (the new vLLM holds
+    nothing, whatever the router heard from the old one); an empty salt is refused as vLLM
+    refuses it."""
     py = vllm_python
     kind = KINDS["dense"]
     model = write_model(py, kind.model, models / kind.model)
@@ -381,12 +404,19 @@ async def test_salts_a_prefix_cache_reset_and_a_restart_on_real_vllm(
                 nudge = {"model": SERVED, "prompt": [10] * 40, "max_tokens": 1}
                 assert sender.client.post(served.url + "/v1/completions", json=nudge).is_success
 
-            shared = await asyncio.to_thread(_tenants_and_resets, sender, reset)
+            shared, parallel = await asyncio.to_thread(_tenants_and_resets, sender, reset)
             empty = {"model": SERVED, "prompt": [9] * 40, "max_tokens": 1, "cache_salt": ""}
             refused = await asyncio.to_thread(
                 sender.client.post, base + "/v1/completions", json=empty
             )
             assert refused.status_code == 400, refused.text
+            # A second router joining the running vLLM rebuilds its index from vLLM's replay.
+            async with serve_router(_config(served)) as (base2, _second):
+                await _router_ready(base2)
+                second = ThroughRouter(base2, [tap])
+                body = {"prompt": [*shared, 12], "max_tokens": 4}
+                await asyncio.to_thread(second.send, "second-router", body, False)
+                second.client.close()
             (w,) = router.registry.workers.values()
             before = len(sender.outcomes)
             await asyncio.to_thread(vllm.close)
@@ -429,14 +459,14 @@ async def test_salts_a_prefix_cache_reset_and_a_restart_on_real_vllm(
     finally:
         tap.close()
         vllm.close()
-    out = sender.outcomes
+    out = sender.outcomes + second.outcomes
     wrong = [f"{o.label}: {o.predicted} vs {o.cached}" for o in out if o.predicted != o.cached]
     with capsys.disabled():
         print(
             f"\n[real vLLM {VLLM_VERSION} salts, reset, restart] "
             f"{len(out) - len(wrong)}/{len(out)} predictions == cached_tokens; "
             + ", ".join(f"{o.label} {o.cached}" for o in out)
-            + f"; events heard again {dialled:.2f} s after the worker answered"
+            + f"; n=2: {parallel}; events heard again {dialled:.2f} s after the worker answered"
             + f" ({router.watch.redials} redial); subscriber {engines[0]['subscriber']}"
         )
     assert wrong == [], wrong
@@ -445,7 +475,9 @@ async def test_salts_a_prefix_cache_reset_and_a_restart_on_real_vllm(
         assert hits[label] > 0, (label, hits)
     for label in ("salt-a", "salt-b", "chat-salt-b", "plain-after-reset", "salt-a-after-reset"):
         assert hits[label] == 0, (label, hits)
-    assert hits["plain-after-reset-again"] > 0, hits
+    assert hits["plain-after-reset-again"] > 0 and hits["second-router"] > 0, hits
+    # The child that ended last found the blocks the first allocated: even a fresh prompt.
+    assert parallel["plain-n2"] >= 288 and parallel["fresh-n2"] > 0, parallel
     assert out[before].label == "plain-after-restart"
     assert hits["plain-after-restart"] == 0 and hits["fresh-after-restart-again"] > 0, hits
 

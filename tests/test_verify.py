@@ -247,6 +247,49 @@ async def test_correct_fleet_under_multi_turn_load_raises_no_alarm(capsys):
             assert re.search(r"kvrouter_prediction_error_tokens_count 120\.0", m)
 
 
+async def test_parallel_sampling_is_served_whole_and_left_out_of_verification():
+    """``n`` > 1: vLLM runs a child per choice and reports the cached tokens of the child that
+    ended last, which found the blocks the first one allocated: a fresh prompt "hits". Every
+    choice comes back (streamed or not), no such request is taken as a sample of the index's
+    accuracy (its figure says nothing about it), and n = 1 requests still are."""
+    with running_fleet(1, **FAST) as fleet:
+        async with serve_router(cfg_with(fleet)) as (base, _r), httpx.AsyncClient(timeout=60) as c:
+            assert (await c.get(base + "/ready")).status_code == 200
+            url = fleet[0].url
+            before = (await verify_of(c, base, url))["samples"]
+            reported = []
+            for i in range(16):
+                body = {"model": "sim-model", "prompt": words(250, f"par{i}"), "max_tokens": 3}
+                body |= {"n": 4, "temperature": 0.8}
+                if i % 2:
+                    body |= {"stream": True, "stream_options": {"include_usage": True}}
+                    async with c.stream("POST", base + "/v1/completions", json=body) as r:
+                        assert r.status_code == 200
+                        raw = b"".join([x async for x in r.aiter_raw()])
+                    assert raw.endswith(b"data: [DONE]\n\n")
+                    indexes = re.findall(rb'"index":(\d)', raw)
+                    assert sorted(set(indexes)) == [b"0", b"1", b"2", b"3"], raw[:400]
+                    assert len(indexes) == 4 * 3
+                    usage = re.findall(rb'"cached_tokens":(\d+)', raw)
+                    reported.append(int(usage[-1]))
+                else:
+                    r = await c.post(base + "/v1/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    doc = r.json()
+                    assert [ch["index"] for ch in doc["choices"]] == [0, 1, 2, 3]
+                    assert doc["usage"]["completion_tokens"] == 12
+                    reported.append(doc["usage"]["prompt_tokens_details"]["cached_tokens"])
+            assert min(reported) > 0, reported  # fresh prompts, yet a child found them cached
+            greedy = {"model": "sim-model", "prompt": "x", "n": 2, "temperature": 0}
+            refused = await c.post(base + "/v1/completions", json=greedy)
+            assert refused.status_code == 400 and "greedy" in refused.text, refused.text
+            v = await verify_of(c, base, url)
+            assert v["samples"] == before and v["state"] != "unverified", v
+            await repeat_prompts(c, base, 4, "single")
+            v = await verify_of(c, base, url)
+            assert v["samples"] == before + 4 and v["accuracy"] == 1.0, v
+
+
 # ------------------------------------------------------------------------- misconfigurations
 
 
