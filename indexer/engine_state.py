@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from indexer.export_log import ExportLog
@@ -10,7 +11,7 @@ from indexer.types import EngineId, GroupSpec
 from indexer.vllm_hash import VllmHashLocator
 from indexer.wire import BlockHash, BlockStored
 
-__all__ = ["COUNTERS", "EngineState"]
+__all__ = ["COUNTERS", "EngineState", "next_epoch"]
 
 COUNTERS = (
     "batches",
@@ -31,6 +32,14 @@ COUNTERS = (
     "partial_unplaced",
     "overflow_resets",
 )
+
+
+_epochs = itertools.count(1)
+
+
+def next_epoch() -> int:
+    """A number no engine state has had in this process."""
+    return next(_epochs)
 
 
 @dataclass(slots=True)
@@ -64,3 +73,7 @@ class EngineState:
     bit: int = 0
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     exports: list[ExportLog] = field(default_factory=list)
+    epoch: int = field(default_factory=next_epoch)
+    """Renewed whenever the engine's state is dropped (``AllBlocksCleared``, a restart, a
+    reset): credit given to the engine outside the index before then (the router's speculative
+    entries and session bindings) no longer holds."""

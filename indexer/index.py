@@ -170,6 +170,12 @@ class PrefixIndex:
         if e is not None:
             self._residency.drop(e)
 
+    def epoch(self, engine: EngineId) -> int:
+        """A number that changes whenever ``engine``'s state is dropped or the engine is added
+        again (0: not in the index), so that credit kept outside the index can be checked."""
+        e = self._engines.get(engine)
+        return 0 if e is None else e.epoch
+
     def engines(self) -> list[EngineId]:
         return list(self._engines)
 

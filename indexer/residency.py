@@ -31,7 +31,7 @@ from array import array
 from collections import deque
 from operator import eq
 
-from indexer.engine_state import EngineState
+from indexer.engine_state import EngineState, next_epoch
 from indexer.keys import _native
 from indexer.staggered import HashMap, Table, new_table
 from indexer.wire import BlockHash
@@ -323,6 +323,7 @@ class Residency:
                 del self.dups[dk]
         self.total -= sum(e.resident.values())
         e.resident.clear()
+        e.epoch = next_epoch()
         e.hashes = HashMap()
         e.extra_refs = {}
         e.pending.clear()

@@ -129,6 +129,10 @@ class Router:
         )
         self.registry.on_load_change = self.shared.loads_changed
         self.speculative = self.shared.speculative
+        self._epochs: dict[EngineId, int] = {}
+        """Each engine's index epoch at the last decision (``_note_clears``); one per engine."""
+        self._cleared_at: dict[EngineId, float] = {}
+        """When a decision found an engine's index state dropped; one per engine."""
         self.speculative.retention = cfg.model.prefix_cache_retention_interval
         self.speculative.retention_of = self.retention
         e = cfg.events
@@ -283,6 +287,9 @@ class Router:
     def _worker_left(self, url: str) -> None:
         if self.verifier is not None:
             self.verifier.forget_worker(url)
+        for seen in (self._epochs, self._cleared_at):
+            for e in [e for e in seen if e[0] == url]:
+                del seen[e]
         if self.registry.remove_worker(url) is not None:
             self.subscriber.remove_worker(url)  # closes its sockets, drops it from the index
 
@@ -466,6 +473,7 @@ class Router:
             pinned = [x for x in loads if x[0] == bound[0]]
             loads = pinned or loads  # its engine is gone or unhealthy: route freely
         engines = [e for e, _ in loads]
+        self._note_clears(engines, now)
         matches: dict[EngineId, PrefixMatch] = {}
         speculative: dict[EngineId, int] = {}
         reach: dict[EngineId, int] = {}
@@ -475,8 +483,13 @@ class Router:
             speculative, reach = speculative_hits(
                 self.speculative, self.index, engines, tok.keys, tok.n_tokens, now
             )
-        if bound is not None and tok is not None and reads_cache:
-            e, tokens, last_key = bound
+        if (
+            bound is not None
+            and tok is not None
+            and reads_cache
+            and bound[3] > self._cleared_at.get(bound[0], -math.inf)
+        ):
+            e, tokens, last_key, _ = bound
             at = tokens // self.index.unit - 1
             if 0 <= at < len(tok.keys) and tok.keys[at] == last_key:  # extends the last turn
                 specs = self.index.group_specs(e)
@@ -527,6 +540,19 @@ class Router:
             return await self.tokenizer.tokenize(as_base, chat, root, remote), None
         except TokenizeError as exc:
             return None, str(exc)
+
+    def _note_clears(self, engines: list[EngineId], now: float) -> None:
+        """Engines whose index state was dropped since the router last looked (vLLM's
+        ``AllBlocksCleared``, a restart, a reset): what they were credited outside the index
+        holds no longer. Their speculative entries go, and a session bound to one before now
+        is not credited there (its next turn finds nothing cached)."""
+        epochs = self._epochs
+        for e in engines:
+            epoch = self.index.epoch(e)
+            if epochs.setdefault(e, epoch) != epoch:
+                epochs[e] = epoch
+                self.speculative.forget(e)
+                self._cleared_at[e] = now
 
     async def _session_binding(self, session: str, now: float) -> Binding | None:
         if self.cfg.session.mode == "off":

@@ -24,8 +24,10 @@ from indexer.index import EngineId
 
 __all__ = ["Binding", "SessionTable", "Sessions", "session_key"]
 
-Binding = tuple[EngineId, int, int]
-"""(engine, the session's last turn's length in tokens, its deepest content key)."""
+Binding = tuple[EngineId, int, int, float]
+"""(engine, the session's last turn's length in tokens, its deepest content key, when it was
+bound on this process's monotonic clock: for another replica's binding, as far as its time
+left tells)."""
 
 
 class Sessions(Protocol):
@@ -55,8 +57,7 @@ class SessionTable:
         return None
 
     def get(self, key: str, now: float) -> Binding | None:
-        """(engine, the last turn's length in tokens, its deepest content key) the session is
-        bound to, if still live."""
+        """The session's :data:`Binding`, if still live."""
         got = self._bound.get(key)
         if got is None:
             return None
@@ -65,7 +66,7 @@ class SessionTable:
             del self._bound[key]
             return None
         self._bound.move_to_end(key)
-        return engine, tokens, last_key
+        return engine, tokens, last_key, until - self.ttl_s
 
     def bind(
         self,

@@ -108,7 +108,7 @@ class RedisSessions:
         self.counters["read"] += 1
         engine: EngineId = (rec.url, rec.rank)
         self.table.bind(key, engine, rec.tokens, rec.last_key, now, ttl_ms / 1000.0)
-        return engine, rec.tokens, rec.last_key
+        return self.table.get(key, now)
 
     def bind(self, key: str, engine: EngineId, tokens: int, last_key: int, now: float) -> None:
         self.table.bind(key, engine, tokens, last_key, now)

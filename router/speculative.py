@@ -189,6 +189,15 @@ class SpeculativeCache:
         if not entries:
             del self._entries[engine]
 
+    def forget(self, engine: Engine) -> None:
+        """Drop every entry of ``engine`` now: its cache was emptied (a reset, a restart), so
+        nothing recorded there before is about to be held. Its records stay queued; retiring
+        them later deletes nothing."""
+        self._ends.pop(engine, None)
+        entries = self._entries.pop(engine, None)
+        if entries is not None:
+            self._size -= len(entries)
+
     def withdraw(self, engine: Engine, keys: Sequence[int]) -> None:
         """Drop ``keys`` of ``engine`` now: the request that recorded them failed there, and
         siblings must not follow it to an engine that may not compute the prefix. Its record
