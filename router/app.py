@@ -4,8 +4,8 @@
 it, and runs the router in the app's lifespan. The proxied routes are served by a pure-ASGI
 front (:class:`_ProxyRoutes`) with the handlers of router/handlers.py (body, API key, admission,
 route, forward); errors map to OpenAI-style answers here. With
-``server.admin_port`` set, ``create_apps`` returns a second app for ``/metrics`` and
-``/debug/*``.
+``server.admin_port`` set, ``create_apps`` returns a second app for ``/metrics``,
+``/debug/*`` and ``/reset_prefix_cache``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from router import debug, passthrough, status_page
 from router.bodies import parse_json_object, read_body, validate_request
+from router.cache_reset import reset_prefix_caches
 from router.client_auth import bearer
 from router.config import Config
 from router.core import Router
@@ -92,6 +93,13 @@ def _add_admin_routes(app: FastAPI, router: Router) -> None:
     async def debug_page(request: Request) -> Response:
         check(request)
         return HTMLResponse(status_page.PAGE, headers={"cache-control": "no-store"})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        """vLLM's endpoint on every worker at once, the index forgetting each confirmed one
+        (router/cache_reset.py)."""
+        check(request)
+        return JSONResponse(await reset_prefix_caches(router, request.query_params))
 
     @app.post("/debug/route")
     async def debug_route(request: Request) -> Response:

@@ -531,6 +531,12 @@ class WorkerRegistry:
         self._rr = (self._rr + 1) % len(ws)
         return ws[self._rr :] + ws[: self._rr]
 
+    async def post_admin(
+        self, w: Worker, path: str, params: dict[str, str], timeout_s: float
+    ) -> httpx.Response:
+        """POST one of vLLM's admin endpoints (no body) on ``w``, with the probe client."""
+        return await self._probe.post(w.url + path, params=params, timeout=timeout_s)
+
     # ---------------------------------------------------------------- loops
 
     async def refresh_models(self, w: Worker) -> None:
