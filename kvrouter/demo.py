@@ -27,7 +27,7 @@ from kvrouter.progress import Progress
 from router.app import create_apps
 from router.config import Config, WorkerSpec
 from router.serving import bound_port, build_servers, wait_started
-from simulator.testing import WorkerInfo, running_fleet, wait_http_ok
+from simulator.testing import WorkerInfo, running_fleet
 
 FLEET_FLAGS: dict[str, Any] = {
     "num_gpu_blocks": 256,  # 4096 tokens per worker: not enough for all system prompts
@@ -157,6 +157,22 @@ async def run_load(
     }
 
 
+async def _answers(url: str, timeout_s: float) -> bool:
+    """Poll ``url`` from this event loop (which also serves it) until it answers 200. A signal
+    cancels the poll at its next await; a poll in a worker thread would keep running after the
+    router stopped, and ``asyncio.run`` waits for its thread before it returns."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=1.0, trust_env=False) as c:
+        while time.monotonic() < deadline:
+            try:
+                if (await c.get(url)).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.05)
+    return False
+
+
 async def _with_router(
     policy: str,
     port: int,
@@ -205,8 +221,7 @@ async def _with_router(
             task.result()
             raise RuntimeError("router did not start")
         url = f"http://127.0.0.1:{bound_port(server)}"
-        # In a thread: this event loop serves the router being polled.
-        if not await asyncio.to_thread(wait_http_ok, url + "/ready", timeout=20):
+        if not await _answers(url + "/ready", 20.0):
             raise RuntimeError("router not ready within 20 s")
         result = await body(url, router)
     except asyncio.CancelledError:
