@@ -31,10 +31,11 @@ and every request through the router is answered.
 
 A fourth, on the dense model, follows tenants and the worker's lifecycle: ``cache_salt`` on
 completions and chat (a salt shares nothing with another or with none), parallel sampling (not
-verified: vLLM reports the last child's cached tokens), ``POST /reset_prefix_cache``, a second
-router joining (rebuilt from vLLM's replay), and vLLM stopped and started again on the same
-ports while the router runs (its event socket dialled as soon as the worker answers, the restart
-found from the seqs): every prediction equal to vLLM's cached tokens.
+verified: vLLM reports the last child's cached tokens), ``POST /reset_prefix_cache`` at the
+worker and through the gateway, a second router joining (rebuilt from vLLM's replay), and vLLM
+stopped and started again on the same ports while the router runs (its event socket dialled
+as soon as the worker answers, the restart found from the seqs): every prediction equal to
+vLLM's cached tokens.
 
 Before each request the test waits until vLLM's event stream has been quiet for ``QUIET_S`` and
 the router has applied the last frame a second subscriber saw, so that a prediction is made on
@@ -370,6 +371,10 @@ def _tenants_and_resets(
     send("plain-after-reset", shared)
     send("salt-a-after-reset", shared, "tenant-a")
     send("plain-after-reset-again", shared + tokens(5))
+    # The same through the gateway: it forgets at once, before any step of vLLM's announces it.
+    r = sender.client.post(sender.base + "/reset_prefix_cache")
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    send("plain-after-gateway-reset", shared)
     return shared, parallel
 
 
@@ -475,6 +480,7 @@ async def test_salts_a_prefix_cache_reset_and_a_restart_on_real_vllm(
         assert hits[label] > 0, (label, hits)
     for label in ("salt-a", "salt-b", "chat-salt-b", "plain-after-reset", "salt-a-after-reset"):
         assert hits[label] == 0, (label, hits)
+    assert hits["plain-after-gateway-reset"] == 0, hits
     assert hits["plain-after-reset-again"] > 0 and hits["second-router"] > 0, hits
     # The child that ended last found the blocks the first allocated: even a fresh prompt.
     assert parallel["plain-n2"] >= 288 and parallel["fresh-n2"] > 0, parallel
