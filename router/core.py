@@ -26,7 +26,7 @@ from indexer.index import EngineId, PrefixIndex, PrefixMatch
 from indexer.subscriber import SourceStatus, Subscriber
 from router import proxy
 from router.admission import Admission, make_admission
-from router.cache_read import reads_prefix_cache, reports_one_lookup
+from router.cache_read import reads_prefix_cache, reports_one_lookup, sequences
 from router.candidates import build_candidates, record_sent, speculative_hits
 from router.config import Config, WorkerSpec, upstream_api_key
 from router.discovery import Discovery
@@ -82,6 +82,8 @@ class RouteResult(msgspec.Struct):
     verifiable: bool = True
     """False when the worker's ``cached_tokens`` cannot be checked against the prediction: no
     cache read, or not one lookup's figure (``n`` > 1, router/cache_read.py)."""
+    sequences: int = 1
+    """The request's ``n``: vLLM runs a child request per choice (load accounting)."""
 
 
 class Router:
@@ -521,7 +523,9 @@ class Router:
             self.sessions.bind(session, decision.engine, tok.n_tokens, tok.keys[-1], now)
         churn = {c.engine: self.index.churn(c.engine) for c in cands}
         verifiable = reads_cache and reports_one_lookup(body)
-        return RouteResult(decision, tok, ns, matches, cands, err, churn, reads_cache, verifiable)
+        return RouteResult(
+            decision, tok, ns, matches, cands, err, churn, reads_cache, verifiable, sequences(body)
+        )
 
     async def _tokenize(
         self,

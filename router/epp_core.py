@@ -275,11 +275,16 @@ class Picker:
             return
         adm = self.router.admission
         wake = adm.wake if adm is not None else None  # queued prefill fell: the queue looks
+        res = st.pick.result
         st.ticket = Ticket(
-            w, engine[1], st.pick.uncached.get(engine, 0), wake, buffered=st.pick.buffered
+            w,
+            engine[1],
+            st.pick.uncached.get(engine, 0),
+            wake,
+            buffered=st.pick.buffered,
+            sequences=res.sequences if res is not None else 1,
         )
         st.charged.append(engine)
-        res = st.pick.result
         if res is not None:
             self.router.record_sent(engine, res, time.monotonic())
 

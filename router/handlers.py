@@ -291,6 +291,7 @@ def proxy_handler(router: Router) -> Callable[[Request, str, bool], Awaitable[Re
             on_failed=_on_failed(router, res, req.trace),
             on_sent=_on_sent(router, res, decided, req.id),
             on_released=router.admission.wake if router.admission is not None else None,
+            sequences=res.sequences,
         )
 
     return handle

@@ -21,7 +21,8 @@ class EngineLoad(msgspec.Struct):
     """Requests this router sent there that have not finished."""
     prefilling_requests: int = 0
     """This router's requests there that have not produced a first token (for the waiting
-    correction: the worker's waiting queue already contains them)."""
+    correction: the worker's waiting queue already contains them), counted as vLLM counts
+    them: a request with ``n`` choices is ``n``."""
     queued_prefill_tokens: int = 0
     """Uncached prompt tokens of this router's requests there that have not produced a token."""
     running: int = 0

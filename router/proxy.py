@@ -103,6 +103,7 @@ class Ticket:
         "ld",
         "on_stall",
         "sent_s",
+        "sequences",
         "stalled",
         "uncached",
     )
@@ -115,18 +116,21 @@ class Ticket:
         on_released: Callable[[], None] | None = None,
         buffered: bool = False,
         now: float | None = None,
+        sequences: int = 1,
     ) -> None:
         """``buffered``: the answer comes whole, so no first token is seen here; the worker's
         first-token count releases the prefill instead (``Worker.observe_first_tokens``).
         ``now``: when it is sent (``time.monotonic()`` unless given: the routing bench's clock
-        is simulated)."""
+        is simulated). ``sequences``: the request's ``n``; vLLM runs a child request per
+        choice, and its waiting gauge and first-token count count each."""
         self._worker = w
         self._rank = rank
         self.ld = w.load(rank)
         self.uncached = uncached
+        self.sequences = sequences
         self.sent_s = time.monotonic() if now is None else now
         self.ld.inflight_requests += 1
-        self.ld.prefilling_requests += 1
+        self.ld.prefilling_requests += sequences
         self.ld.queued_prefill_tokens += uncached
         self._prefilling = w.prefilling.setdefault(rank, {})
         if not self._prefilling:  # nothing of this router's ahead: the engine starts it now
@@ -167,7 +171,8 @@ class Ticket:
             self._first = True
             self._waiting.discard(self)
             if not self._released:
-                self._worker.saw_first_token(self._rank, now - self.sent_s if prefilled else None)
+                ttft = now - self.sent_s if prefilled else None
+                self._worker.saw_first_token(self._rank, ttft, self.sequences)
         self._release(now, prefilled)
 
     @property
@@ -190,7 +195,7 @@ class Ticket:
             if self._buffered is not None:
                 self._buffered.pop(self, None)
             ld = self.ld
-            ld.prefilling_requests -= 1
+            ld.prefilling_requests -= self.sequences
             ld.queued_prefill_tokens -= self.uncached
             self._next_head(time.monotonic() if now is None else now, prefilled)
             self._worker.load_changed()
@@ -428,10 +433,11 @@ async def forward(
     on_released: Callable[[], None] | None = None,
     method: str = "POST",
     capture_id: bool = False,
+    sequences: int = 1,
 ) -> Response:
     """Send ``body`` to the first attempt that answers; stream or buffer the answer back.
     ``capture_id``: read the answer's id into ``Outcome.response_id``
-    (router/stored_responses.py).
+    (router/stored_responses.py). ``sequences``: the request's ``n`` (``Ticket``).
 
     ``on_sent(engine)`` runs once per attempt, before this coroutine first yields to the event
     loop for that attempt: right after the request was written when a kept-alive connection was
@@ -444,7 +450,9 @@ async def forward(
     if lim.request_timeout_s is not None:
         deadline = asyncio.get_running_loop().time() + lim.request_timeout_s
         deadline -= time.perf_counter() - t0
-    ctx = _Ctx(lim, deadline, on_failed, strip_usage, on_sent, on_released, method, capture_id)
+    ctx = _Ctx(
+        lim, deadline, on_failed, strip_usage, on_sent, on_released, method, capture_id, sequences
+    )
     try:
         return await _forward(
             registry, path, body, headers, attempts, stream, watcher, t0, done, ctx
@@ -471,6 +479,8 @@ class _Ctx:
     """Runs as a request's queued prefill leaves an engine's load (its first token or end)."""
     method: str = "POST"
     capture_id: bool = False
+    sequences: int = 1
+    """The request's ``n`` (``Ticket``)."""
 
     def failed(self, engine: tuple[str, int], reason: str) -> None:
         if self.on_failed is not None:
@@ -522,7 +532,14 @@ async def _forward(
         hdrs = list(headers)
         if w.dp_size > 1:
             hdrs.append((b"x-data-parallel-rank", str(att.engine[1]).encode()))
-        ticket = Ticket(w, att.engine[1], att.uncached, ctx.on_released, buffered=not stream)
+        ticket = Ticket(
+            w,
+            att.engine[1],
+            att.uncached,
+            ctx.on_released,
+            buffered=not stream,
+            sequences=ctx.sequences,
+        )
         req = w.client.build_request(ctx.method, path, content=body, headers=hdrs)
         started = w.client.write_now(req)
         if ctx.on_sent is not None:

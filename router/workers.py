@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -144,11 +143,32 @@ class BufferedRequest(Protocol):
 
     sent_s: float
     """When it was sent (the clock ``now`` is read on)."""
+    sequences: int
+    """Its ``n``: vLLM counts a first token, and a waiting request, per choice."""
 
     def engine_first_token(self, now: float | None = None) -> None:
         """The engine's counters show it has had its first token: release its prefill (``now``:
         when the first token was, as far as the poll can tell; ``time.monotonic()`` unless
         given)."""
+
+
+def _oldest_started(
+    pending: list[BufferedRequest], first_tokens: int, waiting: int
+) -> tuple[list[BufferedRequest], int]:
+    """The oldest of ``pending`` (in sending order) that ``first_tokens`` account for, each
+    taking one per sequence, never one of the newest that hold the ``waiting`` sequences; and
+    the first tokens left toward the next one, when fewer than its sequences (else 0)."""
+    cut, held = len(pending), 0
+    while cut and held < waiting:
+        cut -= 1
+        held += pending[cut].sequences
+    out: list[BufferedRequest] = []
+    for request in pending[:cut]:
+        if first_tokens < request.sequences:
+            return out, max(first_tokens, 0)
+        first_tokens -= request.sequences
+        out.append(request)
+    return out, 0
 
 
 @dataclass
@@ -201,6 +221,9 @@ class Worker:
     (streams)."""
     first_tokens_reported: dict[int, int] = field(default_factory=dict)
     """Per DP rank, the engine's own count of first tokens at the last poll."""
+    first_tokens_partial: dict[int, int] = field(default_factory=dict)
+    """Per DP rank, first tokens of the oldest buffered request's choices counted so far, too
+    few to release it (a poll fell between its children's first tokens)."""
     ttft_reported: dict[int, tuple[float, float]] = field(default_factory=dict)
     """Per DP rank, the engine's sum of times to first token at the last poll, and when that
     poll was (see :meth:`observe_first_tokens`)."""
@@ -231,13 +254,14 @@ class Worker:
             ld = self.loads[rank] = EngineLoad()
         return ld
 
-    def saw_first_token(self, rank: int, ttft_s: float | None = None) -> None:
+    def saw_first_token(self, rank: int, ttft_s: float | None = None, sequences: int = 1) -> None:
         """A first token of engine ``rank`` this router saw itself (a stream's first chunk, an
         answer back, its self-check's probe): not one of its buffered requests'. ``ttft_s``:
         its time to first token where the router saw the token itself (a stream), None where
-        it saw only the whole answer."""
+        it saw only the whole answer. ``sequences``: the request's ``n``, each of which vLLM
+        counts (with about the same time to first token)."""
         n, ttft = self.first_tokens_seen.get(rank, (0, 0.0))
-        self.first_tokens_seen[rank] = (n + 1, ttft + (ttft_s or 0.0))
+        self.first_tokens_seen[rank] = (n + sequences, ttft + (ttft_s or 0.0) * sequences)
 
     def observe_first_tokens(
         self,
@@ -251,9 +275,10 @@ class Worker:
         oldest buffered requests there, one per first token the engine counted since the last
         poll beyond those this router saw itself, and never one of the newest ``waiting`` (the
         same poll's ``vllm:num_requests_waiting``: requests not scheduled yet, which are the
-        last sent). Returns how many were released.
+        last sent). A request with ``n`` choices is ``n`` child requests to vLLM, in both
+        counts. Returns how many were released.
 
-        vLLM observes that histogram once per request, at its first token, and each engine
+        vLLM observes that histogram once per (child) request, at its first token, and each engine
         admits its waiting requests first come first served, so the oldest buffered requests
         are the ones that got theirs. Without this, a buffered request counts as queued
         prefill until its whole answer is back: through every decode step, many times its
@@ -286,21 +311,27 @@ class Worker:
             self.ttft_reported[rank] = (ttft_sum, now)
         if last is None or count < last:
             return 0
-        pending = self.buffered.get(rank, {})
         unseen = count - last - seen
-        k = min(unseen, len(pending) - min(waiting, len(pending)))
-        if k <= 0:
-            return 0
+        carried = self.first_tokens_partial.pop(rank, 0)
+        oldest, partial = _oldest_started(
+            list(self.buffered.get(rank, {})), unseen + carried, waiting
+        )
+        if partial:
+            self.first_tokens_partial[rank] = partial
+        if not oldest or unseen <= 0:
+            for request in oldest:
+                request.engine_first_token(now)
+            return len(oldest)
         window = None  # (the unseen first tokens' mean time to first token, the last poll)
         if ttft_sum is not None and last_ttft is not None and ttft_sum >= last_ttft[0]:
             window = (max(ttft_sum - last_ttft[0] - seen_ttft, 0.0) / unseen, last_ttft[1])
-        for request in list(itertools.islice(pending, k)):  # each release leaves ``pending``
+        for request in oldest:  # each release leaves ``self.buffered``
             at = now
             if window is not None:
                 mean_ttft, since = window
                 at = min(max(request.sent_s + mean_ttft, since), now)
             request.engine_first_token(at)
-        return k
+        return len(oldest)
 
     @property
     def inflight(self) -> int:

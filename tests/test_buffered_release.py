@@ -54,12 +54,43 @@ def test_first_token_counts_release_the_oldest_buffered_requests() -> None:
     assert ld.inflight_requests == 0 and not w.awaiting_first[0]
 
 
-async def test_a_buffered_requests_prefill_is_released_while_it_decodes() -> None:
+def test_a_request_with_n_choices_is_counted_as_vllm_counts_it() -> None:
+    """vLLM runs ``n`` child requests for a request with ``n`` choices: its waiting gauge and
+    first-token count count each. A buffered request with n = 4 needs four first tokens to be
+    released, and holds four of the waiting; a stream of n = 3 seen by the router is three."""
+    w = offline_worker()
+    ld = w.load(0)
+    assert w.observe_first_tokens(0, 0) == 0
+    four = Ticket(w, 0, 100, buffered=True, sequences=4)
+    one = Ticket(w, 0, 50, buffered=True)
+    assert ld.prefilling_requests == 5
+    # Three children have their first token: not yet the whole request.
+    assert w.observe_first_tokens(0, 3) == 0 and ld.queued_prefill_tokens == 150
+    # The fourth: released; the next one (one sequence, still waiting) stays.
+    assert w.observe_first_tokens(0, 4, waiting=1) == 1
+    assert ld.queued_prefill_tokens == 50 and ld.prefilling_requests == 1
+    # Four waiting sequences: the newest requests holding them (here both) are not released.
+    five = Ticket(w, 0, 10, buffered=True, sequences=3)
+    assert w.observe_first_tokens(0, 9, waiting=4) == 0
+    assert w.observe_first_tokens(0, 10, waiting=3) == 1 and ld.queued_prefill_tokens == 10
+    # A stream with three choices the router saw start: three of the engine's count.
+    stream = Ticket(w, 0, 20, sequences=3)
+    stream.first_token()
+    assert w.observe_first_tokens(0, 13) == 0 and ld.queued_prefill_tokens == 10
+    assert w.observe_first_tokens(0, 16) == 1 and ld.queued_prefill_tokens == 0
+    for t in (four, one, five, stream):
+        t.finish()
+    assert ld.inflight_requests == 0 and ld.prefilling_requests == 0
+
+
+@pytest.mark.parametrize("n", [1, 4])
+async def test_a_buffered_requests_prefill_is_released_while_it_decodes(n: int) -> None:
+    """Also with ``n`` choices: vLLM counts each child's first token, the router all of them."""
     with running_fleet(1, prefill_tps=20_000, decode_ms=100) as ws:
         cfg = config_for(ws, server={"worker_poll_s": 0.25})
         async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=60) as c:
             assert router.registry.poll_interval_s == 0.25
-            body = {"model": "sim-model", "prompt": words(300, "b"), "max_tokens": 150}
+            body = {"model": "sim-model", "prompt": words(300, "b"), "max_tokens": 150, "n": n}
             answer = asyncio.create_task(c.post(base + "/v1/completions", json=body))
 
             async def load() -> dict:
@@ -69,6 +100,7 @@ async def test_a_buffered_requests_prefill_is_released_while_it_decodes() -> Non
             # Its 150 tokens take 15 s to decode; a poll (every 0.25 s) sees its first token.
             await until(lambda: _released(load), 5, "its prefill released by the poll")
             assert not answer.done()
+            assert (await load())["prefilling_requests"] == 0
             text = (await c.get(ws[0].url + "/metrics")).text
             assert parse_vllm_metrics(text)[0]["first_tokens"] >= 1.0  # the self-check's too
             assert 'vllm:time_to_first_token_seconds_bucket{engine="0"' in text
