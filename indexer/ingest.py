@@ -86,10 +86,21 @@ class Ingest:
         if len(e.groups) > 1:
             # Judge every from-root GPU store on the state before the batch: one group's event
             # applied first (a sliding-window tail, or the window a CPU load restored) must not
-            # make another group's real store look like vLLM's re-announce of a hit.
+            # make another group's real store look like vLLM's re-announce of a hit. But not a
+            # store after the batch's clear (vLLM announces a reset at the head of its next
+            # step), nor one listing a block removed earlier in the batch: at the step's start
+            # the engine did not hold it, so vLLM could not hit it and stores a new copy.
+            removed: set[BlockHash] = set()
+            cleared = False
             for ev in events:
-                if type(ev) is BlockStored and ev.parent_block_hash is None:
-                    self._decide_reannounce(e, ev, reannounce)  # type: ignore[arg-type]
+                kind = type(ev)
+                if kind is BlockStored and ev.parent_block_hash is None:  # type: ignore[union-attr]
+                    gone = cleared or not removed.isdisjoint(ev.block_hashes)  # type: ignore[union-attr]
+                    self._decide_reannounce(e, ev, reannounce, gone)  # type: ignore[arg-type]
+                elif kind is BlockRemoved:
+                    removed.update(ev.block_hashes)  # type: ignore[union-attr]
+                elif kind is AllBlocksCleared:
+                    cleared = True
         i, n = 0, len(events)
         while i < n:
             ev = events[i]
@@ -515,13 +526,31 @@ class Ingest:
 
     # ------------------------------------------------------------------ re-announce
 
-    def _decide_reannounce(self, e: EngineState, ev: BlockStored, decided: dict[int, bool]) -> None:
-        """Record the re-announce verdict of a from-root store before its batch is applied."""
+    def _decide_reannounce(
+        self, e: EngineState, ev: BlockStored, decided: dict[int, bool], gone: bool = False
+    ) -> None:
+        """Record the re-announce verdict of a from-root store before its batch is applied;
+        ``gone``: what it lists left the engine earlier in the batch, so it is a new copy."""
         if (ev.medium or GPU) != GPU or ev.block_size <= 0 or not ev.token_ids:
             return
         keys = self._block_keys(e, ev)
-        if keys is not None and ev.block_hashes:
-            self._is_reannounce(e, ev, keys, decided)
+        if keys is None or not ev.block_hashes:
+            return
+        if gone:
+            point = self._decision_point(e, ev)
+            if point:
+                decided.setdefault(keys[point // ev.block_size - 1], False)
+            return
+        self._is_reannounce(e, ev, keys, decided)
+
+    @staticmethod
+    def _decision_point(e: EngineState, ev: BlockStored) -> int:
+        """The aligned point a from-root store is judged at (see :meth:`_is_reannounce`); 0
+        when it cannot be a re-announce."""
+        if not e.groups:
+            return 0
+        align = alignment(e.groups.values())
+        return 0 if align % ev.block_size else (len(ev.token_ids) // align) * align
 
     def _is_reannounce(
         self, e: EngineState, ev: BlockStored, keys: list[int], decided: dict[int, bool]
@@ -540,14 +569,13 @@ class Ingest:
         """
         if not e.groups or not e.resident or not keys:
             return False
-        align = alignment(e.groups.values())
-        point = (len(ev.token_ids) // align) * align
-        if point == 0 or align % ev.block_size:
-            return False
         # One decision per prefix per batch, keyed by K(point): every group's event of the same
         # request step reaches the same LCM-aligned point even when their ranges differ (a
         # 16-token group may cover 48 tokens where a 32-token group covers 32), so storing the
         # first cannot make the next look like a hit. K(point) is one of this event's block keys.
+        point = self._decision_point(e, ev)
+        if point == 0:
+            return False
         decision_key = keys[point // ev.block_size - 1]
         verdict = decided.get(decision_key)
         if verdict is not None:

@@ -424,6 +424,27 @@ def test_recompute_after_sliding_window_eviction_is_stored_and_ref_counted() -> 
     assert gpu(index, [*p, 1]) == 64
 
 
+@pytest.mark.parametrize("gone", ["cleared", "evicted"])
+def test_a_hybrid_prompt_stored_again_after_its_blocks_went_is_not_a_reannounce(gone: str) -> None:
+    """vLLM announces a reset at the head of its next step's batch, and an eviction may share
+    a batch with the prompt's recompute: the prompt stored again from token 0 after them is a
+    new copy, judged on the state where it stands (it was judged on the state before the batch,
+    which still held it, and dropped as a re-announce: the index then lost the prompt)."""
+    index, eng, p = PrefixIndex(), Engine(), prompt(192)
+    index.add_engine(W0, MODEL)
+    swa = {"group": 1, "kind": "sliding_window", "window": 32}
+    index.apply(W0, [eng.stored(p, 0, 12, 16, **swa, listed=[10, 11]), eng.stored(p, 0, 12, 16)])
+    assert gpu(index, [*p, 1]) == 192
+    if gone == "cleared":
+        head = [AllBlocksCleared()]
+    else:
+        head = [*eng.removed(p, [11, 10], 16, group=1), *eng.removed(p, range(11, -1, -1), 16)]
+    again = [eng.stored(p, 0, 12, 16, **swa, listed=[10, 11]), eng.stored(p, 0, 12, 16)]
+    index.apply(W0, [*head, *again])
+    assert index.engine_stats(W0).counters["reannounced"] == 0
+    assert gpu(index, [*p, 1]) == 192
+
+
 def test_snapshot_round_trip_restores_exact_state() -> None:
     index, eng, p = PrefixIndex(), Engine(), prompt(600)
     index.add_engine(W0, MODEL)
