@@ -29,13 +29,13 @@ A third, on the dense model started with and without ``--scheduling-policy prior
 ``policy.prefill_priority``: vLLM takes a request priority either way (the self-check says so),
 and every request through the router is answered.
 
-A fourth, on the dense model, follows tenants and the worker's lifecycle: ``cache_salt`` on
-completions and chat (a salt shares nothing with another or with none), parallel sampling (not
-verified: vLLM reports the last child's cached tokens), ``POST /reset_prefix_cache`` at the
-worker and through the gateway, a second router joining (rebuilt from vLLM's replay), and vLLM
-stopped and started again on the same ports while the router runs (its event socket dialled
-as soon as the worker answers, the restart found from the seqs): every prediction equal to
-vLLM's cached tokens.
+A fourth, on the dense and Gemma-3 models, follows tenants and the worker's lifecycle:
+``cache_salt`` on completions and chat (a salt shares nothing with another or with none),
+parallel sampling (not verified: vLLM reports the last child's cached tokens), ``POST
+/reset_prefix_cache`` at the worker and through the gateway, a second router joining (rebuilt
+from vLLM's replay), and vLLM stopped and started again on the same ports while the router
+runs (its event socket dialled as soon as the worker answers, the restart found from the
+seqs): every prediction equal to vLLM's cached tokens.
 
 Before each request the test waits until vLLM's event stream has been quiet for ``QUIET_S`` and
 the router has applied the last frame a second subscriber saw, so that a prediction is made on
@@ -378,18 +378,19 @@ def _tenants_and_resets(
     return shared, parallel
 
 
+@pytest.mark.parametrize("key", ["dense", "hybrid"])
 async def test_salts_a_prefix_cache_reset_and_a_restart_on_real_vllm(
-    vllm_python: Path, models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    vllm_python: Path, models: Path, tmp_path: Path, key: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The dense model with what an operator's fleet does beside plain traffic: tenants kept
-    apart by ``cache_salt`` (completions and chat), parallel sampling (``n`` = 2), ``POST
-    /reset_prefix_cache``, a second router joining the running vLLM, and the worker stopped and
-    started again on the same ports while the router keeps running. Every prediction must equal
-    vLLM's cached tokens, the first request after the restart included (the new vLLM holds
-    nothing, whatever the router heard from the old one); an empty salt is refused as vLLM
-    refuses it."""
+    """The dense and Gemma-3 models with what an operator's fleet does beside plain traffic:
+    tenants kept apart by ``cache_salt`` (completions and chat), parallel sampling (``n`` = 2),
+    ``POST /reset_prefix_cache`` at the worker and through the gateway, a second router joining
+    the running vLLM, and the worker stopped and started again on the same ports while the
+    router keeps running. Every prediction must equal vLLM's cached tokens, the first request
+    after the restart included (the new vLLM holds nothing, whatever the router heard from the
+    old one); an empty salt is refused as vLLM refuses it."""
     py = vllm_python
-    kind = KINDS["dense"]
+    kind = KINDS[key]
     model = write_model(py, kind.model, models / kind.model)
     vllm = ExitStack()
     served = vllm.enter_context(serve(py, kind, model, tmp_path / "vllm-1.log", None))
@@ -415,7 +416,8 @@ async def test_salts_a_prefix_cache_reset_and_a_restart_on_real_vllm(
                 sender.client.post, base + "/v1/completions", json=empty
             )
             assert refused.status_code == 400, refused.text
-            # A second router joining the running vLLM rebuilds its index from vLLM's replay.
+            # A second router joining the running vLLM rebuilds its index from vLLM's replay,
+            # through the batch that announced the gateway's reset and stored the prompt again.
             async with serve_router(_config(served)) as (base2, _second):
                 await _router_ready(base2)
                 second = ThroughRouter(base2, [tap])
@@ -468,7 +470,7 @@ async def test_salts_a_prefix_cache_reset_and_a_restart_on_real_vllm(
     wrong = [f"{o.label}: {o.predicted} vs {o.cached}" for o in out if o.predicted != o.cached]
     with capsys.disabled():
         print(
-            f"\n[real vLLM {VLLM_VERSION} salts, reset, restart] "
+            f"\n[real vLLM {VLLM_VERSION} {kind.name}: salts, reset, restart] "
             f"{len(out) - len(wrong)}/{len(out)} predictions == cached_tokens; "
             + ", ".join(f"{o.label} {o.cached}" for o in out)
             + f"; n=2: {parallel}; events heard again {dialled:.2f} s after the worker answered"
@@ -483,7 +485,7 @@ async def test_salts_a_prefix_cache_reset_and_a_restart_on_real_vllm(
     assert hits["plain-after-gateway-reset"] == 0, hits
     assert hits["plain-after-reset-again"] > 0 and hits["second-router"] > 0, hits
     # The child that ended last found the blocks the first allocated: even a fresh prompt.
-    assert parallel["plain-n2"] >= 288 and parallel["fresh-n2"] > 0, parallel
+    assert parallel["plain-n2"] > 0 and parallel["fresh-n2"] > 0, parallel
     assert out[before].label == "plain-after-restart"
     assert hits["plain-after-restart"] == 0 and hits["fresh-after-restart-again"] > 0, hits
 
