@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["reads_prefix_cache", "reports_one_lookup", "sequences"]
+__all__ = ["reads_prefix_cache", "sequences"]
 
 
 def reads_prefix_cache(body: dict[str, Any], chat: bool) -> bool:
@@ -35,8 +35,3 @@ def sequences(body: dict[str, Any]) -> int:
     """The request's ``n``: the child requests vLLM runs for it (1 unless a valid n > 1)."""
     n = body.get("n")
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
-
-
-def reports_one_lookup(body: dict[str, Any]) -> bool:
-    """False when vLLM's ``cached_tokens`` for ``body`` is not what one cache lookup found."""
-    return sequences(body) == 1

@@ -26,7 +26,7 @@ from indexer.index import EngineId, PrefixIndex, PrefixMatch
 from indexer.subscriber import SourceStatus, Subscriber
 from router import proxy
 from router.admission import Admission, make_admission
-from router.cache_read import reads_prefix_cache, reports_one_lookup, sequences
+from router.cache_read import reads_prefix_cache, sequences
 from router.candidates import build_candidates, record_sent, speculative_hits
 from router.config import Config, WorkerSpec, upstream_api_key
 from router.discovery import Discovery
@@ -522,9 +522,9 @@ class Router:
         if session is not None and tok is not None and len(tok.keys) and not dry_run:
             self.sessions.bind(session, decision.engine, tok.n_tokens, tok.keys[-1], now)
         churn = {c.engine: self.index.churn(c.engine) for c in cands}
-        verifiable = reads_cache and reports_one_lookup(body)
+        n = sequences(body)  # with n > 1, vLLM's cached_tokens is not one lookup's
         return RouteResult(
-            decision, tok, ns, matches, cands, err, churn, reads_cache, verifiable, sequences(body)
+            decision, tok, ns, matches, cands, err, churn, reads_cache, reads_cache and n == 1, n
         )
 
     async def _tokenize(

@@ -318,12 +318,13 @@ class Worker:
         )
         if partial:
             self.first_tokens_partial[rank] = partial
-        if not oldest or unseen <= 0:
-            for request in oldest:
-                request.engine_first_token(now)
-            return len(oldest)
         window = None  # (the unseen first tokens' mean time to first token, the last poll)
-        if ttft_sum is not None and last_ttft is not None and ttft_sum >= last_ttft[0]:
+        if (
+            unseen > 0
+            and ttft_sum is not None
+            and last_ttft is not None
+            and ttft_sum >= last_ttft[0]
+        ):
             window = (max(ttft_sum - last_ttft[0] - seen_ttft, 0.0) / unseen, last_ttft[1])
         for request in oldest:  # each release leaves ``self.buffered``
             at = now

@@ -279,7 +279,8 @@ async def test_parallel_sampling_is_served_whole_and_left_out_of_verification():
                     assert [ch["index"] for ch in doc["choices"]] == [0, 1, 2, 3]
                     assert doc["usage"]["completion_tokens"] == 12
                     reported.append(doc["usage"]["prompt_tokens_details"]["cached_tokens"])
-            assert min(reported) > 0, reported  # fresh prompts, yet a child found them cached
+            # A later child finds the blocks the first one allocated: fresh prompts report hits.
+            assert min(reported) > 0, reported
             greedy = {"model": "sim-model", "prompt": "x", "n": 2, "temperature": 0}
             refused = await c.post(base + "/v1/completions", json=greedy)
             assert refused.status_code == 400 and "greedy" in refused.text, refused.text
