@@ -81,7 +81,8 @@ class RouteResult(msgspec.Struct):
     (router/cache_read.py): no hit is predicted and the outcome is not verified."""
     verifiable: bool = True
     """False when the worker's ``cached_tokens`` cannot be checked against the prediction: no
-    cache read, or not one lookup's figure (``n`` > 1, router/cache_read.py)."""
+    cache read, not one lookup's figure (``n`` > 1, router/cache_read.py), or a prompt vLLM may
+    cut to a length the router does not know (router/truncation.py)."""
     sequences: int = 1
     """The request's ``n``: vLLM runs a child request per choice (load accounting)."""
 
@@ -523,9 +524,8 @@ class Router:
             self.sessions.bind(session, decision.engine, tok.n_tokens, tok.keys[-1], now)
         churn = {c.engine: self.index.churn(c.engine) for c in cands}
         n = sequences(body)  # with n > 1, vLLM's cached_tokens is not one lookup's
-        return RouteResult(
-            decision, tok, ns, matches, cands, err, churn, reads_cache, reads_cache and n == 1, n
-        )
+        checkable = reads_cache and n == 1 and (tok is None or tok.verifiable)
+        return RouteResult(decision, tok, ns, matches, cands, err, churn, reads_cache, checkable, n)
 
     async def _tokenize(
         self,

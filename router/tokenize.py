@@ -32,7 +32,7 @@ import re
 from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -41,6 +41,7 @@ import xxhash
 
 from indexer.keys import chain_keys, tokens_to_bytes
 from indexer.native import ids_from_json, ids_to_json
+from router.truncation import prefilled_window
 
 __all__ = ["LocalTokenizer", "PromptTokenizer", "TokenIds", "TokenizeError", "Tokenized"]
 
@@ -99,11 +100,15 @@ class Tokenized:
     GPU hit stops at ``n - 1`` tokens, but a CPU chunk may end exactly at ``n``."""
     root: int
     source: str
-    """"cache", "remote", "local", "ids", or "remote+prefix" (keys partly reused)."""
+    """"cache", "remote", "local", "ids", or "remote+prefix" (keys partly reused); "+truncated"
+    when the tokens are the window ``truncate_prompt_tokens`` keeps."""
     reused_keys: int = 0
     ids_json: bytes | None = None
     """The ids as the JSON array a worker sent, when this request just received them (not kept
     in the cache)."""
+    verifiable: bool = True
+    """False when vLLM may cut the prompt to a length the router does not know
+    (router/truncation.py): the worker's ``cached_tokens`` is then no check of the index."""
 
 
 class _TokResp(msgspec.Struct):
@@ -295,6 +300,41 @@ class PromptTokenizer:
         root: int,
         remote: RemoteCall | None,
     ) -> Tokenized:
+        """The tokens vLLM prefills for ``body``: its whole prompt, or the window
+        ``truncate_prompt_tokens`` keeps of it (router/truncation.py). TokenizeError when there
+        is no prompt, no worker to tokenize it, or no window the router can know."""
+        tok = await self._tokenize_whole(body, chat, root, remote)
+        window = prefilled_window(
+            body, tok.n_tokens, text_with_specials=self.text_with_specials(body, chat)
+        )
+        if isinstance(window, str):
+            raise TokenizeError(window)
+        if window.whole(tok.n_tokens):
+            if not window.verifiable:
+                tok = replace(tok, verifiable=False)
+            return tok
+        data = tok.data[window.start * 4 : window.stop * 4]
+        n = window.stop - window.start
+        return Tokenized(n, data, self._keys(data, n, root), root, tok.source + "+truncated")
+
+    @staticmethod
+    def text_with_specials(body: dict[str, Any], chat: bool) -> bool:
+        """Whether the prompt's tokens come from text tokenized with special tokens added
+        (vLLM's defaults: yes for a completion's text prompt, no for a chat)."""
+        if chat:
+            return bool(body.get("add_special_tokens", False))
+        p = body.get("prompt")
+        if isinstance(p, list) and p:
+            p = p[0]
+        return isinstance(p, str) and bool(body.get("add_special_tokens", True))
+
+    async def _tokenize_whole(
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        root: int,
+        remote: RemoteCall | None,
+    ) -> Tokenized:
         payload = self.tokenize_payload(body, chat)
         if payload is None:
             raise TokenizeError("request has no prompt or messages to tokenize")
@@ -377,6 +417,8 @@ class PromptTokenizer:
         """
         if self.local is not None or tok.source == "ids" or body.get("echo"):
             return None
+        if body.get("truncate_prompt_tokens") is not None:
+            return None  # vLLM truncates text and ids differently (router/truncation.py)
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1:
             p = p[0]

@@ -52,6 +52,16 @@ class HFTokenizer:
         ids: list[int] = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
+    def encode_keep_last(self, text: str, k: int) -> list[int]:
+        """``text`` with special tokens, truncated to ``k`` tokens from the left as a Hugging
+        Face tokenizer truncates: the text's tokens are cut, then the specials are added."""
+        self.tok.enable_truncation(k, direction="left")
+        try:
+            ids: list[int] = self.tok.encode(text, add_special_tokens=True).ids
+        finally:
+            self.tok.no_truncation()
+        return ids
+
     def decode(self, ids: list[int]) -> str:
         text: str = self.tok.decode(ids, skip_special_tokens=False)
         return text

@@ -244,6 +244,39 @@ class Worker:
             raise ApiError(400, "prompt must not be empty", param="prompt")
         return ids
 
+    def _truncated(
+        self, data: dict[str, Any], ids: list[int], text: str | None, chat: bool
+    ) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens`` (0.32 ``TokenizeParams``): keep the last ``k``
+        tokens (``truncation_side`` "left", a generative model's default) or the first ``k``;
+        ``-1`` is the model's context, less one token when the request sets its output length.
+        ``text``: the prompt when it is text tokenized with special tokens; without an explicit
+        side the tokenizer truncates it, then adds its specials."""
+        k, side = data.get("truncate_prompt_tokens"), data.get("truncation_side")
+        if k is None:
+            return ids
+        if type(k) is not int or k < -1:
+            raise ApiError(400, "truncate_prompt_tokens must be an integer >= -1", param="prompt")
+        if side not in (None, "left", "right"):
+            raise ApiError(400, "`truncation_side` must be either 'left' or 'right'.")
+        mml = self.s.engine.max_model_len
+        if k > mml:
+            raise ApiError(
+                400,
+                f"truncate_prompt_tokens={k} cannot be greater than max_model_len={mml}. "
+                "Please request a smaller truncation size.",
+                param="truncate_prompt_tokens",
+            )
+        if k == -1:
+            output = data.get("max_completion_tokens") if chat else None
+            output = output if output is not None else data.get("max_tokens")
+            k = mml - 1 if output else mml
+        if k >= len(ids):
+            return ids
+        if text is not None and side is None:
+            return self.tokenizer.encode_keep_last(text, k)
+        return ids[:k] if side == "right" else ids[len(ids) - k :]
+
     def chat_ids(self, data: dict[str, Any]) -> list[int]:
         agp = data.get("add_generation_prompt", True)
         cfm = data.get("continue_final_message", False)
@@ -313,12 +346,15 @@ class Worker:
     # ---- generation --------------------------------------------------------------------------
     def _generation(self, data: dict[str, Any], chat: bool) -> Generation:
         lora = self.check_model(data)
-        ids = (
-            self.chat_ids(data)
-            if chat
-            else self._prompt_ids(data.get("prompt"), data.get("add_special_tokens", True) is True)
-        )
+        specials = data.get("add_special_tokens", True) is True
+        ids = self.chat_ids(data) if chat else self._prompt_ids(data.get("prompt"), specials)
         p = data.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+            p = p[0]
+        text = p if not chat and isinstance(p, str) and specials else None
+        ids = self._truncated(data, ids, text, chat)
+        if not ids:
+            raise ApiError(400, "The decoder prompt cannot be empty", param="prompt")
         if chat:
             form = "chat"
         elif isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], str)):

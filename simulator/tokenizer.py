@@ -79,6 +79,11 @@ class Tokenizer:
                 out.extend(_PIECE_RE.findall(part))
         return out
 
+    def encode_keep_last(self, text: str, k: int) -> list[int]:
+        """``text`` truncated to its last ``k`` tokens (this vocabulary adds no specials)."""
+        ids = self.encode(text)
+        return ids[len(ids) - k :] if k < len(ids) else ids
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # Equal to [id of p for p in self.pieces(text)], by a faster route: prompts of tens of
         # thousands of tokens must tokenize in milliseconds, as vLLM's Rust tokenizers do.

@@ -37,6 +37,11 @@ from vLLM's replay), and vLLM stopped and started again on the same ports while 
 runs (its event socket dialled as soon as the worker answers, the restart found from the
 seqs): every prediction equal to vLLM's cached tokens.
 
+A fifth, on the dense model, cuts prompts with ``truncate_prompt_tokens`` (token ids and chats,
+from the left and the right): every prediction equal to vLLM's cached tokens for the window it
+kept; a window the router cannot know (text with special tokens, ``-1``) is served and not
+scored.
+
 Before each request the test waits until vLLM's event stream has been quiet for ``QUIET_S`` and
 the router has applied the last frame a second subscriber saw, so that a prediction is made on
 everything vLLM published for the earlier requests (the captures of scripts/record_captures.py
@@ -45,7 +50,8 @@ are recorded the same way).
 Runtime on two shared cores: the venv, when absent, about 80 s; per kind, vLLM's start-up
 (25 s idle, minutes under load) plus 54 requests (60 with offloading), each under a second of
 compute plus the quiet time: 60 to 110 s per kind when the machine is otherwise idle, the
-speculative test about 50 s per model, the lifecycle test about 75 s: about 25 minutes in all.
+speculative test about 50 s per model, the lifecycle test about 75 s, the truncation test about
+40 s: about 25 minutes in all.
 Each test is bounded by its timeout.
 
     KVROUTER_REAL_VLLM=1 KVROUTER_VLLM_VENV=/path/to/venv PYTHONPATH=$PWD \\
@@ -768,3 +774,75 @@ async def _first_of_two_waiting(
         valid = await holds(both_sent, 30) and await full()
     await asyncio.gather(*tasks, *decodes)
     return order if valid else None
+
+
+async def test_truncated_prompts_on_real_vllm(
+    vllm_python: Path, models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``truncate_prompt_tokens`` on the dense model: token ids and chats cut from the left and
+    the right, each prediction equal to vLLM's cached tokens for the window it kept; text with
+    special tokens cut without an explicit side (the tokenizer decides what stays) and ``-1``
+    are served and never scored against the index."""
+    py = vllm_python
+    kind = KINDS["dense"]
+    model = write_model(py, kind.model, models / kind.model)
+    rng = random.Random(SEED + 5)
+    head = [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(300)]
+    with serve(py, kind, model, tmp_path / "vllm.log", None) as served:
+        assert served.events is not None
+        tap = EventTap(served.events, bind=False)
+        try:
+            async with serve_router(_config(served)) as (base, _router):
+                await _router_ready(base)
+                sender = ThroughRouter(base, [tap])
+                chat = {"messages": [{"role": "user", "content": "truncated " * 40}]}
+
+                def scenario() -> tuple[list[int], dict[str, int]]:
+                    plan: list[tuple[str, dict[str, Any], bool]] = [
+                        ("whole", {"prompt": head}, False),
+                        ("left-100", {"prompt": head, "truncate_prompt_tokens": 100}, False),
+                        ("left-100-again", {"prompt": head, "truncate_prompt_tokens": 100}, False),
+                        ("right-150", {"prompt": head, "truncate_prompt_tokens": 150,
+                                       "truncation_side": "right"}, False),
+                        ("left-explicit-100", {"prompt": head, "truncate_prompt_tokens": 100,
+                                               "truncation_side": "left"}, False),
+                        ("fits-1000", {"prompt": head, "truncate_prompt_tokens": 1000}, False),
+                        ("chat-left-80", {**chat, "truncate_prompt_tokens": 80}, True),
+                        ("chat-left-80-again", {**chat, "truncate_prompt_tokens": 80}, True),
+                        ("chat-whole", chat, True),
+                    ]  # fmt: skip
+                    for label, body, is_chat in plan:
+                        sender.send(label, {**body, "max_tokens": 2}, is_chat)
+                    samples = _verified(sender.engines())["samples"]
+                    unscored: dict[str, int] = {}
+                    text = " ".join(f"word{i}" for i in range(200))
+                    for label, extra in {
+                        "text-left-50": {"truncate_prompt_tokens": 50},
+                        "minus-one": {"truncate_prompt_tokens": -1},
+                    }.items():
+                        body = request_body({"prompt": text, "max_tokens": 2, **extra})
+                        r = sender.client.post(base + "/v1/completions", json=body)
+                        assert r.status_code == 200, (label, r.text)
+                        unscored[label] = r.json()["usage"]["prompt_tokens"]
+                    after = _verified(sender.engines())["samples"]
+                    assert after == samples, (samples, after)
+                    return [samples], unscored
+
+                _, unscored = await asyncio.to_thread(scenario)
+                sender.client.close()
+        finally:
+            tap.close()
+    out = sender.outcomes
+    wrong = [f"{o.label}: {o.predicted} vs {o.cached}" for o in out if o.predicted != o.cached]
+    hits = {o.label: o.cached for o in out}
+    with capsys.disabled():
+        print(
+            f"\n[real vLLM {VLLM_VERSION} dense: truncate_prompt_tokens] "
+            f"{len(out) - len(wrong)}/{len(out)} predictions == cached_tokens; {hits}; "
+            f"unscored prompt_tokens {unscored}"
+        )
+    assert wrong == [], wrong
+    assert hits["left-100"] == 0 and hits["left-100-again"] > 0, hits
+    assert hits["right-150"] > 0 and hits["left-explicit-100"] == hits["left-100-again"], hits
+    assert hits["fits-1000"] > 0 and hits["chat-left-80-again"] > 0, hits
+    assert unscored["text-left-50"] == 50, unscored
