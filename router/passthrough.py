@@ -70,7 +70,8 @@ def chat_messages(path: str, body: dict[str, Any]) -> list[dict[str, str]] | Non
 
 def routing_body(body: dict[str, Any] | None, messages: list[dict[str, str]] | None) -> dict:
     """What the router routes such a request by: its model and, when it has them, its prompt
-    as chat messages with what changes their tokens (``cache_salt``, template arguments)."""
+    as chat messages with what changes their tokens (``cache_salt``, template arguments,
+    truncation)."""
     model = body.get("model") if body is not None else None
     routed: dict[str, Any] = {"model": model} if model is not None else {}
     if messages is not None and body is not None:
@@ -78,6 +79,10 @@ def routing_body(body: dict[str, Any] | None, messages: list[dict[str, str]] | N
         for k in ("cache_salt", "chat_template_kwargs"):
             if k in body:
                 routed[k] = body[k]
+        if body.get("truncation", "disabled") not in (None, "disabled"):
+            # A Responses request's ``truncation: auto`` is vLLM's ``truncate_prompt_tokens: -1``
+            # (router/truncation.py): cut only past the model's context.
+            routed["truncate_prompt_tokens"] = -1
     return routed
 
 

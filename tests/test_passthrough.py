@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from test_router_support import config_for, serve_app, serve_router, stand_in_worker, until
 
-from router.passthrough import chat_messages
+from router.passthrough import chat_messages, routing_body
 
 _PATHS = [
     "/v1/responses",
@@ -110,3 +110,13 @@ async def test_a_streamed_response_passes_chunk_by_chunk() -> None:
             got = b"".join([x async for x in r.aiter_raw()])
         assert r.headers["content-type"].startswith("text/event-stream")
         assert got.startswith(b"event: a\ndata: ") and got.endswith(b"data: [DONE]\n\n")
+
+
+def test_a_responses_request_that_may_be_truncated_is_routed_as_vllm_serves_it() -> None:
+    """vLLM serves ``truncation: auto`` as ``truncate_prompt_tokens: -1``."""
+    msgs = [{"role": "user", "content": "a"}]
+    body = {"model": "m", "input": "a"}
+    assert "truncate_prompt_tokens" not in routing_body(body, msgs)
+    assert "truncate_prompt_tokens" not in routing_body({**body, "truncation": "disabled"}, msgs)
+    auto = routing_body({**body, "truncation": "auto"}, msgs)
+    assert auto == {"model": "m", "messages": msgs, "truncate_prompt_tokens": -1}
