@@ -2,7 +2,8 @@
 
 Default (``tokenizer.mode: remote``): ask a worker's ``POST /tokenize`` -- chat form for chat
 requests (the worker's own chat template renders ``messages`` with the request's
-``add_generation_prompt`` / ``continue_final_message`` / ``chat_template_kwargs`` / ``tools``),
+``add_generation_prompt`` / ``continue_final_message`` / ``chat_template_kwargs`` / ``tools``,
+and ``documents`` / ``reasoning_effort`` passed inside the kwargs: :func:`template_arguments`),
 prompt form for completions (``add_special_tokens`` defaults to true). A completion whose
 ``prompt`` is already token ids is not tokenized at all; one whose text prompt was tokenized
 here goes to the worker as those ids (:meth:`PromptTokenizer.upstream_ids`), so each prompt is
@@ -43,7 +44,14 @@ from indexer.keys import chain_keys, tokens_to_bytes
 from indexer.native import ids_from_json, ids_to_json
 from router.truncation import prefilled_window
 
-__all__ = ["LocalTokenizer", "PromptTokenizer", "TokenIds", "TokenizeError", "Tokenized"]
+__all__ = [
+    "LocalTokenizer",
+    "PromptTokenizer",
+    "TokenIds",
+    "TokenizeError",
+    "Tokenized",
+    "template_arguments",
+]
 
 log = logging.getLogger("kvrouter.tokenize")
 
@@ -59,6 +67,25 @@ CHAT_FORWARD_KEYS = (
 
 class TokenizeError(Exception):
     pass
+
+
+def template_arguments(body: dict[str, Any]) -> dict[str, Any]:
+    """What vLLM's chat endpoint hands the chat template beside ``chat_template_kwargs``, and
+    ``/tokenize`` takes only inside them (vLLM 0.32 ``build_chat_params``): ``documents`` and
+    ``reasoning_effort``, which override the kwargs, and ``enable_thinking`` from
+    ``reasoning_effort`` (``"none"``: off) unless the kwargs set it. A thinking model's
+    template renders a different prompt without them (Qwen3: an empty thinking block)."""
+    user = body.get("chat_template_kwargs")
+    if user is not None and not isinstance(user, dict):
+        return {}  # the worker refuses the request
+    out: dict[str, Any] = {}
+    for k in ("documents", "reasoning_effort"):
+        if body.get(k) is not None:
+            out[k] = body[k]
+    effort = body.get("reasoning_effort")
+    if effort is not None and "enable_thinking" not in (user or {}):
+        out["enable_thinking"] = effort != "none"
+    return out
 
 
 class TokenIds:
@@ -274,6 +301,12 @@ class PromptTokenizer:
             for k in CHAT_FORWARD_KEYS:
                 if k in body:
                     payload[k] = body[k]
+            extra = template_arguments(body)
+            if extra:
+                payload["chat_template_kwargs"] = {
+                    **(body.get("chat_template_kwargs") or {}),
+                    **extra,
+                }
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt:

@@ -75,6 +75,7 @@ class HFTokenizer:
         messages: Any,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        kwargs: dict[str, Any] | None = None,
     ) -> str:
         if self.template is None:
             raise ChatTemplateError("this model has no chat template")
@@ -85,7 +86,12 @@ class HFTokenizer:
         msgs = [{**m, "content": Tokenizer._content(m)} for m in messages]
         try:
             text: str = self.template.render(
-                messages=msgs, add_generation_prompt=add_generation_prompt, **self.special
+                **{
+                    **self.special,
+                    **(kwargs or {}),
+                    "messages": msgs,
+                    "add_generation_prompt": add_generation_prompt,
+                }
             )
         except self._template_error as e:
             raise ChatTemplateError(str(e)) from None
@@ -96,8 +102,9 @@ class HFTokenizer:
         messages: Any,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        text = self.render_chat(messages, add_generation_prompt, continue_final_message)
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message, kwargs)
         return self.encode(text, add_special_tokens=False)
 
 

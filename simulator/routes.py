@@ -134,6 +134,7 @@ def _add_tokenizer_routes(app: FastAPI, w: Worker) -> None:
                 data["messages"],
                 data.get("add_generation_prompt", True),
                 data.get("continue_final_message", False),
+                w.template_kwargs(data, completion=False),
             )
         elif isinstance(data.get("prompt"), str):
             text = data["prompt"]

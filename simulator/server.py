@@ -277,15 +277,38 @@ class Worker:
             return self.tokenizer.encode_keep_last(text, k)
         return ids[:k] if side == "right" else ids[len(ids) - k :]
 
-    def chat_ids(self, data: dict[str, Any]) -> list[int]:
+    def chat_ids(self, data: dict[str, Any], *, completion: bool = False) -> list[int]:
+        """A chat's prompt tokens; ``completion``: for ``/v1/chat/completions`` (else
+        ``/tokenize``, whose template sees fewer of the request's fields)."""
         agp = data.get("add_generation_prompt", True)
         cfm = data.get("continue_final_message", False)
         if not isinstance(agp, bool) or not isinstance(cfm, bool):
             raise ApiError(400, "add_generation_prompt/continue_final_message must be booleans")
+        kwargs = self.template_kwargs(data, completion=completion)
         try:
-            return self.tokenizer.encode_chat(data.get("messages"), agp, cfm)
+            return self.tokenizer.encode_chat(data.get("messages"), agp, cfm, kwargs)
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
+
+    @staticmethod
+    def template_kwargs(data: dict[str, Any], *, completion: bool) -> dict[str, Any]:
+        """What the chat template sees beside the messages (vLLM 0.32 ``build_chat_params``):
+        ``chat_template_kwargs``; on a chat completion also ``documents`` and
+        ``reasoning_effort``, which override them, and ``enable_thinking`` from
+        ``reasoning_effort`` (``"none"``: off) unless the kwargs set it. ``/tokenize`` takes
+        none of the three."""
+        user = data.get("chat_template_kwargs")
+        if user is not None and not isinstance(user, dict):
+            raise ApiError(400, "chat_template_kwargs must be an object")
+        kwargs = dict(user or {})
+        if completion:
+            for k in ("documents", "reasoning_effort"):
+                if data.get(k) is not None:
+                    kwargs[k] = data[k]
+            effort = data.get("reasoning_effort")
+            if effort is not None and "enable_thinking" not in (user or {}):
+                kwargs["enable_thinking"] = effort != "none"
+        return kwargs
 
     def _max_tokens(self, data: dict[str, Any], prompt_len: int, chat: bool) -> int:
         key = "max_completion_tokens" if chat and "max_completion_tokens" in data else "max_tokens"
@@ -347,7 +370,11 @@ class Worker:
     def _generation(self, data: dict[str, Any], chat: bool) -> Generation:
         lora = self.check_model(data)
         specials = data.get("add_special_tokens", True) is True
-        ids = self.chat_ids(data) if chat else self._prompt_ids(data.get("prompt"), specials)
+        ids = (
+            self.chat_ids(data, completion=True)
+            if chat
+            else self._prompt_ids(data.get("prompt"), specials)
+        )
         p = data.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
             p = p[0]

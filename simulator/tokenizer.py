@@ -164,7 +164,12 @@ class Tokenizer:
         messages: Any,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        kwargs: dict[str, Any] | None = None,
     ) -> str:
+        """The built-in template; of the template arguments it reads ``documents`` (a block
+        before the messages) and ``enable_thinking`` (false: an empty thinking block after the
+        generation prompt, as Qwen3's template writes)."""
+        kwargs = kwargs or {}
         if not isinstance(messages, list) or not messages:
             raise ChatTemplateError("'messages' must be a non-empty list")
         if add_generation_prompt and continue_final_message:
@@ -172,6 +177,11 @@ class Tokenizer:
                 "cannot set both add_generation_prompt and continue_final_message"
             )
         out = [] if self.template == "alt" else ["<s>"]
+        docs = kwargs.get("documents")
+        if isinstance(docs, list) and docs:
+            body = "\n".join(f"{d.get('title', '')}: {d.get('text', '')}" for d in docs
+                              if isinstance(d, dict))  # fmt: skip
+            out.append(f"<|documents|>\n{body}<|end|>\n")
         last = len(messages) - 1
         for i, m in enumerate(messages):
             content = self._content(m)
@@ -183,6 +193,8 @@ class Tokenizer:
                 out.append(f"<|{role}|>\n{content}" + ("<|end|>\n" if close else ""))
         if add_generation_prompt:
             out.append("<|im_start|>assistant\n" if self.template == "alt" else "<|assistant|>\n")
+            if kwargs.get("enable_thinking") is False:
+                out.append("<think>\n\n</think>\n\n")
         return "".join(out)
 
     def encode_chat(
@@ -190,7 +202,8 @@ class Tokenizer:
         messages: Any,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         return self.encode(
-            self.render_chat(messages, add_generation_prompt, continue_final_message)
+            self.render_chat(messages, add_generation_prompt, continue_final_message, kwargs)
         )

@@ -63,8 +63,14 @@ MAX_LEN = 1024
 VOCAB = 2048
 SERVED = "tiny"
 CHAT_TEMPLATE = (
+    # documents and a thinking switch, as RAG and thinking models' templates read them: a
+    # chat that sets neither renders as the captures were recorded.
+    "{% if documents is defined and documents %}<s><|documents|>\n{% for d in documents %}"
+    "{{ d['title'] }}: {{ d['text'] }}\n{% endfor %}<|end|>\n{% endif %}"
     "{% for m in messages %}<s><|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    "{% if add_generation_prompt %}<|assistant|>\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>\n{% endif %}"
+    "{% endif %}"
 )
 HEALTHY_WITHIN_S = 600.0  # two shared cores: start-up takes 25 s idle, minutes under load
 

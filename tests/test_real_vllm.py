@@ -37,10 +37,11 @@ from vLLM's replay), and vLLM stopped and started again on the same ports while 
 runs (its event socket dialled as soon as the worker answers, the restart found from the
 seqs): every prediction equal to vLLM's cached tokens.
 
-A fifth, on the dense model, cuts prompts with ``truncate_prompt_tokens`` (token ids and chats,
-from the left and the right): every prediction equal to vLLM's cached tokens for the window it
-kept; a window the router cannot know (text with special tokens, ``-1``) is served and not
-scored.
+A fifth, on the dense model, sends request fields that change what vLLM prefills: prompts cut
+with ``truncate_prompt_tokens`` (token ids and chats, from the left and the right), every
+prediction equal to vLLM's cached tokens for the window it kept, a window the router cannot know
+(text with special tokens, ``-1``) served and not scored; and chats with ``reasoning_effort`` and
+``documents``, which the model's template reads.
 
 Before each request the test waits until vLLM's event stream has been quiet for ``QUIET_S`` and
 the router has applied the last frame a second subscriber saw, so that a prediction is made on
@@ -50,8 +51,8 @@ are recorded the same way).
 Runtime on two shared cores: the venv, when absent, about 80 s; per kind, vLLM's start-up
 (25 s idle, minutes under load) plus 54 requests (60 with offloading), each under a second of
 compute plus the quiet time: 60 to 110 s per kind when the machine is otherwise idle, the
-speculative test about 50 s per model, the lifecycle test about 75 s, the truncation test about
-40 s: about 25 minutes in all.
+speculative test about 50 s per model, the lifecycle test about 75 s, the fifth test about 45 s:
+about 25 minutes in all.
 Each test is bounded by its timeout.
 
     KVROUTER_REAL_VLLM=1 KVROUTER_VLLM_VENV=/path/to/venv PYTHONPATH=$PWD \\
@@ -776,13 +777,15 @@ async def _first_of_two_waiting(
     return order if valid else None
 
 
-async def test_truncated_prompts_on_real_vllm(
+async def test_request_fields_that_change_the_prefilled_prompt_on_real_vllm(
     vllm_python: Path, models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``truncate_prompt_tokens`` on the dense model: token ids and chats cut from the left and
-    the right, each prediction equal to vLLM's cached tokens for the window it kept; text with
-    special tokens cut without an explicit side (the tokenizer decides what stays) and ``-1``
-    are served and never scored against the index."""
+    """On the dense model, request fields that change what vLLM prefills:
+    ``truncate_prompt_tokens`` (token ids and chats cut from the left and the right, each
+    prediction equal to vLLM's cached tokens for the window it kept; text with special tokens
+    cut without an explicit side, where the tokenizer decides what stays, and ``-1`` served and
+    never scored against the index), and a chat's ``reasoning_effort`` and ``documents``, which
+    vLLM's chat template sees and ``/tokenize`` only inside ``chat_template_kwargs``."""
     py = vllm_python
     kind = KINDS["dense"]
     model = write_model(py, kind.model, models / kind.model)
@@ -796,6 +799,7 @@ async def test_truncated_prompts_on_real_vllm(
                 await _router_ready(base)
                 sender = ThroughRouter(base, [tap])
                 chat = {"messages": [{"role": "user", "content": "truncated " * 40}]}
+                docs = [{"title": "manual", "text": "the pump starts when the valve opens"}]
 
                 def scenario() -> tuple[list[int], dict[str, int]]:
                     plan: list[tuple[str, dict[str, Any], bool]] = [
@@ -810,6 +814,10 @@ async def test_truncated_prompts_on_real_vllm(
                         ("chat-left-80", {**chat, "truncate_prompt_tokens": 80}, True),
                         ("chat-left-80-again", {**chat, "truncate_prompt_tokens": 80}, True),
                         ("chat-whole", chat, True),
+                        ("chat-no-thinking", {**chat, "reasoning_effort": "none"}, True),
+                        ("chat-no-thinking-again", {**chat, "reasoning_effort": "none"}, True),
+                        ("chat-documents", {**chat, "documents": docs}, True),
+                        ("chat-documents-again", {**chat, "documents": docs}, True),
                     ]  # fmt: skip
                     for label, body, is_chat in plan:
                         sender.send(label, {**body, "max_tokens": 2}, is_chat)
@@ -837,7 +845,7 @@ async def test_truncated_prompts_on_real_vllm(
     hits = {o.label: o.cached for o in out}
     with capsys.disabled():
         print(
-            f"\n[real vLLM {VLLM_VERSION} dense: truncate_prompt_tokens] "
+            f"\n[real vLLM {VLLM_VERSION} dense: truncation, template arguments] "
             f"{len(out) - len(wrong)}/{len(out)} predictions == cached_tokens; {hits}; "
             f"unscored prompt_tokens {unscored}"
         )
@@ -846,3 +854,5 @@ async def test_truncated_prompts_on_real_vllm(
     assert hits["right-150"] > 0 and hits["left-explicit-100"] == hits["left-100-again"], hits
     assert hits["fits-1000"] > 0 and hits["chat-left-80-again"] > 0, hits
     assert unscored["text-left-50"] == 50, unscored
+    for label in ("chat-no-thinking-again", "chat-documents-again"):
+        assert hits[label] > 0, hits

@@ -1,0 +1,86 @@
+"""A chat's ``documents`` and ``reasoning_effort`` reach vLLM's chat template but not
+``/tokenize``'s unless passed inside ``chat_template_kwargs``: the router passes them there
+(router/tokenize.py ``template_arguments``) and counts the tokens vLLM prefills, against
+simulated workers whose template reads them as vLLM 0.32 hands them over."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from test_router_support import config_for, serve_router, until
+
+from router.tokenize import PromptTokenizer, template_arguments
+from simulator.testing import running_fleet
+
+pytestmark = pytest.mark.timeout(120)
+
+FAST = {"decode_ms": 1, "prefill_tps": 400000, "step_overhead_ms": 0.1}
+DOCS = [{"title": "manual", "text": "the pump starts when the valve opens"}]
+
+
+def test_what_the_template_sees_beside_the_kwargs() -> None:
+    assert template_arguments({}) == {}
+    assert template_arguments({"reasoning_effort": "none"}) == {
+        "reasoning_effort": "none",
+        "enable_thinking": False,
+    }
+    assert template_arguments({"reasoning_effort": "high"})["enable_thinking"] is True
+    # The client's own enable_thinking stands; documents override the kwargs' documents.
+    body = {
+        "reasoning_effort": "none",
+        "documents": DOCS,
+        "chat_template_kwargs": {"enable_thinking": True, "documents": []},
+    }
+    assert template_arguments(body) == {"reasoning_effort": "none", "documents": DOCS}
+    assert template_arguments({"documents": DOCS, "chat_template_kwargs": "bad"}) == {}
+    payload = PromptTokenizer.tokenize_payload(
+        {"model": "m", "messages": [], "reasoning_effort": "low", "chat_template_kwargs": None},
+        True,
+    )
+    assert isinstance(payload, dict)
+    assert payload["chat_template_kwargs"] == {"reasoning_effort": "low", "enable_thinking": True}
+
+
+async def test_a_thinking_switch_and_documents_are_counted_as_the_worker_renders_them() -> None:
+    with running_fleet(1, **FAST) as ws:
+        url = ws[0].url
+        async with (
+            serve_router(config_for(ws)) as (base, router),
+            httpx.AsyncClient(timeout=30) as c,
+        ):
+            await until(lambda: all(w.subscribed for w in router.registry.workers.values()), 20)
+            question = " ".join(f"q{i}" for i in range(120))
+            chat: dict[str, Any] = {
+                "model": "sim-model",
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": 1,
+            }
+            plain = (await c.post(base + "/debug/route", json=chat)).json()["prompt_tokens"]
+            for extra in ({"reasoning_effort": "none"}, {"documents": DOCS}):
+                body = {**chat, **extra}
+                for turn in range(2):
+                    e = (await c.post(base + "/debug/route", json=body)).json()
+                    r = await c.post(base + "/v1/chat/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    usage = r.json()["usage"]
+                    assert e["prompt_tokens"] == usage["prompt_tokens"] != plain, (extra, e)
+                    (row,) = e["workers"]
+                    cached = usage["prompt_tokens_details"]["cached_tokens"]
+                    assert row["gpu_hit_tokens"] == cached, (extra, turn, row, cached)
+                    if turn == 0:
+                        await until(
+                            lambda b=body: _hit(c, base, b),
+                            10,
+                            "the chat's events",
+                        )
+                    else:
+                        assert cached > 0
+            st = router.verifier.state((url, 0))
+            assert (st.tokens_mismatches, st.over, st.under) == (0, 0, 0)
+
+
+async def _hit(c: httpx.AsyncClient, base: str, body: dict[str, Any]) -> bool:
+    e = (await c.post(base + "/debug/route", json=body)).json()
+    return e["workers"][0]["gpu_hit_tokens"] > 0
