@@ -20,8 +20,10 @@ local and connector-loaded tokens alike) and how many prompt tokens it saw
   from the router's count), ``block_size_mismatch`` (``cached_tokens`` are not multiples of the
   block size the events declare), ``lost_events`` (sequence gaps, failed replays, resets, a
   degraded source), else ``unknown``.
-* resets vLLM does not announce: the worker's prefix-cache counters going backwards (a process
-  restart the subscriber has not seen yet) or ``verify.reset_after_misses`` consecutive requests
+* resets vLLM does not announce (yet): the worker's prefix-cache counters going backwards (a
+  process restart the subscriber has not seen yet), the engine seen asleep at level 1 or 2
+  (``vllm:engine_sleep_state``; vLLM announces the cache it dropped only after waking), or
+  ``verify.reset_after_misses`` consecutive requests
   whose predicted hit collapsed (the worker found nothing, or nothing of the predicted CPU
   extension) make the router drop that engine from the index (``index.clear_engine``). Why not
   ``vllm:kv_cache_usage_perc``: vLLM counts cached-but-unused blocks as free, so that gauge is ~0
@@ -114,6 +116,9 @@ class EngineVerification:
     sub_restarts_seen: int = 0
     index_resets: dict[str, int] = field(default_factory=dict)
     last_reset: str | None = None
+    slept: bool = False
+    """The engine was seen asleep at level 1 or 2 and not awake since (its index is cleared
+    once per sleep)."""
 
     def accuracy(self) -> float | None:
         if not self.window:
@@ -351,13 +356,24 @@ class Verifier:
         log.warning("index of %s (dp rank %d) reset: %s", engine[0], engine[1], detail)
 
     def on_metrics(self, url: str, per_rank: dict[int, dict[str, float]]) -> None:
-        """The worker's /metrics (parsed per DP rank): counter deltas and restart detection."""
+        """The worker's /metrics (parsed per DP rank): counter deltas, restart detection, and
+        sleep at level 1 or 2, which drops the prefix cache: vLLM announces that only with the
+        first step after ``/wake_up``, and the first request there would be credited blocks
+        that are gone."""
         for rank, vals in per_rank.items():
+            e = (url, rank)
+            dropped = vals.get("sleep_weights_offloaded", 0) or vals.get("sleep_discard_all", 0)
+            if dropped and not self.state(e).slept:
+                self.state(e).slept = True
+                self.reset_engine(
+                    e, "sleep", "the engine sleeps at level 1 or 2, which drops its prefix cache"
+                )
+            elif vals.get("sleep_awake", 0):
+                self.state(e).slept = False
             hits = vals.get("prefix_hits")
             queries = vals.get("prefix_queries")
             if hits is None or queries is None:
                 continue
-            e = (url, rank)
             st = self.state(e)
             sub = self.sub_status(e)
             restarts = (getattr(sub, "restarts", 0) + getattr(sub, "resets", 0)) if sub else 0

@@ -6,7 +6,8 @@ data-parallel rank, which is what the index and the policy see. Background loops
 * ``GET /health`` and ``GET /metrics`` every ``poll_interval_s`` with bounded timeouts; a worker
   that fails its health check is skipped until it passes again, and so is one whose /metrics
   has shown an engine with requests waiting and none running for ``stall_after_s`` (a stalled
-  scheduler: vLLM's deadlock under KV pressure keeps /health answering while nothing runs);
+  scheduler: vLLM's deadlock under KV pressure keeps /health answering while nothing runs),
+  and at once one that /metrics shows asleep (vLLM's sleep mode: requests wait for a wake-up);
   the requests this router has waiting there for a first token are told (``StallListener``),
   and the proxy takes them back; each poll's count of first tokens
   (``vllm:time_to_first_token_seconds_count``) releases the queued prefill of requests whose
@@ -59,7 +60,11 @@ _WANTED = {
     # one per request at its first token: releases buffered requests' prefill (see Worker)
     "vllm:time_to_first_token_seconds_count": "first_tokens",
     "vllm:time_to_first_token_seconds_sum": "ttft_sum",
+    # sleep mode: sleep_awake 0 while asleep; sleep_weights_offloaded / sleep_discard_all 1 at
+    # levels 1 / 2, which drop the prefix cache
+    "vllm:engine_sleep_state": "sleep",
 }
+_SLEEP = "sleep"
 
 
 def parse_vllm_metrics(text: str) -> dict[int, dict[str, float]]:
@@ -77,6 +82,11 @@ def parse_vllm_metrics(text: str) -> dict[int, dict[str, float]]:
         if brace >= 0:
             end = line.find("}", brace)
             labels = line[brace + 1 : end]
+            if field_name == _SLEEP:  # one line per state: its field is the state's name
+                pos = labels.find('sleep_state="')
+                if pos < 0:
+                    continue
+                field_name = "sleep_" + labels[pos + 13 : labels.find('"', pos + 13)]
             pos = labels.find('engine="')
             if pos >= 0:
                 val = labels[pos + 8 : labels.find('"', pos + 8)]
@@ -645,7 +655,8 @@ class WorkerRegistry:
 
     def _observe_stall(self, w: Worker, parsed: dict[int, dict[str, float]], now: float) -> None:
         """Take an engine of ``w`` out of routing while it has had requests waiting and none
-        running for ``stall_after_s``; back in at the first poll that shows otherwise.
+        running for ``stall_after_s``, or at once while it sleeps (vLLM's sleep mode); back in
+        at the first poll that shows otherwise.
 
         An engine with nothing running admits a waiting request at its next step unless its
         scheduler cannot: a CPU load in flight takes milliseconds to seconds, a deadlocked
@@ -665,7 +676,10 @@ class WorkerRegistry:
                 del w.stuck_since[rank]
         for rank in stuck:
             w.stuck_since.setdefault(rank, now)
-        stalled = frozenset(r for r, t in w.stuck_since.items() if now - t >= self.stall_after_s)
+        # vLLM's sleep mode: an engine asleep takes requests and runs none until woken.
+        asleep = frozenset(r for r, v in parsed.items() if v.get("sleep_awake", 1.0) == 0)
+        stuck_long = {r for r, t in w.stuck_since.items() if now - t >= self.stall_after_s}
+        stalled = asleep | stuck_long
         if stalled == w.stalled_ranks:
             return
         new = stalled - w.stalled_ranks
@@ -674,13 +688,22 @@ class WorkerRegistry:
             w.stalled = None
             log.warning("worker %s runs requests again: routable", w.url)
             return
-        waiting = sum(int(parsed[r].get("waiting", 0)) for r in stalled)
-        age = max(now - w.stuck_since[r] for r in stalled)
-        w.stalled = (
-            f"DP rank(s) {sorted(stalled)}: {waiting} requests waiting and none running for "
-            f"{age:.0f} s; its scheduler admits nothing (vLLM deadlocks this way under KV "
-            "pressure while /health answers): restart the worker"
-        )
+        why = []
+        if asleep:
+            why.append(
+                f"DP rank(s) {sorted(asleep)} asleep (vLLM sleep mode): nothing runs there "
+                "until POST /wake_up"
+            )
+        if stuck_long - asleep:
+            ranks = sorted(stuck_long - asleep)
+            waiting = sum(int(parsed[r].get("waiting", 0)) for r in ranks)
+            age = max(now - w.stuck_since[r] for r in ranks)
+            why.append(
+                f"DP rank(s) {ranks}: {waiting} requests waiting and none running for "
+                f"{age:.0f} s; its scheduler admits nothing (vLLM deadlocks this way under KV "
+                "pressure while /health answers): restart the worker"
+            )
+        w.stalled = "; ".join(why)
         log.warning("worker %s: engines skipped as stalled: %s", w.url, w.stalled)
         for rank in new:
             for waiting_request in list(w.awaiting_first.get(rank, ())):

@@ -119,6 +119,8 @@ class SimEngine:
         self._build()
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.sleep_level: int | None = None
+        """vLLM's sleep mode: the level while asleep (the scheduler admits nothing), else None."""
         self.external_queries = 0
         self.external_hits = 0
         self.ttft_buckets = [0] * len(TTFT_BUCKETS_S)
@@ -302,6 +304,7 @@ class SimEngine:
     def restart(self) -> None:
         """Full engine restart: every request dropped and the cache emptied, no events."""
         self._build()
+        self.sleep_level = None
 
     # ---- stepping --------------------------------------------------------------------------
     def _step_duration(self, prefill: int, decode: int, load: int) -> float:
@@ -423,7 +426,7 @@ class SimEngine:
         blocks that only their completion frees, and nothing runs again: the KV-offloading
         deadlock vLLM avoids by keeping such loads from queuing behind requests holding none."""
         c, kv = self.config, self.kv
-        if not c.admit_waiting:
+        if not c.admit_waiting or self.sleep_level is not None:
             return 0
         added = 0
         skipped: list[Request] = []

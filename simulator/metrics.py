@@ -64,6 +64,23 @@ def metrics_text(model: str, runners: list[EngineRunner], extra: Iterable[str] =
         "External prefix cache hits from KV connector, in terms of number of tokens.",
         [(r.dp_rank, float(r.engine.external_hits)) for r in rs],
     )
+    name = "vllm:engine_sleep_state"
+    lines.append(
+        f"# HELP {name} Engine sleep state; awake = 0 means engine is sleeping; awake = 1 "
+        "means engine is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 "
+        "means sleep level 2."
+    )
+    lines.append(f"# TYPE {name} gauge")
+    for r in rs:
+        level = r.engine.sleep_level
+        states = {
+            "awake": level is None,
+            "weights_offloaded": level == 1,
+            "discard_all": level == 2,
+        }
+        for state, on in states.items():
+            labels = f'engine="{r.dp_rank}",model_name="{model}",sleep_state="{state}"'
+            lines.append(f"{name}{{{labels}}} {float(on)}")
     name = "vllm:time_to_first_token_seconds"
     lines.append(f"# HELP {name} Histogram of time to first token in seconds.")
     lines.append(f"# TYPE {name} histogram")

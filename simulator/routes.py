@@ -5,9 +5,10 @@ completions (non-streaming and SSE, ``usage.prompt_tokens_details.cached_tokens`
 ``stream_options.include_usage``), ``/tokenize`` (prompt and chat forms), ``/detokenize``,
 ``/v1/models``, ``/health``, ``/metrics`` (vLLM metric names, labels ``model_name`` and
 ``engine``), ``/kv_event_sources`` (``serve/instrumentator/basic.py`` L59),
-``/reset_prefix_cache``; with runtime LoRA updating allowed, ``/v1/load_lora_adapter`` and
-``/v1/unload_lora_adapter`` (``simulator.lora``). Simulator admin: ``/sim/faults``,
-``/sim/restart_publisher``, ``/sim/restart_engine``, ``/sim/state``.
+``/reset_prefix_cache``, ``/sleep``, ``/wake_up``, ``/is_sleeping``; with runtime LoRA updating
+allowed, ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (``simulator.lora``).
+Simulator admin: ``/sim/faults``, ``/sim/restart_publisher``, ``/sim/restart_engine``,
+``/sim/state``.
 
 Bad input gets a 4xx OpenAI-style error body ``{"error": {"message", "type", "param",
 "code"}}``; bodies above ``max_body_bytes`` get 413.
@@ -81,6 +82,7 @@ def make_app(w: Worker) -> FastAPI:
     _add_generation_routes(app, w)
     _add_tokenizer_routes(app, w)
     _add_info_routes(app, w)
+    _add_sleep_routes(app, w)
     if w.s.lora.runtime_updating:
         _add_lora_routes(app, w)
     _add_admin_routes(app, w)
@@ -217,6 +219,33 @@ def _add_info_routes(app: FastAPI, w: Worker) -> None:
         ok = all([r.engine.reset_prefix_cache(ext) for r in w.runners])
         # vLLM 0.32 answers 200 either way; a reset refused while blocks are held says so.
         return JSONResponse({"success": ok})
+
+
+def _add_sleep_routes(app: FastAPI, w: Worker) -> None:
+    """vLLM's sleep mode (``serve/sleep/api_router.py``, with ``--enable-sleep-mode`` and
+    ``VLLM_SERVER_DEV_MODE=1``): ``POST /sleep?level=N`` (requests in flight aborted; level 1
+    or 2 drops the prefix cache), ``POST /wake_up``, ``GET /is_sleeping``."""
+
+    @app.post("/sleep")
+    async def sleep(request: Request) -> Response:
+        level = request.query_params.get("level", "1")
+        if level not in ("0", "1", "2"):
+            raise ApiError(400, "level must be 0, 1 or 2", param="level")
+        if not all([r.sleep(int(level)) for r in w.runners]):
+            raise ApiError(500, "the prefix cache could not be dropped", "InternalServerError")
+        return JSONResponse({"status": "sleeping", "level": int(level)})
+
+    @app.post("/wake_up")
+    async def wake_up() -> Response:
+        for r in w.runners:
+            r.wake_up()
+        return JSONResponse({"status": "awake", "tags": None})
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> Response:
+        return JSONResponse(
+            {"is_sleeping": any(r.engine.sleep_level is not None for r in w.runners)}
+        )
 
 
 def _add_lora_routes(app: FastAPI, w: Worker) -> None:

@@ -104,6 +104,20 @@ class EngineRunner:
         self.engine.restart()
         self._wake.set()
 
+    def sleep(self, level: int) -> bool:
+        """vLLM's ``POST /sleep`` (mode "abort"): requests in flight end, new ones wait until
+        :meth:`wake_up`; at level 1 or 2 the prefix cache goes, announced with the next step as
+        a reset is. False when a step is running and the cache could not be dropped."""
+        for rid, q in list(self._streams.items()):
+            q.put_nowait(TokenOut(None, True))
+            self.abort(rid)
+        self.engine.sleep_level = level
+        return level < 1 or self.engine.reset_prefix_cache()
+
+    def wake_up(self) -> None:
+        self.engine.sleep_level = None
+        self._wake.set()
+
     def kick(self) -> None:
         self._wake.set()
 

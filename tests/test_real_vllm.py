@@ -41,7 +41,9 @@ A fifth, on the dense model, sends request fields that change what vLLM prefills
 with ``truncate_prompt_tokens`` (token ids and chats, from the left and the right), every
 prediction equal to vLLM's cached tokens for the window it kept, a window the router cannot know
 (text with special tokens, ``-1``) served and not scored; and chats with ``reasoning_effort`` and
-``documents``, which the model's template reads.
+``documents``, which the model's template reads. A sixth puts the dense model to sleep at
+level 0 (the one level the CPU build runs): the router reads the sleep from vLLM's /metrics,
+routes around it, keeps the index, and predicts exactly after the wake-up.
 
 Before each request the test waits until vLLM's event stream has been quiet for ``QUIET_S`` and
 the router has applied the last frame a second subscriber saw, so that a prediction is made on
@@ -51,8 +53,8 @@ are recorded the same way).
 Runtime on two shared cores: the venv, when absent, about 80 s; per kind, vLLM's start-up
 (25 s idle, minutes under load) plus 54 requests (60 with offloading), each under a second of
 compute plus the quiet time: 60 to 110 s per kind when the machine is otherwise idle, the
-speculative test about 50 s per model, the lifecycle test about 75 s, the fifth test about 45 s:
-about 25 minutes in all.
+speculative test about 50 s per model, the lifecycle test about 75 s, the fifth and sixth
+about 45 and 35 s: about 26 minutes in all.
 Each test is bounded by its timeout.
 
     KVROUTER_REAL_VLLM=1 KVROUTER_VLLM_VENV=/path/to/venv PYTHONPATH=$PWD \\
@@ -856,3 +858,56 @@ async def test_request_fields_that_change_the_prefilled_prompt_on_real_vllm(
     assert unscored["text-left-50"] == 50, unscored
     for label in ("chat-no-thinking-again", "chat-documents-again"):
         assert hits[label] > 0, hits
+
+
+async def test_an_engine_asleep_is_seen_and_its_cache_kept_at_level_0_on_real_vllm(
+    vllm_python: Path, models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``POST /sleep?level=0`` pauses vLLM's scheduler (levels 1 and 2, which also drop the
+    cache, need a GPU): the router reads ``vllm:engine_sleep_state`` from the worker's
+    /metrics, takes the engine out of routing with the reason, keeps its index (the cache
+    stays), and routes to it again after ``POST /wake_up``, its prediction still exact."""
+    py = vllm_python
+    kind = KINDS["dense"]
+    model = write_model(py, kind.model, models / kind.model)
+    rng = random.Random(SEED + 6)
+    prompt = [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(200)]
+    with serve(py, kind, model, tmp_path / "vllm.log", None) as served:
+        assert served.events is not None
+        tap = EventTap(served.events, bind=False)
+        try:
+            cfg = _config(served)
+            cfg.server.worker_poll_s = 0.2
+            async with serve_router(cfg) as (base, router):
+                await _router_ready(base)
+                sender = ThroughRouter(base, [tap])
+                body = {"prompt": prompt, "max_tokens": 2}
+                await asyncio.to_thread(sender.send, "first", body, False)
+                (w,) = router.registry.workers.values()
+
+                def caught_up() -> None:
+                    tap.quiet(QUIET_S, sender.done_at)
+                    sender._poll(lambda es: _applied(es[0]) == tap.last_seq, "the last frame")
+
+                await asyncio.to_thread(caught_up)
+                blocks = router.index.resident_blocks((w.url, 0))
+                r = await asyncio.to_thread(
+                    sender.client.post, served.url + "/sleep", params={"level": "0"}
+                )
+                assert r.status_code == 200 and r.json()["level"] == 0, r.text
+                await until(lambda: w.stalled, 10, "the router to see the engine asleep")
+                asleep = w.stalled
+                assert router.index.resident_blocks((w.url, 0)) == blocks
+                r = await asyncio.to_thread(sender.client.post, served.url + "/wake_up")
+                assert r.status_code == 200, r.text
+                await until(lambda: not w.stalled, 10, "the router to see the engine awake")
+                await asyncio.to_thread(sender.send, "after-wake", body, False)
+                sender.client.close()
+                resets = router.verifier.state((w.url, 0)).index_resets
+        finally:
+            tap.close()
+    out = {o.label: (o.predicted, o.cached) for o in sender.outcomes}
+    with capsys.disabled():
+        print(f"\n[real vLLM {VLLM_VERSION} dense: sleep level 0] {asleep!r}; {out}")
+    assert "asleep" in asleep and resets == {}, (asleep, resets)
+    assert out["after-wake"][0] == out["after-wake"][1] > 0, out
