@@ -14,6 +14,11 @@ ended last, and a child after the first finds the prompt blocks the first one al
 same step (checked against vLLM 0.32: a new 200-token prompt with ``n=2`` reports 192 cached
 tokens with 32-token blocks). The router predicts and routes it as one prompt, and leaves it out
 of verification.
+
+A completion whose ``prompt`` is a list of prompts (strings or token-id lists) is a batch: vLLM
+runs each prompt as its own request (``n`` children each), sums their ``prompt_tokens`` and
+reports the last prompt's ``cached_tokens``. The router routes it by the first prompt, counts
+every child in the engine's load, and leaves it out of verification too.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ def reads_prefix_cache(body: dict[str, Any], chat: bool) -> bool:
 
 
 def sequences(body: dict[str, Any]) -> int:
-    """The request's ``n``: the child requests vLLM runs for it (1 unless a valid n > 1)."""
+    """The requests vLLM's engine runs for ``body``: ``n`` (1 unless a valid n > 1) for each of
+    its prompts (one, or each of a completion's batch)."""
     n = body.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    p = body.get("prompt")
+    batch = len(p) if isinstance(p, list) and p and isinstance(p[0], str | list) else 1
+    return n * batch

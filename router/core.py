@@ -81,10 +81,10 @@ class RouteResult(msgspec.Struct):
     (router/cache_read.py): no hit is predicted and the outcome is not verified."""
     verifiable: bool = True
     """False when the worker's ``cached_tokens`` cannot be checked against the prediction: no
-    cache read, not one lookup's figure (``n`` > 1, router/cache_read.py), or a prompt vLLM may
-    cut to a length the router does not know (router/truncation.py)."""
+    cache read, not one lookup's figure (``n`` > 1 or a batch, router/cache_read.py), or a
+    prompt vLLM may cut to a length the router does not know (router/truncation.py)."""
     sequences: int = 1
-    """The request's ``n``: vLLM runs a child request per choice (load accounting)."""
+    """The engine requests vLLM runs for it: ``n`` per prompt of a batch (load accounting)."""
 
 
 class Router:
@@ -523,7 +523,7 @@ class Router:
         if session is not None and tok is not None and len(tok.keys) and not dry_run:
             self.sessions.bind(session, decision.engine, tok.n_tokens, tok.keys[-1], now)
         churn = {c.engine: self.index.churn(c.engine) for c in cands}
-        n = sequences(body)  # with n > 1, vLLM's cached_tokens is not one lookup's
+        n = sequences(body)  # n > 1 or a batch: vLLM's cached_tokens is not one lookup's
         checkable = reads_cache and n == 1 and (tok is None or tok.verifiable)
         return RouteResult(decision, tok, ns, matches, cands, err, churn, reads_cache, checkable, n)
 

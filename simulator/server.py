@@ -71,7 +71,8 @@ class Generation:
     rid: str
     model: str
     chat: bool
-    ids: list[int]
+    prompts: list[list[int]]
+    """The prompt's tokens; several for a completion given a list of prompts."""
     max_tokens: int
     lora: str | None
     salt: str | None
@@ -85,8 +86,13 @@ class Generation:
     """Choices (parallel sampling): vLLM runs one child request per choice, ``{i}_{rid}``."""
 
     @property
-    def children(self) -> list[str]:
-        return [self.rid] if self.n == 1 else [f"{i}_{self.rid}" for i in range(self.n)]
+    def children(self) -> list[tuple[str, list[int]]]:
+        """The engine requests: ``n`` per prompt, prompt by prompt (the choices' order)."""
+        out = []
+        for k, ids in enumerate(self.prompts):
+            rid = self.rid if len(self.prompts) == 1 else f"{self.rid}-{k}"
+            out += [(rid, ids)] if self.n == 1 else [(f"{i}_{rid}", ids) for i in range(self.n)]
+        return out
 
 
 MAX_N = 16384
@@ -370,26 +376,25 @@ class Worker:
     def _generation(self, data: dict[str, Any], chat: bool) -> Generation:
         lora = self.check_model(data)
         specials = data.get("add_special_tokens", True) is True
-        ids = (
-            self.chat_ids(data, completion=True)
-            if chat
-            else self._prompt_ids(data.get("prompt"), specials)
-        )
         p = data.get("prompt")
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-            p = p[0]
-        text = p if not chat and isinstance(p, str) and specials else None
-        ids = self._truncated(data, ids, text, chat)
-        if not ids:
-            raise ApiError(400, "The decoder prompt cannot be empty", param="prompt")
+        # A completion's prompt may be several (strings or token-id lists): vLLM runs each.
+        batch = p if not chat and isinstance(p, list) and p and type(p[0]) is not int else [p]
+        prompts = []
+        for one in batch:
+            ids = self.chat_ids(data, completion=True) if chat else self._prompt_ids(one, specials)
+            text = one if not chat and isinstance(one, str) and specials else None
+            ids = self._truncated(data, ids, text, chat)
+            if not ids:
+                raise ApiError(400, "The decoder prompt cannot be empty", param="prompt")
+            prompts.append(ids)
         if chat:
             form = "chat"
-        elif isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], str)):
+        elif isinstance(batch[0], str):
             form = "text"
         else:
             form = "ids"
         self.prompt_forms[form] += 1
-        max_tokens = self._max_tokens(data, len(ids), chat)
+        max_tokens = min(self._max_tokens(data, len(ids), chat) for ids in prompts)
         salt = self._salt(data)
         stream = data.get("stream", False)
         if not isinstance(stream, bool):
@@ -408,7 +413,7 @@ class Worker:
             rid=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             model=data.get("model") or self.s.engine.model,
             chat=chat,
-            ids=ids,
+            prompts=prompts,
             max_tokens=max_tokens,
             lora=lora,
             salt=salt,
@@ -431,11 +436,11 @@ class Worker:
         runner = self.pick_runner(dp_rank)
         queues: list[asyncio.Queue[TokenOut]] = []
         try:
-            for rid in g.children:
-                args = (g.ids, g.max_tokens, g.lora, g.salt, g.session, g.report_full, g.priority)
+            for rid, ids in g.children:
+                args = (ids, g.max_tokens, g.lora, g.salt, g.session, g.report_full, g.priority)
                 queues.append(runner.submit(rid, *args))
         except (QueueFull, ValueError) as e:
-            for rid in g.children[: len(queues)]:
+            for rid, _ in g.children[: len(queues)]:
                 runner.abort(rid)
             if isinstance(e, ValueError):
                 raise ApiError(400, str(e)) from None
@@ -482,26 +487,29 @@ class Worker:
         self, runner: EngineRunner, queues: list[asyncio.Queue[TokenOut]], g: Generation
     ) -> JSONResponse:
         toks: list[list[int]] = [[] for _ in queues]
-        ends: list[TokenOut] = []  # each child's last output, in the order they ended
+        ends: list[tuple[int, TokenOut]] = []  # each child's last output, in the order they ended
         try:
             async with contextlib.aclosing(self._outputs(queues)) as outs:
                 async for i, out in outs:
                     if out.token is not None:
                         toks[i].append(out.token)
                     if out.finished or out.token is None:
-                        ends.append(out)
+                        ends.append((i, out))
                         if out.token is None and not toks[i]:
                             raise ApiError(503, "engine restarted", "ServiceUnavailableError")
         except (TimeoutError, asyncio.CancelledError, ApiError):
-            for rid in g.children:
+            for rid, _ in g.children:
                 runner.abort(rid)
             raise
         texts = [self.tokenizer.decode(t) for t in toks]
-        # vLLM answers with the usage of the child that ended last: a later child finds the
-        # prompt blocks the first one allocated, so its cached tokens are not one lookup's.
-        cached = ends[-1].cached_tokens
+        # vLLM answers with the usage of the last prompt's child that ended last: a later
+        # child finds the prompt blocks the first one allocated, so its cached tokens are not
+        # one lookup's; a batch's other prompts are not in it at all.
+        first_of_last = len(queues) - g.n
+        cached = next(o.cached_tokens for i, o in reversed(ends) if i >= first_of_last)
         completion = sum(len(t) for t in toks)
-        u = usage(len(g.ids), completion, cached, self.s.prompt_tokens_details)
+        prompt = sum(len(ids) for ids in g.prompts)
+        u = usage(prompt, completion, cached, self.s.prompt_tokens_details)
         return JSONResponse(completion_body(g.rid, g.model, g.chat, texts, u, g.finish))
 
     async def _sse(
@@ -525,11 +533,13 @@ class Worker:
                     yield chunks.token(self.tokenizer.decode([out.token]), fin, i)
                     done[i] = out.finished
             if g.include_usage:
+                if len(g.prompts) > 1:
+                    prompt_tokens = sum(len(ids) for ids in g.prompts)
                 u = usage(prompt_tokens, sum(n_out), cached, self.s.prompt_tokens_details)
                 yield chunks.chunk([], u)
             yield SSE_DONE
         finally:
-            for rid, ended in zip(g.children, done, strict=True):
+            for (rid, _), ended in zip(g.children, done, strict=True):
                 if not ended:  # client went away or stream broke
                     runner.abort(rid)
 

@@ -786,8 +786,9 @@ async def test_request_fields_that_change_the_prefilled_prompt_on_real_vllm(
     ``truncate_prompt_tokens`` (token ids and chats cut from the left and the right, each
     prediction equal to vLLM's cached tokens for the window it kept; text with special tokens
     cut without an explicit side, where the tokenizer decides what stays, and ``-1`` served and
-    never scored against the index), and a chat's ``reasoning_effort`` and ``documents``, which
-    vLLM's chat template sees and ``/tokenize`` only inside ``chat_template_kwargs``."""
+    never scored against the index), a chat's ``reasoning_effort`` and ``documents``, which
+    vLLM's chat template sees and ``/tokenize`` only inside ``chat_template_kwargs``, and a
+    completion batch (the last prompt's cached tokens reported: not scored)."""
     py = vllm_python
     kind = KINDS["dense"]
     model = write_model(py, kind.model, models / kind.model)
@@ -834,6 +835,15 @@ async def test_request_fields_that_change_the_prefilled_prompt_on_real_vllm(
                         r = sender.client.post(base + "/v1/completions", json=body)
                         assert r.status_code == 200, (label, r.text)
                         unscored[label] = r.json()["usage"]["prompt_tokens"]
+                    # A batch: vLLM sums the prompts and reports the last one's cached tokens
+                    # (the head is cached, the fresh tail is not).
+                    tail = [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(100)]
+                    body = request_body({"prompt": [head, tail], "max_tokens": 2})
+                    r = sender.client.post(base + "/v1/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    usage = r.json()["usage"]
+                    unscored["batch"] = usage["prompt_tokens"]
+                    unscored["batch-cached"] = usage["prompt_tokens_details"]["cached_tokens"]
                     after = _verified(sender.engines())["samples"]
                     assert after == samples, (samples, after)
                     return [samples], unscored
@@ -856,6 +866,7 @@ async def test_request_fields_that_change_the_prefilled_prompt_on_real_vllm(
     assert hits["right-150"] > 0 and hits["left-explicit-100"] == hits["left-100-again"], hits
     assert hits["fits-1000"] > 0 and hits["chat-left-80-again"] > 0, hits
     assert unscored["text-left-50"] == 50, unscored
+    assert (unscored["batch"], unscored["batch-cached"]) == (400, 0), unscored
     for label in ("chat-no-thinking-again", "chat-documents-again"):
         assert hits[label] > 0, hits
 

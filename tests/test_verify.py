@@ -22,6 +22,7 @@ from fastapi.responses import Response
 from test_router_support import config_for, serve_app, serve_router, until, words
 
 from indexer.index import PrefixIndex
+from router.cache_read import sequences
 from router.config import Config, WorkerSpec
 from router.verify import StreamUsageFilter, Verifier, VerifyParams, with_stream_usage
 from simulator.testing import running_fleet
@@ -289,6 +290,39 @@ async def test_parallel_sampling_is_served_whole_and_left_out_of_verification():
             await repeat_prompts(c, base, 4, "single")
             v = await verify_of(c, base, url)
             assert v["samples"] == before + 4 and v["accuracy"] == 1.0, v
+
+
+async def test_a_batch_of_prompts_is_served_whole_and_left_out_of_verification():
+    """A completion whose prompt is a list of prompts: vLLM runs each, sums their prompt tokens
+    and reports the last prompt's cached tokens. The router routes by the first; taken as a
+    sample, a cached first prompt and a fresh last one read as a collapse, and repeated they
+    would clear the engine's index as an unannounced reset. None is a sample; each prompt's
+    ``n`` children count in the engine's load."""
+    with running_fleet(1, **FAST) as fleet:
+        async with serve_router(cfg_with(fleet)) as (base, r), httpx.AsyncClient(timeout=60) as c:
+            assert (await c.get(base + "/ready")).status_code == 200
+            url = fleet[0].url
+            head = words(250, "batch-head")
+            warm = {"model": "sim-model", "prompt": head, "max_tokens": 1}
+            assert (await c.post(base + "/v1/completions", json=warm)).status_code == 200
+            await until(lambda: r.index.resident_blocks((url, 0)) >= 15, 10, "the head's events")
+            before = await verify_of(c, base, url)
+            for i in range(6):
+                fresh = words(100, f"batch-tail{i}")
+                body = {"model": "sim-model", "prompt": [head, fresh], "max_tokens": 2}
+                if i % 2:
+                    body |= {"n": 2, "temperature": 0.8}
+                res = await c.post(base + "/v1/completions", json=body)
+                assert res.status_code == 200, res.text
+                doc = res.json()
+                assert [ch["index"] for ch in doc["choices"]] == list(range(2 + 2 * (i % 2)))
+                assert doc["usage"]["prompt_tokens"] == 350
+            v = await verify_of(c, base, url)
+            assert v["samples"] == before["samples"] and v["index_resets"] == {}, v
+            assert r.index.resident_blocks((url, 0)) >= 15
+            batch = {"model": "sim-model", "prompt": [head, "a b", "c d"], "n": 3}
+            assert sequences(batch) == 9 and sequences({**batch, "prompt": [[1, 2]]}) == 3
+            assert sequences({"prompt": [1, 2, 3], "n": 2}) == 2 and sequences({}) == 1
 
 
 # ------------------------------------------------------------------------- misconfigurations
