@@ -70,8 +70,8 @@ def chat_messages(path: str, body: dict[str, Any]) -> list[dict[str, str]] | Non
 
 def routing_body(body: dict[str, Any] | None, messages: list[dict[str, str]] | None) -> dict:
     """What the router routes such a request by: its model and, when it has them, its prompt
-    as chat messages with what changes their tokens (``cache_salt``, template arguments,
-    truncation)."""
+    as chat messages with what changes their tokens (``cache_salt``, template arguments, and
+    for a Responses request its reasoning effort, continuation and truncation)."""
     model = body.get("model") if body is not None else None
     routed: dict[str, Any] = {"model": model} if model is not None else {}
     if messages is not None and body is not None:
@@ -79,11 +79,28 @@ def routing_body(body: dict[str, Any] | None, messages: list[dict[str, str]] | N
         for k in ("cache_salt", "chat_template_kwargs"):
             if k in body:
                 routed[k] = body[k]
-        if body.get("truncation", "disabled") not in (None, "disabled"):
-            # A Responses request's ``truncation: auto`` is vLLM's ``truncate_prompt_tokens: -1``
-            # (router/truncation.py): cut only past the model's context.
-            routed["truncate_prompt_tokens"] = -1
+        if "input" in body:
+            routed |= _responses_rendering(body)
     return routed
+
+
+def _responses_rendering(body: dict[str, Any]) -> dict[str, Any]:
+    """How vLLM renders a Responses request beyond its messages (0.32
+    ``ResponsesRequest.build_chat_params``), as chat fields the router tokenizes by:
+    ``reasoning.effort`` is the template's ``reasoning_effort``; a last input item still in
+    progress is continued, not answered; ``truncation: auto`` is ``truncate_prompt_tokens: -1``
+    (router/truncation.py: cut only past the model's context)."""
+    out: dict[str, Any] = {}
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
+        out["reasoning_effort"] = reasoning["effort"]
+    items = body.get("input")
+    last = items[-1] if isinstance(items, list) and items else None
+    if isinstance(last, dict) and last.get("status") in ("in_progress", "incomplete"):
+        out |= {"continue_final_message": True, "add_generation_prompt": False}
+    if body.get("truncation", "disabled") not in (None, "disabled"):
+        out["truncate_prompt_tokens"] = -1
+    return out
 
 
 def describe(path: str, messages: list[dict[str, str]] | None) -> str:

@@ -120,3 +120,24 @@ def test_a_responses_request_that_may_be_truncated_is_routed_as_vllm_serves_it()
     assert "truncate_prompt_tokens" not in routing_body({**body, "truncation": "disabled"}, msgs)
     auto = routing_body({**body, "truncation": "auto"}, msgs)
     assert auto == {"model": "m", "messages": msgs, "truncate_prompt_tokens": -1}
+
+
+def test_a_responses_request_is_rendered_as_vllm_renders_it() -> None:
+    """vLLM hands ``reasoning.effort`` to the template and continues a last input item still
+    in progress instead of answering it."""
+    items = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b", "status": "in_progress"},
+    ]
+    body = {"model": "m", "input": items, "reasoning": {"effort": "none"}}
+    msgs = chat_messages("/v1/responses", body)
+    assert msgs == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert routing_body(body, msgs) == {
+        "model": "m",
+        "messages": msgs,
+        "reasoning_effort": "none",
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    }
+    done = {"model": "m", "input": [items[0]], "reasoning": None}
+    assert routing_body(done, msgs) == {"model": "m", "messages": msgs}
