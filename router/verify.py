@@ -362,14 +362,8 @@ class Verifier:
         that are gone."""
         for rank, vals in per_rank.items():
             e = (url, rank)
-            dropped = vals.get("sleep_weights_offloaded", 0) or vals.get("sleep_discard_all", 0)
-            if dropped and not self.state(e).slept:
-                self.state(e).slept = True
-                self.reset_engine(
-                    e, "sleep", "the engine sleeps at level 1 or 2, which drops its prefix cache"
-                )
-            elif vals.get("sleep_awake", 0):
-                self.state(e).slept = False
+            if "sleep_awake" in vals:
+                self._observe_sleep(e, vals)
             hits = vals.get("prefix_hits")
             queries = vals.get("prefix_queries")
             if hits is None or queries is None:
@@ -392,6 +386,17 @@ class Verifier:
                     st.metrics_queries += queries - st.last_queries
             st.last_hits, st.last_queries = hits, queries
             st.sub_restarts_seen = restarts
+
+    def _observe_sleep(self, e: EngineId, vals: dict[str, float]) -> None:
+        st = self.state(e)
+        dropped = vals.get("sleep_weights_offloaded", 0) or vals.get("sleep_discard_all", 0)
+        if dropped and not st.slept:
+            st.slept = True
+            self.reset_engine(
+                e, "sleep", "the engine sleeps at level 1 or 2, which drops its prefix cache"
+            )
+        elif vals["sleep_awake"]:
+            st.slept = False
 
     # ---------------------------------------------------------------- reporting
 
