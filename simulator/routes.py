@@ -222,7 +222,7 @@ def _add_info_routes(app: FastAPI, w: Worker) -> None:
 
 
 def _add_sleep_routes(app: FastAPI, w: Worker) -> None:
-    """vLLM's sleep mode (``serve/sleep/api_router.py``, with ``--enable-sleep-mode`` and
+    """vLLM's sleep mode (``serve/dev/sleep/api_router.py``, with ``--enable-sleep-mode`` and
     ``VLLM_SERVER_DEV_MODE=1``): ``POST /sleep?level=N`` (requests in flight aborted; level 1
     or 2 drops the prefix cache), ``POST /wake_up``, ``GET /is_sleeping``."""
 

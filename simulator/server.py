@@ -262,7 +262,8 @@ class Worker:
         if k is None:
             return ids
         if type(k) is not int or k < -1:
-            raise ApiError(400, "truncate_prompt_tokens must be an integer >= -1", param="prompt")
+            msg = "truncate_prompt_tokens must be an integer >= -1"
+            raise ApiError(400, msg, param="truncate_prompt_tokens")
         if side not in (None, "left", "right"):
             raise ApiError(400, "`truncation_side` must be either 'left' or 'right'.")
         mml = self.s.engine.max_model_len
