@@ -70,8 +70,8 @@ def chat_messages(path: str, body: dict[str, Any]) -> list[dict[str, str]] | Non
 
 def routing_body(body: dict[str, Any] | None, messages: list[dict[str, str]] | None) -> dict:
     """What the router routes such a request by: its model and, when it has them, its prompt
-    as chat messages with what changes their tokens (``cache_salt``, template arguments, and
-    for a Responses request its reasoning effort, continuation and truncation)."""
+    as chat messages with what changes their tokens (``cache_salt``, template arguments, the
+    reasoning effort, and for a Responses request its continuation and truncation)."""
     model = body.get("model") if body is not None else None
     routed: dict[str, Any] = {"model": model} if model is not None else {}
     if messages is not None and body is not None:
@@ -81,7 +81,24 @@ def routing_body(body: dict[str, Any] | None, messages: list[dict[str, str]] | N
                 routed[k] = body[k]
         if "input" in body:
             routed |= _responses_rendering(body)
+        elif "messages" in body:
+            routed |= _anthropic_rendering(body)
     return routed
+
+
+def _anthropic_rendering(body: dict[str, Any]) -> dict[str, Any]:
+    """An Anthropic request's reasoning as vLLM hands it to the template (0.32
+    ``AnthropicServingMessages``): ``output_config.effort`` is ``reasoning_effort``, and
+    ``thinking: {"type": "disabled"}`` overrides it with ``"none"`` (vLLM's probe of the
+    template picks ``"low"`` instead where the template does not honour ``"none"``)."""
+    effort = None
+    output = body.get("output_config")
+    if isinstance(output, dict) and output.get("effort") is not None:
+        effort = output["effort"]
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "disabled":
+        effort = "none"
+    return {} if effort is None else {"reasoning_effort": effort}
 
 
 def _responses_rendering(body: dict[str, Any]) -> dict[str, Any]:

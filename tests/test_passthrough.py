@@ -141,3 +141,13 @@ def test_a_responses_request_is_rendered_as_vllm_renders_it() -> None:
     }
     done = {"model": "m", "input": [items[0]], "reasoning": None}
     assert routing_body(done, msgs) == {"model": "m", "messages": msgs}
+
+
+def test_an_anthropic_request_carries_its_reasoning_effort_to_the_template() -> None:
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "a"}]}
+    msgs = chat_messages("/v1/messages", body)
+    assert routing_body(body, msgs) == {"model": "m", "messages": msgs}
+    high = {**body, "output_config": {"effort": "high"}}
+    assert routing_body(high, msgs)["reasoning_effort"] == "high"
+    off = {**high, "thinking": {"type": "disabled"}}
+    assert routing_body(off, msgs)["reasoning_effort"] == "none"
