@@ -148,6 +148,15 @@ class ThroughRouter:
                 raise AssertionError(f"timed out waiting for {what}: {es}")
             time.sleep(0.02)
 
+    def caught_up(self, what: str) -> None:
+        """Waits until vLLM's events have been quiet and the router has applied exactly the
+        last frame each tap saw (exactly: after a restart the seqs start again under the
+        router's old ones)."""
+        for tap in self.taps:
+            tap.quiet(QUIET_S, self.done_at)
+        seen = [-1 if tap.last_seq is None else tap.last_seq for tap in self.taps]
+        self._poll(lambda es: [_applied(e) for e in es] == seen, f"{what} up to {seen}")
+
     def send(self, label: str, body: dict[str, Any], chat: bool) -> Reply:
         for tap in self.taps:
             tap.quiet(QUIET_S, self.done_at)
@@ -463,11 +472,7 @@ async def test_salts_a_prefix_cache_reset_and_a_restart_on_real_vllm(
                 }
                 for label, prompt in bodies.items():
                     sender.send(label, {"prompt": prompt, "max_tokens": 4}, False)
-                    tap.quiet(QUIET_S, sender.done_at)
-                    sender._poll(
-                        lambda es: _applied(es[0]) == tap.last_seq,
-                        f"the router to apply the restarted vLLM's frames up to {tap.last_seq}",
-                    )
+                    sender.caught_up("the router to apply the restarted vLLM's frames")
 
             await asyncio.to_thread(after_restart)
             engines = await asyncio.to_thread(sender.engines)
@@ -789,69 +794,61 @@ async def test_request_fields_that_change_the_prefilled_prompt_on_real_vllm(
     never scored against the index), a chat's ``reasoning_effort`` and ``documents``, which
     vLLM's chat template sees and ``/tokenize`` only inside ``chat_template_kwargs``, and a
     completion batch (the last prompt's cached tokens reported: not scored)."""
-    py = vllm_python
-    kind = KINDS["dense"]
-    model = write_model(py, kind.model, models / kind.model)
     rng = random.Random(SEED + 5)
     head = [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(300)]
-    with serve(py, kind, model, tmp_path / "vllm.log", None) as served:
-        assert served.events is not None
-        tap = EventTap(served.events, bind=False)
-        try:
-            async with serve_router(_config(served)) as (base, _router):
-                await _router_ready(base)
-                sender = ThroughRouter(base, [tap])
-                chat = {"messages": [{"role": "user", "content": "truncated " * 40}]}
-                docs = [{"title": "manual", "text": "the pump starts when the valve opens"}]
+    with _served(vllm_python, KINDS["dense"], models, tmp_path) as (served, taps):
+        async with serve_router(_config(served)) as (base, _router):
+            await _router_ready(base)
+            sender = ThroughRouter(base, taps)
+            chat = {"messages": [{"role": "user", "content": "truncated " * 40}]}
+            docs = [{"title": "manual", "text": "the pump starts when the valve opens"}]
 
-                def scenario() -> tuple[list[int], dict[str, int]]:
-                    plan: list[tuple[str, dict[str, Any], bool]] = [
-                        ("whole", {"prompt": head}, False),
-                        ("left-100", {"prompt": head, "truncate_prompt_tokens": 100}, False),
-                        ("left-100-again", {"prompt": head, "truncate_prompt_tokens": 100}, False),
-                        ("right-150", {"prompt": head, "truncate_prompt_tokens": 150,
-                                       "truncation_side": "right"}, False),
-                        ("left-explicit-100", {"prompt": head, "truncate_prompt_tokens": 100,
-                                               "truncation_side": "left"}, False),
-                        ("fits-1000", {"prompt": head, "truncate_prompt_tokens": 1000}, False),
-                        ("chat-left-80", {**chat, "truncate_prompt_tokens": 80}, True),
-                        ("chat-left-80-again", {**chat, "truncate_prompt_tokens": 80}, True),
-                        ("chat-whole", chat, True),
-                        ("chat-no-thinking", {**chat, "reasoning_effort": "none"}, True),
-                        ("chat-no-thinking-again", {**chat, "reasoning_effort": "none"}, True),
-                        ("chat-documents", {**chat, "documents": docs}, True),
-                        ("chat-documents-again", {**chat, "documents": docs}, True),
-                    ]  # fmt: skip
-                    for label, body, is_chat in plan:
-                        sender.send(label, {**body, "max_tokens": 2}, is_chat)
-                    samples = _verified(sender.engines())["samples"]
-                    unscored: dict[str, int] = {}
-                    text = " ".join(f"word{i}" for i in range(200))
-                    for label, extra in {
-                        "text-left-50": {"truncate_prompt_tokens": 50},
-                        "minus-one": {"truncate_prompt_tokens": -1},
-                    }.items():
-                        body = request_body({"prompt": text, "max_tokens": 2, **extra})
-                        r = sender.client.post(base + "/v1/completions", json=body)
-                        assert r.status_code == 200, (label, r.text)
-                        unscored[label] = r.json()["usage"]["prompt_tokens"]
-                    # A batch: vLLM sums the prompts and reports the last one's cached tokens
-                    # (the head is cached, the fresh tail is not).
-                    tail = [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(100)]
-                    body = request_body({"prompt": [head, tail], "max_tokens": 2})
+            def scenario() -> dict[str, int]:
+                plan: list[tuple[str, dict[str, Any], bool]] = [
+                    ("whole", {"prompt": head}, False),
+                    ("left-100", {"prompt": head, "truncate_prompt_tokens": 100}, False),
+                    ("left-100-again", {"prompt": head, "truncate_prompt_tokens": 100}, False),
+                    ("right-150", {"prompt": head, "truncate_prompt_tokens": 150,
+                                   "truncation_side": "right"}, False),
+                    ("left-explicit-100", {"prompt": head, "truncate_prompt_tokens": 100,
+                                           "truncation_side": "left"}, False),
+                    ("fits-1000", {"prompt": head, "truncate_prompt_tokens": 1000}, False),
+                    ("chat-left-80", {**chat, "truncate_prompt_tokens": 80}, True),
+                    ("chat-left-80-again", {**chat, "truncate_prompt_tokens": 80}, True),
+                    ("chat-whole", chat, True),
+                    ("chat-no-thinking", {**chat, "reasoning_effort": "none"}, True),
+                    ("chat-no-thinking-again", {**chat, "reasoning_effort": "none"}, True),
+                    ("chat-documents", {**chat, "documents": docs}, True),
+                    ("chat-documents-again", {**chat, "documents": docs}, True),
+                ]  # fmt: skip
+                for label, body, is_chat in plan:
+                    sender.send(label, {**body, "max_tokens": 2}, is_chat)
+                samples = _verified(sender.engines())["samples"]
+                unscored: dict[str, int] = {}
+                text = " ".join(f"word{i}" for i in range(200))
+                for label, extra in {
+                    "text-left-50": {"truncate_prompt_tokens": 50},
+                    "minus-one": {"truncate_prompt_tokens": -1},
+                }.items():
+                    body = request_body({"prompt": text, "max_tokens": 2, **extra})
                     r = sender.client.post(base + "/v1/completions", json=body)
-                    assert r.status_code == 200, r.text
-                    usage = r.json()["usage"]
-                    unscored["batch"] = usage["prompt_tokens"]
-                    unscored["batch-cached"] = usage["prompt_tokens_details"]["cached_tokens"]
-                    after = _verified(sender.engines())["samples"]
-                    assert after == samples, (samples, after)
-                    return [samples], unscored
+                    assert r.status_code == 200, (label, r.text)
+                    unscored[label] = r.json()["usage"]["prompt_tokens"]
+                # A batch: vLLM sums the prompts and reports the last one's cached tokens
+                # (the head is cached, the fresh tail is not).
+                tail = [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(100)]
+                body = request_body({"prompt": [head, tail], "max_tokens": 2})
+                r = sender.client.post(base + "/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                usage = r.json()["usage"]
+                unscored["batch"] = usage["prompt_tokens"]
+                unscored["batch-cached"] = usage["prompt_tokens_details"]["cached_tokens"]
+                after = _verified(sender.engines())["samples"]
+                assert after == samples, (samples, after)
+                return unscored
 
-                _, unscored = await asyncio.to_thread(scenario)
-                sender.client.close()
-        finally:
-            tap.close()
+            unscored = await asyncio.to_thread(scenario)
+            sender.client.close()
     out = sender.outcomes
     wrong = [f"{o.label}: {o.predicted} vs {o.cached}" for o in out if o.predicted != o.cached]
     hits = {o.label: o.cached for o in out}
@@ -878,45 +875,32 @@ async def test_an_engine_asleep_is_seen_and_its_cache_kept_at_level_0_on_real_vl
     cache, need a GPU): the router reads ``vllm:engine_sleep_state`` from the worker's
     /metrics, takes the engine out of routing with the reason, keeps its index (the cache
     stays), and routes to it again after ``POST /wake_up``, its prediction still exact."""
-    py = vllm_python
-    kind = KINDS["dense"]
-    model = write_model(py, kind.model, models / kind.model)
     rng = random.Random(SEED + 6)
     prompt = [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(200)]
-    with serve(py, kind, model, tmp_path / "vllm.log", None) as served:
-        assert served.events is not None
-        tap = EventTap(served.events, bind=False)
-        try:
-            cfg = _config(served)
-            cfg.server.worker_poll_s = 0.2
-            async with serve_router(cfg) as (base, router):
-                await _router_ready(base)
-                sender = ThroughRouter(base, [tap])
-                body = {"prompt": prompt, "max_tokens": 2}
-                await asyncio.to_thread(sender.send, "first", body, False)
-                (w,) = router.registry.workers.values()
-
-                def caught_up() -> None:
-                    tap.quiet(QUIET_S, sender.done_at)
-                    sender._poll(lambda es: _applied(es[0]) == tap.last_seq, "the last frame")
-
-                await asyncio.to_thread(caught_up)
-                blocks = router.index.resident_blocks((w.url, 0))
-                r = await asyncio.to_thread(
-                    sender.client.post, served.url + "/sleep", params={"level": "0"}
-                )
-                assert r.status_code == 200 and r.json()["level"] == 0, r.text
-                await until(lambda: w.stalled, 10, "the router to see the engine asleep")
-                asleep = w.stalled
-                assert router.index.resident_blocks((w.url, 0)) == blocks
-                r = await asyncio.to_thread(sender.client.post, served.url + "/wake_up")
-                assert r.status_code == 200, r.text
-                await until(lambda: not w.stalled, 10, "the router to see the engine awake")
-                await asyncio.to_thread(sender.send, "after-wake", body, False)
-                sender.client.close()
-                resets = router.verifier.state((w.url, 0)).index_resets
-        finally:
-            tap.close()
+    with _served(vllm_python, KINDS["dense"], models, tmp_path) as (served, taps):
+        cfg = _config(served)
+        cfg.server.worker_poll_s = 0.2
+        async with serve_router(cfg) as (base, router):
+            await _router_ready(base)
+            sender = ThroughRouter(base, taps)
+            body = {"prompt": prompt, "max_tokens": 2}
+            await asyncio.to_thread(sender.send, "first", body, False)
+            (w,) = router.registry.workers.values()
+            await asyncio.to_thread(sender.caught_up, "the router to apply the first's frames")
+            blocks = router.index.resident_blocks((w.url, 0))
+            r = await asyncio.to_thread(
+                sender.client.post, served.url + "/sleep", params={"level": "0"}
+            )
+            assert r.status_code == 200 and r.json()["level"] == 0, r.text
+            await until(lambda: w.stalled, 10, "the router to see the engine asleep")
+            asleep = w.stalled
+            assert router.index.resident_blocks((w.url, 0)) == blocks
+            r = await asyncio.to_thread(sender.client.post, served.url + "/wake_up")
+            assert r.status_code == 200, r.text
+            await until(lambda: not w.stalled, 10, "the router to see the engine awake")
+            await asyncio.to_thread(sender.send, "after-wake", body, False)
+            sender.client.close()
+            resets = router.verifier.state((w.url, 0)).index_resets
     out = {o.label: (o.predicted, o.cached) for o in sender.outcomes}
     with capsys.disabled():
         print(f"\n[real vLLM {VLLM_VERSION} dense: sleep level 0] {asleep!r}; {out}")
