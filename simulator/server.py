@@ -300,7 +300,7 @@ class Worker:
     @staticmethod
     def template_kwargs(data: dict[str, Any], *, completion: bool) -> dict[str, Any]:
         """What the chat template sees beside the messages (vLLM 0.32 ``build_chat_params``):
-        ``chat_template_kwargs``; on a chat completion also ``documents`` and
+        ``chat_template_kwargs`` and ``tools``; on a chat completion also ``documents`` and
         ``reasoning_effort``, which override them, and ``enable_thinking`` from
         ``reasoning_effort`` (``"none"``: off) unless the kwargs set it. ``/tokenize`` takes
         none of the three."""
@@ -308,6 +308,11 @@ class Worker:
         if user is not None and not isinstance(user, dict):
             raise ApiError(400, "chat_template_kwargs must be an object")
         kwargs = dict(user or {})
+        tools = data.get("tools")
+        if tools is not None:
+            if not isinstance(tools, list):
+                raise ApiError(400, "tools must be a list", param="tools")
+            kwargs["tools"] = tools
         if completion:
             for k in ("documents", "reasoning_effort"):
                 if data.get(k) is not None:
