@@ -24,8 +24,9 @@ from starlette.types import Receive
 
 from indexer.index import EngineId, PrefixIndex, PrefixMatch
 from indexer.subscriber import SourceStatus, Subscriber
-from router import proxy
+from router import anthropic, passthrough, proxy
 from router.admission import Admission, make_admission
+from router.anthropic import TemplateTraits
 from router.cache_read import reads_prefix_cache, sequences
 from router.candidates import build_candidates, record_sent, speculative_hits
 from router.config import Config, WorkerSpec, upstream_api_key
@@ -47,12 +48,14 @@ from router.shared_sessions import shared_sessions
 from router.shared_state import ExportedEngine, SharedState, make_shared_state, seed_subscriber
 from router.speculative import extension_credit
 from router.stored_responses import owner_key
+from router.template_probe import TemplateProbe
 from router.tokenize import (
     LocalTokenizer,
     PromptTokenizer,
     TokenIds,
     Tokenized,
     TokenizeError,
+    TokenizeRefused,
     decode_tokenize_response,
 )
 from router.tracing import RequestTrace, make_tracer
@@ -115,6 +118,7 @@ class Router:
                 cfg.discovery.kubernetes, on_add=self._worker_joined, on_remove=self._worker_left
             )
         self.tokenizer = _tokenizer(cfg, unit)
+        self.templates = TemplateProbe()
         self.policy = make_policy(cfg.policy.name, cfg.policy, seed=seed)
         # In-flight load of other replicas, speculative entries seen by all, index snapshots:
         # in Redis with redis.url, else embedded (this replica's own view).
@@ -339,8 +343,43 @@ class Router:
                 return decode_tokenize_response(r.content)
             last = f"{w.url}/tokenize returned {r.status_code}"
             if 400 <= r.status_code < 500:
-                break  # the request itself is bad; another worker would say the same
+                raise TokenizeRefused(last)  # another worker would say the same
         raise TokenizeError(last)
+
+    async def read_prompt(
+        self, path: str, body: dict[str, Any] | None
+    ) -> tuple[dict[str, Any] | None, TemplateTraits]:
+        """The prompt read from a body of the rest of vLLM's API (router/passthrough.py), and
+        the template traits it was read with: asked of a worker when an Anthropic prompt
+        depends on them; no prompt when no worker could be asked."""
+        traits = passthrough.DEFAULT_TRAITS
+        if body is None or path not in passthrough.BY_CACHE:
+            return None, traits
+        if path == "/v1/messages":
+            known = await self.template_traits(body)
+            if known is None:
+                return None, traits
+            traits = known
+        return passthrough.chat_prompt(path, body, traits), traits
+
+    async def template_traits(self, body: dict[str, Any]) -> TemplateTraits | None:
+        """The chat template traits an Anthropic request's prompt depends on, as vLLM probes
+        them (router/template_probe.py): the defaults when it depends on none, None when no
+        worker could be asked."""
+        model = body.get("model")
+        if not anthropic.template_dependent(body) or not isinstance(model, str):
+            return passthrough.DEFAULT_TRAITS
+        try:
+            workers = self._serving(model)
+        except BodyError:
+            return passthrough.DEFAULT_TRAITS  # routing refuses the model with its own answer
+
+        async def tokenize(chat: dict[str, Any]) -> TokenIds:
+            as_base = self.lora.tokenize_body(chat, workers, self.registry)
+            payload = PromptTokenizer.tokenize_payload(as_base, chat=True)
+            return await self._remote_tokenize(payload or {}, among=workers)
+
+        return await self.templates.traits(model, tokenize)
 
     def record_sent(self, engine: EngineId, res: RouteResult, now: float) -> None:
         """The speculative entry for a prompt just sent to ``engine``: siblings routed before

@@ -313,21 +313,21 @@ class Exchange:
         body = None
         if data and self.path in passthrough.BY_CACHE:
             body = passthrough.parse(data, self.headers.get("content-type", ""))
-        msgs = passthrough.chat_messages(self.path, body) if body is not None else None
+        prompt, traits = await self.p.router.read_prompt(self.path, body)
         if self.path == stored.RESPONSES:
             self.scan = stored.SCAN_BYTES  # its answer's id is noted (on_response_body)
         rid = stored.named_id(self.path, body)
         owner = await self.p.owner(rid) if rid is not None else None
-        if msgs is None and owner is None:
+        if prompt is None and owner is None:
             return self.p.pick_by_load(self.subset)
-        routed = passthrough.routing_body(body, msgs)
+        routed = passthrough.routing_body(body, prompt, traits)
         return await self.p.pick(
             routed,
             True,
             self.subset,
             self.headers,
             self.key,
-            tokenize=msgs is not None,
+            tokenize=prompt is not None,
             owner=owner,
             session_body=body or {},
             size=len(data) if data else 0,

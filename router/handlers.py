@@ -324,8 +324,8 @@ async def routed(
     carries as chat messages, else by load. Returns the result, the JSON body (None for a
     multipart upload) and how it was routed."""
     body = passthrough.parse(data, request.headers.get("content-type", ""))
-    msgs = passthrough.chat_messages(path, body) if body is not None else None
-    routed = passthrough.routing_body(body, msgs)
+    prompt, traits = await router.read_prompt(path, body)
+    routed = passthrough.routing_body(body, prompt, traits)
     sc = router.cfg.session
     session = session_key(request.headers, body or {}, sc.header, sc.user_field)
     dry = request.url.path == "/debug/route"
@@ -337,12 +337,12 @@ async def routed(
         True,
         now,
         session=session,
-        tokenize=msgs is not None,
+        tokenize=prompt is not None,
         dry_run=dry,
         trace=trace,
         owner=owner,
     )
-    how = passthrough.describe(path, msgs)
+    how = passthrough.describe(path, prompt)
     if owner is not None:
         how += f"; to {owner[0]}, which holds the previous response"
     return res, body, how

@@ -5,10 +5,11 @@ Every other path here goes to one worker serving the request's ``model``:
 
 * by cache, when a prompt prefix can be read from the body as chat messages: the Responses API
   (``instructions`` as the system message, ``input`` as user turns or its own message items) and
-  Anthropic's ``/v1/messages`` as vLLM serves it (``system``, then ``messages``); the router
-  tokenizes those messages through a worker's chat template, as for a chat completion;
-* by load otherwise (embeddings, scoring, reranking, pooling, tokenization, audio), and
-  ``/debug/route`` says so.
+  Anthropic's ``/v1/messages`` as vLLM converts it (router/anthropic.py: system, turns, tool
+  calls and results, tools); the router tokenizes those through a worker's chat template, as
+  for a chat completion;
+* by load otherwise (embeddings, scoring, reranking, pooling, tokenization, token counting,
+  audio), and ``/debug/route`` says so.
 
 Bodies are never rewritten (no token ids are substituted), so an answer is exactly what the
 worker sent. Predictions for these APIs are not verified: their usage reports no
@@ -21,7 +22,12 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["BY_CACHE", "PATHS", "chat_messages", "describe", "routing_body"]
+from router import anthropic
+from router.anthropic import TemplateTraits
+
+__all__ = ["BY_CACHE", "DEFAULT_TRAITS", "PATHS", "chat_prompt", "describe", "routing_body"]
+
+DEFAULT_TRAITS = TemplateTraits()
 
 BY_CACHE = frozenset({"/v1/responses", "/v1/messages"})
 """Paths whose body carries a prompt the router can read as chat messages."""
@@ -29,6 +35,7 @@ BY_CACHE = frozenset({"/v1/responses", "/v1/messages"})
 PATHS = frozenset(
     {
         *BY_CACHE,
+        "/v1/messages/count_tokens",
         "/v1/embeddings",
         "/v1/score",
         "/score",
@@ -59,45 +66,58 @@ def parse(data: bytes, content_type: str) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def chat_messages(path: str, body: dict[str, Any]) -> list[dict[str, str]] | None:
-    """The body's prompt as chat messages, or None when it has none the router can read."""
+def chat_prompt(
+    path: str, body: dict[str, Any], traits: TemplateTraits = DEFAULT_TRAITS
+) -> dict[str, Any] | None:
+    """The body's prompt as the chat fields vLLM renders (``messages``, and ``tools`` for an
+    Anthropic request), or None when it has none the router can read. ``traits``: the
+    model's chat template as vLLM probes it (router/template_probe.py), for Anthropic bodies
+    whose prompt depends on it (:func:`router.anthropic.template_dependent`)."""
     if path == "/v1/responses":
-        return _responses(body)
+        msgs = _responses(body)
+        return None if msgs is None else {"messages": msgs}
     if path == "/v1/messages":
-        return _anthropic(body)
+        got = anthropic.chat_request(body, traits.merge_inline_system)
+        if got is None:
+            return None
+        msgs, tools = got
+        return {"messages": msgs} if tools is None else {"messages": msgs, "tools": tools}
     return None
 
 
-def routing_body(body: dict[str, Any] | None, messages: list[dict[str, str]] | None) -> dict:
+def routing_body(
+    body: dict[str, Any] | None,
+    prompt: dict[str, Any] | None,
+    traits: TemplateTraits = DEFAULT_TRAITS,
+) -> dict:
     """What the router routes such a request by: its model and, when it has them, its prompt
-    as chat messages with what changes their tokens (``cache_salt``, template arguments, the
+    as chat fields with what changes their tokens (``cache_salt``, template arguments, the
     reasoning effort, and for a Responses request its continuation and truncation)."""
     model = body.get("model") if body is not None else None
     routed: dict[str, Any] = {"model": model} if model is not None else {}
-    if messages is not None and body is not None:
-        routed["messages"] = messages
+    if prompt is not None and body is not None:
+        routed |= prompt
         for k in ("cache_salt", "chat_template_kwargs"):
             if k in body:
                 routed[k] = body[k]
         if "input" in body:
             routed |= _responses_rendering(body)
         elif "messages" in body:
-            routed |= _anthropic_rendering(body)
+            routed |= _anthropic_rendering(body, traits)
     return routed
 
 
-def _anthropic_rendering(body: dict[str, Any]) -> dict[str, Any]:
+def _anthropic_rendering(body: dict[str, Any], traits: TemplateTraits) -> dict[str, Any]:
     """An Anthropic request's reasoning as vLLM hands it to the template (0.32
     ``AnthropicServingMessages``): ``output_config.effort`` is ``reasoning_effort``, and
-    ``thinking: {"type": "disabled"}`` overrides it with ``"none"`` (vLLM's probe of the
-    template picks ``"low"`` instead where the template does not honour ``"none"``)."""
+    ``thinking: {"type": "disabled"}`` overrides it with the template's disabled effort."""
     effort = None
     output = body.get("output_config")
     if isinstance(output, dict) and output.get("effort") is not None:
         effort = output["effort"]
     thinking = body.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") == "disabled":
-        effort = "none"
+        effort = traits.disabled_thinking_effort
     return {} if effort is None else {"reasoning_effort": effort}
 
 
@@ -120,10 +140,11 @@ def _responses_rendering(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def describe(path: str, messages: list[dict[str, str]] | None) -> str:
+def describe(path: str, prompt: dict[str, Any] | None) -> str:
     """What ``/debug/route`` says of how a request on ``path`` is routed."""
-    if messages is not None:
-        return f"by cache: the {path} prompt read as {len(messages)} chat messages"
+    if prompt is not None:
+        tools = f" and {len(prompt['tools'])} tools" if prompt.get("tools") else ""
+        return f"by cache: the {path} prompt read as {len(prompt['messages'])} chat messages{tools}"
     if path in BY_CACHE:
         return f"by load: no prompt the router can read in this {path} body"
     return f"by load: {path} carries no prompt prefix to match"
@@ -168,24 +189,3 @@ def _responses(body: dict[str, Any]) -> list[dict[str, str]] | None:
             return None
         out.append({"role": role, "content": text})
     return out or None
-
-
-def _anthropic(body: dict[str, Any]) -> list[dict[str, str]] | None:
-    out: list[dict[str, str]] = []
-    system = body.get("system")
-    if system is not None:
-        text = _text(system)
-        if text is None:
-            return None
-        out.append({"role": "system", "content": text})
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        return None
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            return None
-        text = _text(m.get("content"))
-        if text is None:
-            return None
-        out.append({"role": m["role"], "content": text})
-    return out

@@ -49,6 +49,7 @@ __all__ = [
     "PromptTokenizer",
     "TokenIds",
     "TokenizeError",
+    "TokenizeRefused",
     "Tokenized",
     "template_arguments",
 ]
@@ -67,6 +68,10 @@ CHAT_FORWARD_KEYS = (
 
 class TokenizeError(Exception):
     pass
+
+
+class TokenizeRefused(TokenizeError):
+    """A worker refused the tokenize request itself (4xx): another would refuse it too."""
 
 
 def template_arguments(body: dict[str, Any]) -> dict[str, Any]:

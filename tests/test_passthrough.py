@@ -3,17 +3,27 @@ prompt where one can be read (Responses, Anthropic messages), by load otherwise.
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from test_router_support import config_for, serve_app, serve_router, stand_in_worker, until
 
-from router.passthrough import chat_messages, routing_body
+from router.anthropic import TemplateTraits
+from router.passthrough import chat_prompt, routing_body
+
+
+def chat_messages(path: str, body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    prompt = chat_prompt(path, body)
+    return None if prompt is None else prompt["messages"]
+
 
 _PATHS = [
     "/v1/responses",
     "/v1/messages",
+    "/v1/messages/count_tokens",
     "/v1/embeddings",
     "/v1/score",
     "/v1/rerank",
@@ -114,12 +124,12 @@ async def test_a_streamed_response_passes_chunk_by_chunk() -> None:
 
 def test_a_responses_request_that_may_be_truncated_is_routed_as_vllm_serves_it() -> None:
     """vLLM serves ``truncation: auto`` as ``truncate_prompt_tokens: -1``."""
-    msgs = [{"role": "user", "content": "a"}]
+    prompt = {"messages": [{"role": "user", "content": "a"}]}
     body = {"model": "m", "input": "a"}
-    assert "truncate_prompt_tokens" not in routing_body(body, msgs)
-    assert "truncate_prompt_tokens" not in routing_body({**body, "truncation": "disabled"}, msgs)
-    auto = routing_body({**body, "truncation": "auto"}, msgs)
-    assert auto == {"model": "m", "messages": msgs, "truncate_prompt_tokens": -1}
+    assert "truncate_prompt_tokens" not in routing_body(body, prompt)
+    assert "truncate_prompt_tokens" not in routing_body({**body, "truncation": "disabled"}, prompt)
+    auto = routing_body({**body, "truncation": "auto"}, prompt)
+    assert auto == {"model": "m", **prompt, "truncate_prompt_tokens": -1}
 
 
 def test_a_responses_request_is_rendered_as_vllm_renders_it() -> None:
@@ -130,9 +140,10 @@ def test_a_responses_request_is_rendered_as_vllm_renders_it() -> None:
         {"role": "assistant", "content": "b", "status": "in_progress"},
     ]
     body = {"model": "m", "input": items, "reasoning": {"effort": "none"}}
-    msgs = chat_messages("/v1/responses", body)
-    assert msgs == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
-    assert routing_body(body, msgs) == {
+    prompt = chat_prompt("/v1/responses", body)
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert prompt == {"messages": msgs}
+    assert routing_body(body, prompt) == {
         "model": "m",
         "messages": msgs,
         "reasoning_effort": "none",
@@ -140,14 +151,21 @@ def test_a_responses_request_is_rendered_as_vllm_renders_it() -> None:
         "add_generation_prompt": False,
     }
     done = {"model": "m", "input": [items[0]], "reasoning": None}
-    assert routing_body(done, msgs) == {"model": "m", "messages": msgs}
+    assert routing_body(done, prompt) == {"model": "m", "messages": msgs}
 
 
-def test_an_anthropic_request_carries_its_reasoning_effort_to_the_template() -> None:
+def test_an_anthropic_request_carries_its_reasoning_effort_and_tools_to_the_template() -> None:
+    tool = {"name": "Bash", "input_schema": {"type": "object"}}
     body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "a"}]}
-    msgs = chat_messages("/v1/messages", body)
-    assert routing_body(body, msgs) == {"model": "m", "messages": msgs}
-    high = {**body, "output_config": {"effort": "high"}}
-    assert routing_body(high, msgs)["reasoning_effort"] == "high"
+    prompt = chat_prompt("/v1/messages", body)
+    assert prompt is not None
+    assert routing_body(body, prompt) == {"model": "m", "messages": prompt["messages"]}
+    high = {**body, "output_config": {"effort": "high"}, "tools": [tool]}
+    routed = routing_body(high, chat_prompt("/v1/messages", high))
+    assert routed["reasoning_effort"] == "high"
+    fn = {"name": "Bash", "description": None, "parameters": {"type": "object"}}
+    assert routed["tools"] == [{"type": "function", "function": fn}]
     off = {**high, "thinking": {"type": "disabled"}}
-    assert routing_body(off, msgs)["reasoning_effort"] == "none"
+    assert routing_body(off, prompt)["reasoning_effort"] == "none"
+    low = TemplateTraits(disabled_thinking_effort="low")  # a template that ignores "none"
+    assert routing_body(off, prompt, low)["reasoning_effort"] == "low"
