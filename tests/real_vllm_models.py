@@ -44,6 +44,7 @@ __all__ = [
     "MAX_LEN",
     "MODEL_GROUPS",
     "SERVED",
+    "SYSTEM_FIRST_TEMPLATE",
     "VLLM_VERSION",
     "VOCAB",
     "Kind",
@@ -63,14 +64,31 @@ MAX_LEN = 1024
 VOCAB = 2048
 SERVED = "tiny"
 CHAT_TEMPLATE = (
-    # documents and a thinking switch, as RAG and thinking models' templates read them: a
-    # chat that sets neither renders as the captures were recorded.
+    # documents, tools, tool calls, reasoning and a thinking switch, as RAG, agent and thinking
+    # models' templates read them: a chat that sets none renders as the captures were recorded.
     "{% if documents is defined and documents %}<s><|documents|>\n{% for d in documents %}"
     "{{ d['title'] }}: {{ d['text'] }}\n{% endfor %}<|end|>\n{% endif %}"
-    "{% for m in messages %}<s><|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if tools %}<s><|tools|>\n{{ tools | tojson }}<|end|>\n{% endif %}"
+    "{% for m in messages %}<s><|{{ m['role'] }}|>\n"
+    "{% if m['reasoning'] is defined and m['reasoning'] %}<think>{{ m['reasoning'] }}</think>"
+    "{% endif %}{{ m['content'] }}"
+    "{% if m['tool_calls'] is defined and m['tool_calls'] %}{% for c in m['tool_calls'] %}"
+    "<call>{{ c['function']['name'] }} {{ c['function']['arguments'] | tojson }}</call>"
+    "{% endfor %}{% endif %}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think></think>\n{% endif %}"
     "{% endif %}"
+)
+SYSTEM_FIRST_TEMPLATE = (
+    # Qwen-like: a system message only first (vLLM then merges inline ones into it), and no
+    # "none" reasoning effort (vLLM then disables thinking with "low").
+    "{% if reasoning_effort is defined and reasoning_effort == 'none' %}"
+    "{{ raise_exception('reasoning_effort none is not supported') }}{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('System message must be at the beginning.') }}{% endif %}{% endfor %}"
+    + CHAT_TEMPLATE
+    + "{% if add_generation_prompt and reasoning_effort is defined %}"
+    "effort {{ reasoning_effort }}\n{% endif %}"
 )
 HEALTHY_WITHIN_S = 600.0  # two shared cores: start-up takes 25 s idle, minutes under load
 

@@ -43,7 +43,12 @@ prediction equal to vLLM's cached tokens for the window it kept, a window the ro
 (text with special tokens, ``-1``) served and not scored; and chats with ``reasoning_effort`` and
 ``documents``, which the model's template reads. A sixth puts the dense model to sleep at
 level 0 (the one level the CPU build runs): the router reads the sleep from vLLM's /metrics,
-routes around it, keeps the index, and predicts exactly after the wake-up.
+routes around it, keeps the index, and predicts exactly after the wake-up. A seventh sends a
+Claude Code session over ``/v1/messages`` (billing header, tools, a tool call and its result,
+a reminder as an inline system message, thinking disabled) to the dense model with a template
+that keeps inline system messages and with one that wants the system message first: the
+router's prompt is vLLM's, token for token in length, and each prediction equals vLLM's
+``cache_read_input_tokens``.
 
 Before each request the test waits until vLLM's event stream has been quiet for ``QUIET_S`` and
 the router has applied the last frame a second subscriber saw, so that a prediction is made on
@@ -53,8 +58,8 @@ are recorded the same way).
 Runtime on two shared cores: the venv, when absent, about 80 s; per kind, vLLM's start-up
 (25 s idle, minutes under load) plus 54 requests (60 with offloading), each under a second of
 compute plus the quiet time: 60 to 110 s per kind when the machine is otherwise idle, the
-speculative test about 50 s per model, the lifecycle test about 75 s, the fifth and sixth
-about 45 and 35 s: about 26 minutes in all.
+speculative test about 50 s per model, the lifecycle test about 75 s, the fifth, sixth and
+seventh about 45, 35 and 65 s: about 27 minutes in all.
 Each test is bounded by its timeout.
 
     KVROUTER_REAL_VLLM=1 KVROUTER_VLLM_VENV=/path/to/venv PYTHONPATH=$PWD \\
@@ -82,6 +87,7 @@ from real_vllm_models import (
     KINDS,
     MODEL_GROUPS,
     SERVED,
+    SYSTEM_FIRST_TEMPLATE,
     VLLM_VERSION,
     VOCAB,
     Kind,
@@ -906,3 +912,120 @@ async def test_an_engine_asleep_is_seen_and_its_cache_kept_at_level_0_on_real_vl
         print(f"\n[real vLLM {VLLM_VERSION} dense: sleep level 0] {asleep!r}; {out}")
     assert "asleep" in asleep and resets == {}, (asleep, resets)
     assert out["after-wake"][0] == out["after-wake"][1] > 0, out
+
+
+SYSTEM_FIRST = Kind(
+    "llama-system-first", "dense", 40, extra=("--chat-template", SYSTEM_FIRST_TEMPLATE)
+)
+"""The dense model with a chat template that wants the system message first and refuses the
+``"none"`` reasoning effort."""
+
+_AGENT_SYSTEM = " ".join(f"rule{i} keep answers short" for i in range(12))
+_AGENT_TOOLS = [
+    {
+        "name": "Bash",
+        "description": "Run a shell command",
+        "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+    },
+    {"name": "Read", "input_schema": {"properties": {"path": {"type": "string"}}}},
+]
+
+
+def _agent_turns() -> list[tuple[str, dict[str, Any]]]:
+    """A Claude Code session as it reaches vLLM: a billing header with a new hash each
+    request, tools, a thinking block and a tool call answered by a tool result, a reminder as
+    an inline system message, and thinking switched off."""
+
+    def system(n: int) -> list[dict[str, str]]:
+        billing = f"x-anthropic-billing-header: cc_version=2.1; cch={n:05x};"
+        return [{"type": "text", "text": billing}, {"type": "text", "text": _AGENT_SYSTEM}]
+
+    user0 = {"role": "user", "content": [{"type": "text", "text": "list the files " * 6}]}
+    call = {"type": "tool_use", "id": "toolu_01", "name": "Bash", "input": {"cmd": "ls -la"}}
+    said = {
+        "role": "assistant",
+        "content": [
+            {"type": "thinking", "thinking": "run ls first", "signature": "sig"},
+            {"type": "text", "text": "Listing."},
+            call,
+        ],
+    }
+    result = {
+        "role": "user",
+        "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_01", "content": "a.py\nb.py " * 8},
+            {"type": "text", "text": "which is larger"},
+        ],
+    }
+    reminder = {"role": "system", "content": "<reminder>stay in the repository</reminder>"}
+    then = [{"role": "assistant", "content": "b.py"}, reminder, {"role": "user", "content": "ok"}]
+    base = {"tools": _AGENT_TOOLS, "tool_choice": {"type": "none"}, "max_tokens": 2}
+    return [
+        ("first", {**base, "system": system(1), "messages": [user0]}),
+        ("tool-result", {**base, "system": system(2), "messages": [user0, said, result]}),
+        (
+            "reminder",
+            {
+                **base,
+                "system": system(3),
+                "messages": [user0, said, result, *then],
+                "thinking": {"type": "disabled"},
+            },
+        ),
+        (
+            "reminder-again",
+            {
+                **base,
+                "system": system(4),
+                "messages": [user0, said, result, *then],
+                "thinking": {"type": "disabled"},
+            },
+        ),
+    ]
+
+
+def _anthropic_session(sender: ThroughRouter) -> list[tuple[str, int, int, int, int]]:
+    """Each turn: (label, the router's prompt tokens, vLLM's, the router's predicted hit,
+    vLLM's ``cache_read_input_tokens``), the prediction taken once the router has every
+    event of the turns before."""
+    rows = []
+    for label, turn in _agent_turns():
+        body = {**turn, "model": SERVED}
+        sender.caught_up(label)
+        route = sender.client.post(sender.base + "/debug/route?path=/v1/messages", json=body)
+        plan = route.json()
+        assert plan["routing"].startswith("by cache"), plan
+        r = sender.client.post(sender.base + "/v1/messages", json=body)
+        assert r.status_code == 200, (label, r.text)
+        sender.done_at = time.monotonic()
+        usage = r.json()["usage"]
+        cached = usage.get("cache_read_input_tokens", 0)
+        total = usage["input_tokens"] + cached + usage.get("cache_creation_input_tokens", 0)
+        rows.append((label, plan["prompt_tokens"], total, plan["predicted_hit_tokens"], cached))
+    return rows
+
+
+async def test_anthropic_messages_from_an_agent_on_real_vllm(
+    vllm_python: Path, models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Claude Code's ``/v1/messages`` traffic through the router, on the dense model with a
+    template that takes inline system messages and with one that wants the system message
+    first: the router tokenizes each turn as vLLM renders it (the same prompt length) and
+    predicts exactly the ``cache_read_input_tokens`` vLLM reports."""
+    got: dict[str, list[tuple[str, int, int, int, int]]] = {}
+    for name, kind in (("inline-system", KINDS["dense"]), ("system-first", SYSTEM_FIRST)):
+        (tmp_path / name).mkdir()
+        with _served(vllm_python, kind, models, tmp_path / name) as (served, taps):
+            async with serve_router(_config(served)) as (base, _router):
+                await _router_ready(base)
+                sender = ThroughRouter(base, taps)
+                got[name] = await asyncio.to_thread(_anthropic_session, sender)
+                sender.client.close()
+    with capsys.disabled():
+        print(f"\n[real vLLM {VLLM_VERSION} dense: Anthropic messages] (label, router prompt, "
+              f"vLLM prompt, predicted, cache_read_input_tokens): {got}")  # fmt: skip
+    for name, rows in got.items():
+        wrong = [r for r in rows if r[1] != r[2] or r[3] != r[4]]
+        assert wrong == [], (name, wrong)
+        hits = {r[0]: r[4] for r in rows}
+        assert hits["tool-result"] > 0 and hits["reminder-again"] > hits["reminder"], (name, hits)
