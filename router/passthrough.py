@@ -4,10 +4,10 @@
 Every other path here goes to one worker serving the request's ``model``:
 
 * by cache, when a prompt prefix can be read from the body as chat messages: the Responses API
-  (``instructions`` as the system message, ``input`` as user turns or its own message items) and
-  Anthropic's ``/v1/messages`` as vLLM converts it (router/anthropic.py: system, turns, tool
-  calls and results, tools); the router tokenizes those through a worker's chat template, as
-  for a chat completion;
+  (router/responses_input.py: instructions, messages, function calls and their output,
+  reasoning, tools) and Anthropic's ``/v1/messages`` (router/anthropic.py: system, turns, tool
+  calls and results, tools), each as vLLM converts it; the router tokenizes those through a
+  worker's chat template, as for a chat completion;
 * by load otherwise (embeddings, scoring, reranking, pooling, tokenization, token counting,
   audio), and ``/debug/route`` says so.
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from router import anthropic
+from router import anthropic, responses_input
 from router.anthropic import TemplateTraits
 
 __all__ = ["BY_CACHE", "DEFAULT_TRAITS", "PATHS", "chat_prompt", "describe", "routing_body"]
@@ -74,15 +74,15 @@ def chat_prompt(
     model's chat template as vLLM probes it (router/template_probe.py), for Anthropic bodies
     whose prompt depends on it (:func:`router.anthropic.template_dependent`)."""
     if path == "/v1/responses":
-        msgs = _responses(body)
-        return None if msgs is None else {"messages": msgs}
-    if path == "/v1/messages":
+        got = responses_input.chat_request(body)
+    elif path == "/v1/messages":
         got = anthropic.chat_request(body, traits.merge_inline_system)
-        if got is None:
-            return None
-        msgs, tools = got
-        return {"messages": msgs} if tools is None else {"messages": msgs, "tools": tools}
-    return None
+    else:
+        return None
+    if got is None:
+        return None
+    msgs, tools = got
+    return {"messages": msgs} if tools is None else {"messages": msgs, "tools": tools}
 
 
 def routing_body(
@@ -148,44 +148,3 @@ def describe(path: str, prompt: dict[str, Any] | None) -> str:
     if path in BY_CACHE:
         return f"by load: no prompt the router can read in this {path} body"
     return f"by load: {path} carries no prompt prefix to match"
-
-
-def _text(content: Any) -> str | None:
-    """Text of a content field: a string, or a list of text parts (other parts: None)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        return None
-    parts = []
-    for part in content:
-        if isinstance(part, str):
-            parts.append(part)
-        elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
-            if not isinstance(part.get("text"), str):
-                return None
-            parts.append(part["text"])
-        else:
-            return None  # images, audio, tool results: not a text prefix the router can key
-    return "".join(parts)
-
-
-def _responses(body: dict[str, Any]) -> list[dict[str, str]] | None:
-    if body.get("previous_response_id") is not None:
-        return None  # the earlier turns live on the worker that answered them, not in the body
-    out: list[dict[str, str]] = []
-    instructions = body.get("instructions")
-    if isinstance(instructions, str) and instructions:
-        out.append({"role": "system", "content": instructions})
-    items = body.get("input")
-    if isinstance(items, str):
-        items = [{"role": "user", "content": items}]
-    if not isinstance(items, list):
-        return None
-    for item in items:
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
-            return None
-        role, text = item.get("role"), _text(item.get("content"))
-        if role not in ("system", "developer", "user", "assistant") or text is None:
-            return None
-        out.append({"role": role, "content": text})
-    return out or None

@@ -2,7 +2,7 @@
 billing header and reminders, tool calls and results, thinking, tools and tool changes.
 
 Ground truth is vLLM's own conversion, recorded from vLLM 0.32.0
-(``scripts/record_anthropic_conversion.py`` -> ``tests/fixtures/vllm-captures/
+(``scripts/record_request_conversions.py`` -> ``tests/fixtures/vllm-captures/
 anthropic-conversion.json``). The template probe runs against simulated workers that render
 with real jinja chat templates (``kvrouter-sim --tokenizer``), over real HTTP.
 """

