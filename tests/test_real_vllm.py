@@ -48,7 +48,8 @@ Claude Code session over ``/v1/messages`` (billing header, tools, a tool call an
 a reminder as an inline system message, thinking disabled) to the dense model with a template
 that keeps inline system messages and with one that wants the system message first: the
 router's prompt is vLLM's, token for token in length, and each prediction equals vLLM's
-``cache_read_input_tokens``.
+``cache_read_input_tokens``; then a coding agent's Responses API session (reasoning, function
+calls and their output, tools) the same way.
 
 Before each request the test waits until vLLM's event stream has been quiet for ``QUIET_S`` and
 the router has applied the last frame a second subscriber saw, so that a prediction is made on
@@ -984,48 +985,97 @@ def _agent_turns() -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
-def _anthropic_session(sender: ThroughRouter) -> list[tuple[str, int, int, int, int]]:
-    """Each turn: (label, the router's prompt tokens, vLLM's, the router's predicted hit,
-    vLLM's ``cache_read_input_tokens``), the prediction taken once the router has every
+Row = tuple[str, int, int, int, int]
+"""(label, the router's prompt tokens, vLLM's, the router's predicted hit, vLLM's cached)."""
+
+
+def _responses_turns() -> list[tuple[str, dict[str, Any]]]:
+    """A coding agent on the Responses API: instructions, function tools and a built-in one
+    vLLM does not show the model, a reasoning item, two function calls and their outputs (one
+    as text parts), an answer, and a user turn in two text parts."""
+    tools = [
+        {
+            "type": "function",
+            "name": "shell",
+            "description": "Run a command",
+            "strict": False,
+            "parameters": {"type": "object", "properties": {"cmd": {"type": "array"}}},
+        },
+        {"type": "web_search"},
+    ]
+    user = {"type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "list the files " * 6}]}  # fmt: skip
+    calls = [
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "run ls"}]},
+        {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": '{"cmd":["ls"]}'},
+        {"type": "function_call", "call_id": "c2", "name": "shell", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "a.py b.py " * 8},
+        {"type": "function_call_output", "call_id": "c2",
+         "output": [{"type": "input_text", "text": "ok"}]},
+    ]  # fmt: skip
+    said = [{"type": "output_text", "text": "Two files.", "annotations": []}]
+    answer = {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+              "content": said}  # fmt: skip
+    more = {"role": "user", "content": [{"type": "input_text", "text": "which is larger"},
+                                        {"type": "input_text", "text": "and why"}]}  # fmt: skip
+    base = {"instructions": _AGENT_SYSTEM, "tools": tools, "max_output_tokens": 2}
+    return [
+        ("first", {**base, "input": [user]}),
+        ("tool-output", {**base, "input": [user, *calls]}),
+        ("answered", {**base, "input": [user, *calls, answer, more]}),
+        ("answered-again", {**base, "input": [user, *calls, answer, more]}),
+    ]
+
+
+def _agent_session(sender: ThroughRouter, path: str) -> list[Row]:
+    """Each turn of the session on ``path``, the prediction taken once the router has every
     event of the turns before."""
+    turns = _agent_turns() if path == "/v1/messages" else _responses_turns()
     rows = []
-    for label, turn in _agent_turns():
+    for label, turn in turns:
         body = {**turn, "model": SERVED}
         sender.caught_up(label)
-        route = sender.client.post(sender.base + "/debug/route?path=/v1/messages", json=body)
+        route = sender.client.post(sender.base + "/debug/route?path=" + path, json=body)
         plan = route.json()
         assert plan["routing"].startswith("by cache"), plan
-        r = sender.client.post(sender.base + "/v1/messages", json=body)
+        r = sender.client.post(sender.base + path, json=body)
         assert r.status_code == 200, (label, r.text)
         sender.done_at = time.monotonic()
         usage = r.json()["usage"]
-        cached = usage.get("cache_read_input_tokens", 0)
-        total = usage["input_tokens"] + cached + usage.get("cache_creation_input_tokens", 0)
+        if path == "/v1/messages":  # input_tokens: what was not read from the cache
+            cached = usage.get("cache_read_input_tokens", 0)
+            total = usage["input_tokens"] + cached + usage.get("cache_creation_input_tokens", 0)
+        else:  # input_tokens: the whole prompt
+            cached, total = usage["input_tokens_details"]["cached_tokens"], usage["input_tokens"]
         rows.append((label, plan["prompt_tokens"], total, plan["predicted_hit_tokens"], cached))
     return rows
 
 
-async def test_anthropic_messages_from_an_agent_on_real_vllm(
+async def test_agent_sessions_over_messages_and_responses_on_real_vllm(
     vllm_python: Path, models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Claude Code's ``/v1/messages`` traffic through the router, on the dense model with a
-    template that takes inline system messages and with one that wants the system message
-    first: the router tokenizes each turn as vLLM renders it (the same prompt length) and
-    predicts exactly the ``cache_read_input_tokens`` vLLM reports."""
-    got: dict[str, list[tuple[str, int, int, int, int]]] = {}
+    """Agents' traffic through the router: Claude Code's ``/v1/messages`` on the dense model
+    with a template that takes inline system messages and with one that wants the system
+    message first, and a Responses API coding session on the first. The router tokenizes each
+    turn as vLLM renders it (the same prompt length) and predicts exactly the cached tokens
+    vLLM reports (``cache_read_input_tokens``, ``input_tokens_details.cached_tokens``)."""
+    got: dict[str, list[Row]] = {}
     for name, kind in (("inline-system", KINDS["dense"]), ("system-first", SYSTEM_FIRST)):
         (tmp_path / name).mkdir()
         with _served(vllm_python, kind, models, tmp_path / name) as (served, taps):
             async with serve_router(_config(served)) as (base, _router):
                 await _router_ready(base)
                 sender = ThroughRouter(base, taps)
-                got[name] = await asyncio.to_thread(_anthropic_session, sender)
+                paths = ["/v1/messages"] + (["/v1/responses"] if name == "inline-system" else [])
+                for path in paths:
+                    got[f"{name} {path}"] = await asyncio.to_thread(_agent_session, sender, path)
                 sender.client.close()
     with capsys.disabled():
-        print(f"\n[real vLLM {VLLM_VERSION} dense: Anthropic messages] (label, router prompt, "
-              f"vLLM prompt, predicted, cache_read_input_tokens): {got}")  # fmt: skip
+        print(f"\n[real vLLM {VLLM_VERSION} dense: agent sessions] (label, router prompt, "
+              f"vLLM prompt, predicted, cached): {got}")  # fmt: skip
     for name, rows in got.items():
         wrong = [r for r in rows if r[1] != r[2] or r[3] != r[4]]
         assert wrong == [], (name, wrong)
-        hits = {r[0]: r[4] for r in rows}
-        assert hits["tool-result"] > 0 and hits["reminder-again"] > hits["reminder"], (name, hits)
+        hits = [r[4] for r in rows]
+        assert hits[1] > 0 and hits[3] > hits[2] > 0, (name, hits)
