@@ -15,8 +15,11 @@ against a worker's ``/tokenize`` at start-up (:meth:`PromptTokenizer.verify_loca
 mismatch the router logs it and stays remote.
 
 Caching (bounded LRU, ``tokenizer.cache_entries`` entries and a token budget): results are keyed
-by a 128-bit hash of the namespace plus the canonical (sorted-key) JSON of the tokenize request,
-and hold the tokens (packed uint32) and their chained content keys. Multi-turn chat: each entry is
+by a 128-bit hash of the namespace plus the JSON of the tokenize request, and hold the tokens
+(packed uint32) and their chained content keys. The JSON keeps the client's key order, and is
+the body the worker gets: a template writes tools (and any object it renders) with
+``tojson``, in the order the client sent, so a request with its keys reordered is another
+prompt. Multi-turn chat: each entry is
 also filed under the hash of its message list, so a request whose messages *extend* a cached
 conversation finds it. The worker still tokenizes the new request (exactness: a chat template
 may render earlier turns differently once more follow), but content keys are reused for the
@@ -149,7 +152,7 @@ class _TokResp(msgspec.Struct):
 
 
 _tok_decoder = msgspec.json.Decoder(_TokResp)
-_enc = msgspec.json.Encoder(order="sorted")
+_enc = msgspec.json.Encoder()  # insertion order: the order the template renders objects in
 
 
 def _h128(*parts: bytes) -> bytes:
@@ -237,7 +240,7 @@ class LocalTokenizer:
                 else:
                     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
                     env.globals["raise_exception"] = _raise
-                    env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False)
+                    env.filters["tojson"] = _tojson
                     self.template = env.from_string(tmpl)
                     self._jinja_error = jinja2.TemplateError
 
@@ -259,6 +262,21 @@ class LocalTokenizer:
             **kwargs,
         )
         return self.encode_prompt(text, bool(req.get("add_special_tokens", False)))
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """The ``tojson`` filter chat templates get from Hugging Face transformers (which vLLM
+    renders with): the objects' own key order and the template's indent and separators
+    (Llama 3.1 writes its tools with ``tojson(indent=4)``), not jinja2's sorted default."""
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise(msg: str) -> None:

@@ -45,7 +45,7 @@ class HFTokenizer:
             if isinstance(tmpl, str):
                 env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
                 env.globals["raise_exception"] = _raise
-                env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False)
+                env.filters["tojson"] = _tojson
                 self.template = env.from_string(tmpl)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -106,6 +106,20 @@ class HFTokenizer:
     ) -> list[int]:
         text = self.render_chat(messages, add_generation_prompt, continue_final_message, kwargs)
         return self.encode(text, add_special_tokens=False)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' ``tojson`` for chat templates: the object's key order, the template's
+    indent and separators."""
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise(msg: str) -> None:

@@ -5,11 +5,12 @@ simulated workers whose template reads them as vLLM 0.32 hands them over."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from test_router_support import config_for, serve_router, until
+from test_router_support import config_for, serve_router, until, write_tokenizer
 
 from router.tokenize import PromptTokenizer, template_arguments
 from simulator.testing import running_fleet
@@ -84,3 +85,53 @@ async def test_a_thinking_switch_and_documents_are_counted_as_the_worker_renders
 async def _hit(c: httpx.AsyncClient, base: str, body: dict[str, Any]) -> bool:
     e = (await c.post(base + "/debug/route", json=body)).json()
     return e["workers"][0]["gpu_hit_tokens"] > 0
+
+
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>\n{{ tools | tojson(indent=2) }}<|end|>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""Tools written as the template's JSON, as tool-calling models' templates write them."""
+
+
+async def test_tools_are_rendered_in_the_clients_key_order(tmp_path: Path) -> None:
+    """vLLM renders a chat's tools with the keys in the order the client sent them; a
+    tokenize request re-encoded with sorted keys counts the same tokens in another order, and
+    matches nothing past the tools. The second of two identical chats: predicted == cached."""
+    model = write_tokenizer(tmp_path / "model", template=TOOLS_TEMPLATE)
+    props = {f"arg{i}": {"type": "string", "description": f"argument {i}"} for i in range(12)}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "run",
+            "description": "Run it",
+            "parameters": {"type": "object", "properties": props, "required": ["arg0"]},
+        },
+    }
+    chat = {
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": "use the tool"}],
+        "tools": [tool],
+        "max_tokens": 1,
+    }
+    with running_fleet(1, tokenizer=model, **FAST) as ws:
+        async with (
+            serve_router(config_for(ws)) as (base, router),
+            httpx.AsyncClient(timeout=30) as c,
+        ):
+            await until(lambda: all(w.subscribed for w in router.registry.workers.values()), 20)
+            first = await c.post(base + "/v1/chat/completions", json=chat)
+            assert first.status_code == 200, first.text
+            n = first.json()["usage"]["prompt_tokens"]
+            whole = (n - 1) // 16 * 16  # every block but the one holding the last token
+
+            async def indexed() -> dict[str, Any] | None:
+                plan = (await c.post(base + "/debug/route", json=chat)).json()
+                return plan if plan["workers"][0]["gpu_hit_tokens"] >= whole else None
+
+            plan = await until(indexed, 20, "the first chat's blocks under the router's keys")
+            assert plan["prompt_tokens"] == n
+            again = (await c.post(base + "/v1/chat/completions", json=chat)).json()
+            cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached == plan["predicted_hit_tokens"] == whole > 200
