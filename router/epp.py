@@ -64,6 +64,7 @@ from router.messages import (
     cached_from_sse,
     cached_tokens_of,
     completion_tokens_in,
+    has_cache_usage,
     prompt_tokens_of,
 )
 from router.verify import StreamUsageFilter
@@ -400,7 +401,7 @@ class Exchange:
                     st.cached, st.prompt = self.strip.usage
             elif self.resp_mode in BUFFERED:
                 self.usage_of_json(st, chunk)
-            elif b"cached_tokens" in chunk:
+            elif has_cache_usage(chunk):
                 usage = cached_from_sse(chunk) if self.sse else None
                 if usage is None and not self.sse:
                     self.usage_of_json(st, chunk)
@@ -418,7 +419,7 @@ class Exchange:
 
     @staticmethod
     def usage_of_json(st: RequestState, data: bytes) -> None:
-        if st.status != 200 or b"cached_tokens" not in data:
+        if st.status != 200 or not has_cache_usage(data):
             return
         with contextlib.suppress(msgspec.DecodeError):
             doc = _json.decode(data)

@@ -14,12 +14,14 @@ import msgspec
 from starlette.responses import JSONResponse, Response
 
 __all__ = [
+    "CACHE_MARKS",
     "HOP_BY_HOP",
     "WORKER_HEADER",
     "cached_from_sse",
     "cached_tokens_of",
     "completion_tokens_in",
     "error_response",
+    "has_cache_usage",
     "prompt_tokens_of",
     "request_headers",
     "response_headers",
@@ -70,23 +72,64 @@ def sse_error_event(message: str, etype: str, code: int) -> bytes:
 _usage_dec = msgspec.json.Decoder()
 
 
-def cached_tokens_of(doc: Any) -> int | None:
+CACHE_MARKS = (b"cached_tokens", b"cache_read_input_tokens")
+"""Bytes that show a usage report with the prompt's cached tokens in it, in any API's shape."""
+
+
+def has_cache_usage(data: bytes) -> bool:
+    """Whether ``data`` may hold a usage report with cached tokens: a byte test that saves
+    decoding the bodies and chunks that cannot."""
+    return any(mark in data for mark in CACHE_MARKS)
+
+
+def _usage(doc: Any) -> dict[str, Any] | None:
+    """The usage report of an answer or stream event: at the top (chat, completions, an
+    Anthropic ``message_delta``), in ``response`` (a Responses ``response.completed`` event)
+    or in ``message`` (an Anthropic ``message_start``)."""
     if not isinstance(doc, dict):
         return None
-    usage = doc.get("usage")
-    if not isinstance(usage, dict):
-        return None
-    details = usage.get("prompt_tokens_details")
-    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-        return details["cached_tokens"]
+    for holder in (doc, doc.get("response"), doc.get("message")):
+        if isinstance(holder, dict) and isinstance(holder.get("usage"), dict):
+            return holder["usage"]
     return None
+
+
+def _count(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def cached_tokens_of(doc: Any) -> int | None:
+    """The prompt tokens vLLM found cached: ``prompt_tokens_details.cached_tokens`` (chat and
+    completions), ``input_tokens_details.cached_tokens`` (Responses API) or
+    ``cache_read_input_tokens`` (Anthropic messages)."""
+    usage = _usage(doc)
+    if usage is None:
+        return None
+    for key in ("prompt_tokens_details", "input_tokens_details"):
+        details = usage.get(key)
+        if isinstance(details, dict) and _count(details.get("cached_tokens")) is not None:
+            return details["cached_tokens"]
+    return _count(usage.get("cache_read_input_tokens"))
 
 
 def prompt_tokens_of(doc: Any) -> int | None:
-    usage = doc.get("usage") if isinstance(doc, dict) else None
-    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+    """The prompt's length as vLLM counted it: ``prompt_tokens``; a Responses answer's
+    ``input_tokens``; an Anthropic answer's ``input_tokens`` (the part not read from the
+    cache) plus its cache read and cache creation."""
+    usage = _usage(doc)
+    if usage is None:
+        return None
+    if _count(usage.get("prompt_tokens")) is not None:
         return usage["prompt_tokens"]
-    return None
+    n = _count(usage.get("input_tokens"))
+    if n is None:
+        return None
+    if "input_tokens_details" in usage:
+        return n
+    read = _count(usage.get("cache_read_input_tokens"))
+    if read is None:
+        return None  # an Anthropic report without its cache fields: the total is not known
+    return n + read + (_count(usage.get("cache_creation_input_tokens")) or 0)
 
 
 _COMPLETION_KEY = b'"completion_tokens"'
@@ -112,7 +155,7 @@ def completion_tokens_in(data: bytes) -> int | None:
 def cached_from_sse(chunk: bytes) -> tuple[int, int | None] | None:
     """(cached_tokens, prompt_tokens) of the usage event in an SSE chunk, if any."""
     for line in chunk.split(b"\n"):
-        if line.startswith(b"data: {") and b"cached_tokens" in line:
+        if line.startswith(b"data: {") and has_cache_usage(line):
             with contextlib.suppress(msgspec.DecodeError):
                 doc = _usage_dec.decode(line[6:])
                 v = cached_tokens_of(doc)

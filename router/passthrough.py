@@ -12,8 +12,9 @@ Every other path here goes to one worker serving the request's ``model``:
   audio), and ``/debug/route`` says so.
 
 Bodies are never rewritten (no token ids are substituted), so an answer is exactly what the
-worker sent. Predictions for these APIs are not verified: their usage reports no
-``prompt_tokens_details`` in the chat-completions shape.
+worker sent. Predictions are verified as a chat's are, from the cached tokens each API's usage
+reports (router/messages.py: ``input_tokens_details`` of a Responses answer,
+``cache_read_input_tokens`` of an Anthropic one).
 """
 
 from __future__ import annotations

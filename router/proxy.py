@@ -63,6 +63,7 @@ from router.messages import (
     cached_tokens_of,
     completion_tokens_in,
     error_response,
+    has_cache_usage,
     prompt_tokens_of,
     response_headers,
     sse_error_event,
@@ -688,7 +689,7 @@ def _stream(
                     state["cached"], state["prompt"] = strip.usage
                 if not chunk:
                     continue
-            elif b"cached_tokens" in chunk:
+            elif has_cache_usage(chunk):
                 v = cached_from_sse(chunk)
                 if v is not None:
                     state["cached"], state["prompt"] = v
@@ -762,7 +763,7 @@ async def _buffered(
         cached = prompt = completion = rid = None
         if resp.status_code == 200:
             completion = completion_tokens_in(body)
-            if b"cached_tokens" in body:
+            if has_cache_usage(body):
                 with contextlib.suppress(msgspec.DecodeError):
                     doc = _usage_dec.decode(body)
                     cached, prompt = cached_tokens_of(doc), prompt_tokens_of(doc)

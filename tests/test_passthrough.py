@@ -12,6 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 from test_router_support import config_for, serve_app, serve_router, stand_in_worker, until
 
 from router.anthropic import TemplateTraits
+from router.messages import cached_from_sse, cached_tokens_of, has_cache_usage, prompt_tokens_of
 from router.passthrough import chat_prompt, routing_body
 
 
@@ -170,3 +171,31 @@ def test_an_anthropic_request_carries_its_reasoning_effort_and_tools_to_the_temp
     assert routing_body(off, prompt)["reasoning_effort"] == "none"
     low = TemplateTraits(disabled_thinking_effort="low")  # a template that ignores "none"
     assert routing_body(off, prompt, low)["reasoning_effort"] == "low"
+
+
+def test_cached_tokens_are_read_from_each_apis_usage() -> None:
+    """The usage shapes vLLM 0.32 answers with: chat, a Responses answer and its
+    ``response.completed`` event, an Anthropic answer and its stream's ``message_delta``."""
+    chat = {"usage": {"prompt_tokens": 300, "prompt_tokens_details": {"cached_tokens": 256}}}
+    details = {"cached_tokens": 576, "cache_write_tokens": 192}
+    responses = {"usage": {"input_tokens": 771, "input_tokens_details": details}}
+    completed = {"type": "response.completed", "response": {"id": "r", **responses}}
+    anthropic = {"usage": {"input_tokens": 16, "output_tokens": 2, "cache_read_input_tokens": 704,
+                           "cache_creation_input_tokens": 192}}  # fmt: skip
+    no_cache = {"usage": {"input_tokens": 912, "output_tokens": 2}}
+    for doc, want in [
+        (chat, (256, 300)),
+        (responses, (576, 771)),
+        (completed, (576, 771)),
+        (anthropic, (704, 912)),
+        (no_cache, (None, None)),  # without --enable-prompt-tokens-details: nothing to verify
+        ({"usage": {"input_tokens": True, "cache_read_input_tokens": 1}}, (1, None)),
+        ({"usage": None}, (None, None)),
+    ]:
+        assert (cached_tokens_of(doc), prompt_tokens_of(doc)) == want, doc
+    start = {"type": "message_start", "message": {"id": "m", **anthropic}}
+    assert cached_tokens_of(start) == 704
+    delta = b'event: message_delta\ndata: {"type":"message_delta","usage":{"input_tokens":16,'
+    delta += b'"output_tokens":2,"cache_read_input_tokens":704}}\n\n'
+    assert has_cache_usage(delta) and cached_from_sse(delta) == (704, 720)
+    assert not has_cache_usage(b'data: {"type":"content_block_delta"}\n\n')
