@@ -1028,26 +1028,86 @@ def _responses_turns() -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
+def _chat_turns() -> list[tuple[str, dict[str, Any]]]:
+    """An agent on chat completions: tools whose keys are not in sorted order (vLLM's template
+    writes them in the client's order), a tool call and its result."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "Bash",
+                "description": "Run a shell command",
+                "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+            },
+        }
+    ]
+    system = {"role": "system", "content": _AGENT_SYSTEM}
+    user = {"role": "user", "content": "list the files " * 6}
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "Bash", "arguments": '{"cmd": "ls -la"}'}}  # fmt: skip
+    said = [
+        {"role": "assistant", "content": "Listing.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "a.py\nb.py " * 8},
+        {"role": "user", "content": "which is larger"},
+    ]
+    then = [{"role": "assistant", "content": "b.py"}, {"role": "user", "content": "ok"}]
+    base = {"tools": tools, "tool_choice": "none", "max_tokens": 2}
+    return [
+        ("first", {**base, "messages": [system, user]}),
+        ("tool-result", {**base, "messages": [system, user, *said]}),
+        ("answered", {**base, "messages": [system, user, *said, *then]}),
+        ("answered-again", {**base, "messages": [system, user, *said, *then]}),
+    ]
+
+
+def _usage_of(path: str, usage: dict[str, Any]) -> tuple[int, int]:
+    """(vLLM's prompt tokens, its cached tokens) from an answer's usage on ``path``."""
+    if path == "/v1/chat/completions":
+        return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+    if path == "/v1/messages":  # input_tokens: what was not read from the cache
+        cached = usage.get("cache_read_input_tokens", 0)
+        return usage["input_tokens"] + cached + usage.get("cache_creation_input_tokens", 0), cached
+    return usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"]
+
+
 def _agent_session(sender: ThroughRouter, path: str) -> list[Row]:
     """Each turn of the session on ``path``, the prediction taken once the router has every
-    event of the turns before."""
-    turns = _agent_turns() if path == "/v1/messages" else _responses_turns()
+    event of the turns before; the second Anthropic turn streamed. The router's verifier
+    checks each answer: one sample per turn, its prediction the one ``/debug/route`` gave."""
+    turns = {
+        "/v1/messages": _agent_turns,
+        "/v1/responses": _responses_turns,
+        "/v1/chat/completions": _chat_turns,
+    }[path]()
     rows = []
-    for label, turn in turns:
+    for i, (label, turn) in enumerate(turns):
         body = {**turn, "model": SERVED}
         sender.caught_up(label)
-        route = sender.client.post(sender.base + "/debug/route?path=" + path, json=body)
-        plan = route.json()
-        assert plan["routing"].startswith("by cache"), plan
-        r = sender.client.post(sender.base + path, json=body)
-        assert r.status_code == 200, (label, r.text)
+        before = _verified(sender.engines())
+        query = "" if path == "/v1/chat/completions" else "?path=" + path
+        plan = sender.client.post(sender.base + "/debug/route" + query, json=body).json()
+        assert plan.get("routing", "by cache").startswith("by cache"), plan
+        if path == "/v1/messages" and i == 1:
+            streamed = {**body, "stream": True}
+            with sender.client.stream("POST", sender.base + path, json=streamed) as r:
+                assert r.status_code == 200, label
+                raw = b"".join(r.iter_raw()).decode()
+            events = [json.loads(x[6:]) for x in raw.splitlines() if x.startswith("data: {")]
+            usage = next(e["usage"] for e in events if e["type"] == "message_delta")
+        else:
+            r = sender.client.post(sender.base + path, json=body)
+            assert r.status_code == 200, (label, r.text)
+            usage = r.json()["usage"]
         sender.done_at = time.monotonic()
-        usage = r.json()["usage"]
-        if path == "/v1/messages":  # input_tokens: what was not read from the cache
-            cached = usage.get("cache_read_input_tokens", 0)
-            total = usage["input_tokens"] + cached + usage.get("cache_creation_input_tokens", 0)
-        else:  # input_tokens: the whole prompt
-            cached, total = usage["input_tokens_details"]["cached_tokens"], usage["input_tokens"]
+        total, cached = _usage_of(path, usage)
+        n = before["samples"]
+        after = _verified(
+            sender._poll(lambda es, n=n: _verified(es)["samples"] > n, f"verifying {label}")
+        )
+        assert after["samples"] == before["samples"] + 1, label
+        checked = after["predicted_tokens"] - before["predicted_tokens"]
+        assert checked == plan["predicted_hit_tokens"], (label, checked, plan)
+        assert after["reported_cached_tokens"] - before["reported_cached_tokens"] == cached, label
         rows.append((label, plan["prompt_tokens"], total, plan["predicted_hit_tokens"], cached))
     return rows
 
@@ -1057,9 +1117,11 @@ async def test_agent_sessions_over_messages_and_responses_on_real_vllm(
 ) -> None:
     """Agents' traffic through the router: Claude Code's ``/v1/messages`` on the dense model
     with a template that takes inline system messages and with one that wants the system
-    message first, and a Responses API coding session on the first. The router tokenizes each
+    message first, and a Responses API and a chat completions session with tools on the
+    first. The router tokenizes each
     turn as vLLM renders it (the same prompt length) and predicts exactly the cached tokens
-    vLLM reports (``cache_read_input_tokens``, ``input_tokens_details.cached_tokens``)."""
+    vLLM reports (``cache_read_input_tokens``, ``input_tokens_details.cached_tokens``), which
+    its verifier reads from the answers, streamed or whole."""
     got: dict[str, list[Row]] = {}
     for name, kind in (("inline-system", KINDS["dense"]), ("system-first", SYSTEM_FIRST)):
         (tmp_path / name).mkdir()
@@ -1067,7 +1129,9 @@ async def test_agent_sessions_over_messages_and_responses_on_real_vllm(
             async with serve_router(_config(served)) as (base, _router):
                 await _router_ready(base)
                 sender = ThroughRouter(base, taps)
-                paths = ["/v1/messages"] + (["/v1/responses"] if name == "inline-system" else [])
+                paths = ["/v1/messages"]
+                if name == "inline-system":
+                    paths += ["/v1/responses", "/v1/chat/completions"]
                 for path in paths:
                     got[f"{name} {path}"] = await asyncio.to_thread(_agent_session, sender, path)
                 sender.client.close()
