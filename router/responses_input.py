@@ -31,24 +31,10 @@ __all__ = ["chat_request"]
 Message = dict[str, Any]
 
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
-_HIDDEN_TOOLS = frozenset(
-    {
-        "web_search",
-        "web_search_preview",
-        "web_search_2025_08_26",
-        "web_search_preview_2025_03_11",
-        "file_search",
-        "code_interpreter",
-        "image_generation",
-        "computer_use_preview",
-        "mcp",
-        "local_shell",
-        "shell",
-        "apply_patch",
-    }
-)
-"""Responses tool types vLLM never renders for the model (only function tools reach the
-template; namespaced and custom ones are rewritten, and refused here)."""
+_REWRITTEN_TOOLS = frozenset({"namespace", "custom"})
+"""Tool types vLLM shows the model under names or arguments it rewrites (``ns__name``, a
+one-string shim): routed by load. Function tools are shown as they are; every other type
+(web search, file search, MCP, ...) is never shown."""
 
 
 class _Unreadable(Exception):
@@ -184,10 +170,12 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
     for t in tools:
         if not isinstance(t, dict):
             raise _Unreadable
-        if t.get("type") in _HIDDEN_TOOLS:
+        if t.get("type") in _REWRITTEN_TOOLS:
+            raise _Unreadable
+        if t.get("type") != "function":
             continue
-        if t.get("type") != "function" or not isinstance(t.get("name"), str):
-            raise _Unreadable  # namespaced and custom tools: vLLM rewrites them
+        if not isinstance(t.get("name"), str):
+            raise _Unreadable
         fn = {k: v for k, v in t.items() if k != "type"}
         out.append({"type": "function", "function": fn})
     return out or None
