@@ -61,7 +61,7 @@ from router.core import Router
 from router.epp_core import Pick, Picker, RequestState
 from router.errors import BodyError
 from router.messages import (
-    cached_from_sse,
+    SseUsage,
     cached_tokens_of,
     completion_tokens_in,
     has_cache_usage,
@@ -193,6 +193,8 @@ class Exchange:
         self.state: RequestState | None = None
         self.strip: StreamUsageFilter | None = None
         self.sse = False
+        self.usage = SseUsage()
+        """The usage report of an SSE answer the router did not ask usage for (passthrough)."""
         self.ended = False
         """An ImmediateResponse was sent: the gateway stops consulting this stream."""
         self.response_done = False
@@ -401,12 +403,12 @@ class Exchange:
                     st.cached, st.prompt = self.strip.usage
             elif self.resp_mode in BUFFERED:
                 self.usage_of_json(st, chunk)
+            elif self.sse:
+                self.usage.feed(chunk)
+                if self.usage.usage is not None:
+                    st.cached, st.prompt = self.usage.usage
             elif has_cache_usage(chunk):
-                usage = cached_from_sse(chunk) if self.sse else None
-                if usage is None and not self.sse:
-                    self.usage_of_json(st, chunk)
-                elif usage is not None:
-                    st.cached, st.prompt = usage
+                self.usage_of_json(st, chunk)
             if hb.end_of_stream:
                 self.end_response()
         if self.resp_mode == DUPLEX:

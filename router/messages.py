@@ -17,6 +17,7 @@ __all__ = [
     "CACHE_MARKS",
     "HOP_BY_HOP",
     "WORKER_HEADER",
+    "SseUsage",
     "cached_from_sse",
     "cached_tokens_of",
     "completion_tokens_in",
@@ -162,6 +163,35 @@ def cached_from_sse(chunk: bytes) -> tuple[int, int | None] | None:
                 if v is not None:
                     return v, prompt_tokens_of(doc)
     return None
+
+
+class SseUsage:
+    """The usage report with cached tokens in an SSE stream, read across reads: a data line
+    split between two chunks is joined before it is parsed. A Responses stream puts its usage
+    in ``response.completed``, one line carrying the whole response (instructions and tools
+    included), which a read splits as often as not. ``usage`` holds the last report found as
+    ``(cached_tokens, prompt_tokens)``.
+
+    Bounded: an unterminated line is kept up to :data:`MAX_LINE` bytes; a longer one is
+    dropped (its report, if any, is not read)."""
+
+    MAX_LINE = 1 << 20
+
+    __slots__ = ("_carry", "usage")
+
+    def __init__(self) -> None:
+        self._carry = b""
+        self.usage: tuple[int, int | None] | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        data = self._carry + chunk if self._carry else chunk
+        end = data.rfind(b"\n") + 1
+        rest = data[end:]
+        self._carry = rest if len(rest) <= self.MAX_LINE else b""
+        if end and has_cache_usage(data):
+            found = cached_from_sse(data[:end])
+            if found is not None:
+                self.usage = found
 
 
 def request_headers(

@@ -59,7 +59,7 @@ from starlette.types import Receive, Scope, Send
 
 from indexer.index import EngineId
 from router.messages import (
-    cached_from_sse,
+    SseUsage,
     cached_tokens_of,
     completion_tokens_in,
     error_response,
@@ -640,6 +640,7 @@ def _stream(
     }
     sse = resp.headers.get("content-type", "").startswith("text/event-stream")
     strip = StreamUsageFilter() if ctx.strip_usage and sse else None
+    scan = SseUsage() if sse and strip is None else None
     _abort_on_stall(ticket, resp)
 
     async def body() -> AsyncIterator[bytes]:
@@ -689,10 +690,10 @@ def _stream(
                     state["cached"], state["prompt"] = strip.usage
                 if not chunk:
                     continue
-            elif has_cache_usage(chunk):
-                v = cached_from_sse(chunk)
-                if v is not None:
-                    state["cached"], state["prompt"] = v
+            elif scan is not None:
+                scan.feed(chunk)
+                if scan.usage is not None:
+                    state["cached"], state["prompt"] = scan.usage
             if chunk:
                 boundary = chunk.endswith(b"\n\n")
             yield chunk

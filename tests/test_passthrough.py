@@ -3,6 +3,7 @@ prompt where one can be read (Responses, Anthropic messages), by load otherwise.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -12,7 +13,13 @@ from fastapi.responses import Response, StreamingResponse
 from test_router_support import config_for, serve_app, serve_router, stand_in_worker, until
 
 from router.anthropic import TemplateTraits
-from router.messages import cached_from_sse, cached_tokens_of, has_cache_usage, prompt_tokens_of
+from router.messages import (
+    SseUsage,
+    cached_from_sse,
+    cached_tokens_of,
+    has_cache_usage,
+    prompt_tokens_of,
+)
 from router.passthrough import chat_prompt, routing_body
 
 
@@ -199,3 +206,27 @@ def test_cached_tokens_are_read_from_each_apis_usage() -> None:
     delta += b'"output_tokens":2,"cache_read_input_tokens":704}}\n\n'
     assert has_cache_usage(delta) and cached_from_sse(delta) == (704, 720)
     assert not has_cache_usage(b'data: {"type":"content_block_delta"}\n\n')
+
+
+def test_a_usage_report_split_between_reads_is_joined() -> None:
+    """A Responses stream's ``response.completed`` line carries the whole response; every way
+    of splitting it between two reads still yields its usage."""
+    usage = {"input_tokens": 771, "input_tokens_details": {"cached_tokens": 576}}
+    done = {"type": "response.completed",
+            "response": {"instructions": "x" * 3000, "usage": usage}}  # fmt: skip
+    stream = b'event: response.output_text.delta\ndata: {"delta": "hi"}\n\n'
+    stream += b"event: response.completed\ndata: " + json.dumps(done).encode() + b"\n\n"
+    for cut in range(0, len(stream), 97):
+        scan = SseUsage()
+        scan.feed(stream[:cut])
+        scan.feed(stream[cut:])
+        assert scan.usage == (576, 771), cut
+    scan = SseUsage()
+    for i in range(0, len(stream), 7):  # many small reads
+        scan.feed(stream[i : i + 7])
+    assert scan.usage == (576, 771)
+    # An unterminated line past the bound is dropped, not kept growing.
+    scan = SseUsage()
+    scan.feed(b"data: {" + b"x" * (SseUsage.MAX_LINE + 1))
+    scan.feed(b'"usage": {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}}\n\n')
+    assert scan.usage is None and scan._carry == b""
