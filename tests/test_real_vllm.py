@@ -1072,8 +1072,9 @@ def _usage_of(path: str, usage: dict[str, Any]) -> tuple[int, int]:
 
 def _agent_session(sender: ThroughRouter, path: str) -> list[Row]:
     """Each turn of the session on ``path``, the prediction taken once the router has every
-    event of the turns before; the second Anthropic turn streamed. The router's verifier
-    checks each answer: one sample per turn, its prediction the one ``/debug/route`` gave."""
+    event of the turns before; the second Anthropic and Responses turns streamed. The router's
+    verifier checks each answer: one sample per turn, its prediction the one ``/debug/route``
+    gave."""
     turns = {
         "/v1/messages": _agent_turns,
         "/v1/responses": _responses_turns,
@@ -1087,13 +1088,17 @@ def _agent_session(sender: ThroughRouter, path: str) -> list[Row]:
         query = "" if path == "/v1/chat/completions" else "?path=" + path
         plan = sender.client.post(sender.base + "/debug/route" + query, json=body).json()
         assert plan.get("routing", "by cache").startswith("by cache"), plan
-        if path == "/v1/messages" and i == 1:
+        if path != "/v1/chat/completions" and i == 1:
             streamed = {**body, "stream": True}
             with sender.client.stream("POST", sender.base + path, json=streamed) as r:
                 assert r.status_code == 200, label
                 raw = b"".join(r.iter_raw()).decode()
             events = [json.loads(x[6:]) for x in raw.splitlines() if x.startswith("data: {")]
-            usage = next(e["usage"] for e in events if e["type"] == "message_delta")
+            usage = next(
+                e["usage"] if e["type"] == "message_delta" else e["response"]["usage"]
+                for e in events
+                if e["type"] in ("message_delta", "response.completed")
+            )
         else:
             r = sender.client.post(sender.base + path, json=body)
             assert r.status_code == 200, (label, r.text)
