@@ -9,32 +9,44 @@ What vLLM does, and the router with it:
   (``input_text``, ``output_text``) are text parts here, which ``/tokenize`` takes and vLLM's
   renderer reads the same way (joined by newlines where the template wants a string).
 * An assistant message is its first part's text.
-* ``function_call`` items are tool calls and ``reasoning`` items the turn's ``reasoning``, both
-  joined to the assistant turn before them when it has none yet; ``function_call_output``
-  items are ``tool`` messages.
-* ``tools``: function tools as chat functions; tool types vLLM does not show the model (web
-  search, file search, ...) are left out.
+* ``function_call`` and ``custom_tool_call`` items are tool calls and ``reasoning`` items the
+  turn's ``reasoning``, each joined to the assistant turn before it when that has none yet;
+  their outputs are ``tool`` messages.
+* ``tools``: function tools as chat functions, a namespace's functions as
+  ``<namespace>__<name>``, a free-form custom tool as a function of one string ``input`` (its
+  calls' input passed as that argument); tool types vLLM does not show the model (web search,
+  file search, MCP, ...) are left out.
 
 :func:`chat_request` answers None (the request is routed by load) where the prompt is not the
-router's to know: images and files (the router matches text prompts only), namespaced and
-custom tools (vLLM rewrites their names and arguments), and items vLLM refuses (encrypted
-reasoning, item references, ...), and a request naming a ``previous_response_id``, whose
-earlier turns live on the worker that answered them.
+router's to know: images and files (the router matches text prompts only), items and tools
+vLLM refuses (encrypted reasoning, item references, grammar custom tools, ...), and a request
+naming a ``previous_response_id``, whose earlier turns live on the worker that answered them.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-__all__ = ["chat_request"]
+__all__ = ["CUSTOM_TOOL_PARAMETERS", "NAMESPACE_SEPARATOR", "chat_request"]
 
 Message = dict[str, Any]
 
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
-_REWRITTEN_TOOLS = frozenset({"namespace", "custom"})
-"""Tool types vLLM shows the model under names or arguments it rewrites (``ns__name``, a
-one-string shim): routed by load. Function tools are shown as they are; every other type
-(web search, file search, MCP, ...) is never shown."""
+
+NAMESPACE_SEPARATOR = "__"
+"""vLLM shows a namespaced function as ``<namespace>__<name>``."""
+
+CUSTOM_TOOL_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "input": {"type": "string", "description": "The freeform text payload for this tool."}
+    },
+    "required": ["input"],
+    "additionalProperties": False,
+}
+"""The one-string function vLLM shows a free-form ``custom`` tool as; a call's input is its
+``input`` argument."""
 
 
 class _Unreadable(Exception):
@@ -72,16 +84,8 @@ def _add(item: Any, out: list[Message]) -> None:
         raise _Unreadable
     prev = out[-1] if out and out[-1].get("role") == "assistant" else None
     kind = item.get("type")
-    if kind == "function_call":
-        if item.get("namespace") or not all(
-            isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")
-        ):
-            raise _Unreadable
-        call = {
-            "id": item["call_id"],
-            "function": {"name": item["name"], "arguments": item["arguments"]},
-            "type": "function",
-        }
+    if kind in ("function_call", "custom_tool_call"):
+        call = _tool_call(item)
         if prev is None:
             out.append({"role": "assistant", "tool_calls": [call]})
         else:
@@ -96,7 +100,7 @@ def _add(item: Any, out: list[Message]) -> None:
             prev["reasoning"] = text
         else:
             out.append({"role": "assistant", "reasoning": text})
-    elif kind == "function_call_output":
+    elif kind in ("function_call_output", "custom_tool_call_output"):
         output = item.get("output")
         content = output if isinstance(output, str) else _parts(output)
         out.append({"role": "tool", "content": content, "tool_call_id": item.get("call_id")})
@@ -117,6 +121,29 @@ def _add(item: Any, out: list[Message]) -> None:
         out.append(msg)
     else:
         raise _Unreadable  # custom tool calls, item references, built-in tool calls, ...
+
+
+def _tool_call(item: dict[str, Any]) -> dict[str, Any]:
+    """A function call as vLLM shows it (a namespaced one under its flat name), or a custom
+    tool's call as a call of its one-string function."""
+    name, call_id = item.get("name"), item.get("call_id")
+    if not isinstance(name, str) or not isinstance(call_id, str):
+        raise _Unreadable
+    if item["type"] == "custom_tool_call":
+        payload = item.get("input") or ""
+        if not isinstance(payload, str):
+            raise _Unreadable
+        args = json.dumps({"input": payload}, ensure_ascii=False)
+    else:
+        args = item.get("arguments")
+        if not isinstance(args, str):
+            raise _Unreadable
+        namespace = item.get("namespace")
+        if namespace:
+            if not isinstance(namespace, str):
+                raise _Unreadable
+            name = namespace + NAMESPACE_SEPARATOR + name
+    return {"id": call_id, "function": {"name": name, "arguments": args}, "type": "function"}
 
 
 def _parts(content: Any) -> list[dict[str, str]]:
@@ -161,7 +188,10 @@ def _first_text(parts: Any) -> str | None:
 
 
 def _tools(tools: Any) -> list[dict[str, Any]] | None:
-    """Function tools as ``/tokenize`` takes them (its function model dumps what vLLM's does)."""
+    """The functions vLLM shows the model, as ``/tokenize`` takes them (its function model
+    dumps what vLLM's does): function tools as they are, a namespace's functions under their
+    flat names, a free-form custom tool as its one-string function; every other tool type
+    (web search, file search, MCP, ...) is never shown."""
     if not tools:
         return None
     if not isinstance(tools, list):
@@ -170,12 +200,31 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
     for t in tools:
         if not isinstance(t, dict):
             raise _Unreadable
-        if t.get("type") in _REWRITTEN_TOOLS:
+        kind = t.get("type")
+        if kind in ("function", "namespace", "custom") and not isinstance(t.get("name"), str):
             raise _Unreadable
-        if t.get("type") != "function":
-            continue
-        if not isinstance(t.get("name"), str):
-            raise _Unreadable
-        fn = {k: v for k, v in t.items() if k != "type"}
-        out.append({"type": "function", "function": fn})
+        if kind == "function":
+            out.append(_function(t))
+        elif kind == "namespace":
+            inner = t.get("tools")
+            if not isinstance(inner, list):
+                raise _Unreadable
+            for f in inner:
+                if isinstance(f, dict) and f.get("type") == "function":
+                    if not isinstance(f.get("name"), str):
+                        raise _Unreadable
+                    flat = t["name"] + NAMESPACE_SEPARATOR + f["name"]
+                    out.append(_function({**f, "name": flat}))
+        elif kind == "custom":
+            fmt = t.get("format")
+            if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+                raise _Unreadable  # vLLM: grammar custom tools are not supported
+            fn = {"name": t["name"], "parameters": CUSTOM_TOOL_PARAMETERS}
+            if t.get("description") is not None:
+                fn["description"] = t["description"]
+            out.append({"type": "function", "function": fn})
     return out or None
+
+
+def _function(t: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}

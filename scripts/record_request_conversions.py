@@ -295,6 +295,67 @@ RESPONSES: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     ("item-reference", {"input": [{"type": "item_reference", "id": "msg_0"}]}),
+    (
+        "grammar-tool",
+        {
+            "input": "x",
+            "tools": [
+                {
+                    "type": "custom",
+                    "name": "apply_patch",
+                    "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"},
+                }
+            ],
+        },
+    ),
+    (
+        "custom-and-namespaced-tools",
+        {
+            "tools": [
+                {
+                    "type": "custom",
+                    "name": "apply_patch",
+                    "description": "Apply a patch",
+                    "format": {"type": "text"},
+                },
+                {
+                    "type": "namespace",
+                    "name": "github",
+                    "description": "GitHub tools",
+                    "tools": [
+                        {
+                            "type": "function",
+                            "name": "search",
+                            "description": "Search issues",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"q": {"type": "string"}},
+                            },
+                        }
+                    ],
+                },
+                {"type": "custom", "name": "note"},
+            ],
+            "input": [
+                {"role": "user", "content": "fix it"},
+                {
+                    "type": "custom_tool_call",
+                    "call_id": "p1",
+                    "name": "apply_patch",
+                    "input": "*** Begin Patch é",
+                },
+                {"type": "custom_tool_call_output", "call_id": "p1", "output": "Done"},
+                {
+                    "type": "function_call",
+                    "call_id": "s1",
+                    "name": "search",
+                    "namespace": "github",
+                    "arguments": '{"q": "bug"}',
+                },
+                {"type": "function_call_output", "call_id": "s1", "output": "none"},
+            ],
+        },
+    ),
 ]
 
 

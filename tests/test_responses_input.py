@@ -54,7 +54,7 @@ def test_bodies_read_as_vllm_converts_them(case: dict[str, Any]) -> None:
 
 def test_the_fixture_covers_what_agents_send() -> None:
     labels = {c["label"] for c in CASES}
-    assert {"agent-turns", "parts", "encrypted-reasoning"} <= labels
+    assert {"agent-turns", "parts", "encrypted-reasoning", "custom-and-namespaced-tools"} <= labels
     agent = next(c for c in CASES if c["label"] == "agent-turns")
     roles = [m["role"] for m in agent["messages"]]
     assert roles.count("tool") == 3 and any("tool_calls" in m for m in agent["messages"])
@@ -62,14 +62,14 @@ def test_the_fixture_covers_what_agents_send() -> None:
 
 def test_a_prompt_the_router_cannot_reproduce_is_routed_by_load() -> None:
     image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
-    custom = {"type": "custom", "name": "grammar_tool"}
+    grammar = {"type": "custom", "name": "g", "format": {"type": "grammar", "definition": "x"}}
     refused = [
         {"input": [{"role": "user", "content": [image]}]},
         {"input": "x", "previous_response_id": "resp_1"},
-        {"input": "x", "tools": [custom]},
-        {"input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": []}]},
+        {"input": "x", "tools": [grammar]},
+        {"input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": 5}]},
         {"input": [{"type": "function_call", "call_id": "c", "name": "f", "namespace": "ns"}]},
-        {"input": [{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": "x"}]},
+        {"input": [{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": 5}]},
         {"input": []},
         {"input": 5},
         {"instructions": 5, "input": "x"},
