@@ -990,36 +990,39 @@ Row = tuple[str, int, int, int, int]
 
 
 def _responses_turns() -> list[tuple[str, dict[str, Any]]]:
-    """A coding agent on the Responses API: instructions, function tools and a built-in one
-    vLLM does not show the model, a reasoning item, two function calls and their outputs (one
-    as text parts), an answer, and a user turn in two text parts."""
+    """A coding agent on the Responses API: instructions, a function tool, a built-in one vLLM
+    does not show the model, a free-form custom tool and a namespace, a reasoning item, calls
+    of each kind and their outputs (one as text parts), an answer, and a user turn in two
+    text parts."""
     tools = [
-        {
-            "type": "function",
-            "name": "shell",
-            "description": "Run a command",
-            "strict": False,
-            "parameters": {"type": "object", "properties": {"cmd": {"type": "array"}}},
-        },
+        {"type": "function", "name": "shell", "parameters": {"type": "object"}, "strict": False},
         {"type": "web_search"},
-    ]
+        {"type": "custom", "name": "apply_patch"},
+        {"type": "namespace", "name": "gh", "description": "GitHub",
+         "tools": [{"type": "function", "name": "search", "parameters": {}}]},
+    ]  # fmt: skip
     user = {"type": "message", "role": "user",
-            "content": [{"type": "input_text", "text": "list the files " * 6}]}  # fmt: skip
+            "content": [{"type": "input_text", "text": "list the files " * 2}]}  # fmt: skip
     calls = [
         {"type": "reasoning", "id": "rs_1", "summary": [],
          "content": [{"type": "reasoning_text", "text": "run ls"}]},
         {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": '{"cmd":["ls"]}'},
         {"type": "function_call", "call_id": "c2", "name": "shell", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "c1", "output": "a.py b.py " * 8},
+        {"type": "function_call_output", "call_id": "c1", "output": "a.py b.py"},
         {"type": "function_call_output", "call_id": "c2",
          "output": [{"type": "input_text", "text": "ok"}]},
+        {"type": "custom_tool_call", "call_id": "p1", "name": "apply_patch", "input": "*** é"},
+        {"type": "custom_tool_call_output", "call_id": "p1", "output": "Done"},
+        {"type": "function_call", "call_id": "s1", "name": "search", "namespace": "gh",
+         "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "s1", "output": "none"},
     ]  # fmt: skip
     said = [{"type": "output_text", "text": "Two files.", "annotations": []}]
     answer = {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
               "content": said}  # fmt: skip
     more = {"role": "user", "content": [{"type": "input_text", "text": "which is larger"},
                                         {"type": "input_text", "text": "and why"}]}  # fmt: skip
-    base = {"instructions": _AGENT_SYSTEM, "tools": tools, "max_output_tokens": 2}
+    base = {"instructions": "You are a coding agent.", "tools": tools, "max_output_tokens": 2}
     return [
         ("first", {**base, "input": [user]}),
         ("tool-output", {**base, "input": [user, *calls]}),
