@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -421,3 +422,52 @@ async def test_a_stored_response_is_picked_where_it_lives(fleet):
                 (head,) = await s.send(get, 1)
                 assert destination(head) == holder
                 await s.close()
+
+
+async def test_an_agent_turn_is_picked_by_its_prompt_and_its_split_usage_verified(fleet):
+    """A Claude Code turn through the EPP (tools, a tool call and its result, a reminder) is
+    read as vLLM converts it, so the pick is by its prompt and its answer is verified: the
+    streamed ``message_delta`` usage arrives split over two body chunks and is read whole."""
+    case = next(
+        c
+        for c in json.loads(
+            (Path(__file__).parent / "fixtures/vllm-captures/anthropic-conversion.json").read_text()
+        )["cases"]
+        if c["label"] == "agent-turns"
+    )
+    cfg = await epp_router(fleet)
+    async with serve_router(cfg) as (_base, router):
+        await until(lambda: len(router.registry.healthy()) == 2, 10, "workers healthy")
+        assert router.verifier is not None
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cfg.server.epp_port}") as ch:
+            s = Stream(pb_grpc.ExternalProcessorStub(ch))
+            await s.send(headers_msg(path="/v1/messages"), 0)
+            body = {**case["request"], "model": "sim-model", "max_tokens": 2, "stream": True}
+            data = json.dumps(body).encode()
+            msg = pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=True))
+            head, _ = await s.send(msg, 2)
+            picked = destination(head)
+            url = next(w.url for w in fleet if endpoint_of(w.url) == picked)
+            before = router.verifier.state((url, 0)).samples
+            hm = base_pb2.HeaderMap(
+                headers=[
+                    base_pb2.HeaderValue(key=":status", raw_value=b"200"),
+                    base_pb2.HeaderValue(key="content-type", raw_value=b"text/event-stream"),
+                ]
+            )
+            await s.send(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=hm)), 1)
+            usage = {"input_tokens": 40, "output_tokens": 2, "cache_read_input_tokens": 0}
+            event = (
+                b"event: message_delta\ndata: "
+                + json.dumps(
+                    {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": usage}
+                ).encode()
+            )
+            cut = event.index(b"cache_read") - 5  # the marks land in the second chunk
+            for part, end in ((event[:cut], False), (event[cut:] + b"\n\n", True)):
+                chunk = pb.HttpBody(body=part, end_of_stream=end)
+                await s.send(pb.ProcessingRequest(response_body=chunk), 1)
+            await s.close()
+            st = router.verifier.state((url, 0))
+            await until(lambda: st.samples == before + 1, 10, "the turn verified")
+            assert st.reported_cached_tokens == 0
