@@ -9,6 +9,7 @@ with real jinja chat templates (``kvrouter-sim --tokenizer``), over real HTTP.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,10 @@ import httpx
 import pytest
 from test_router_support import CHAT_TEMPLATE, config_for, serve_router, until, write_tokenizer
 
+from router import template_probe
 from router.anthropic import chat_request, template_dependent
 from router.passthrough import chat_prompt, describe
+from router.tokenize import TokenIds, TokenizeError, TokenizeRefused
 from simulator.testing import running_fleet
 
 pytestmark = pytest.mark.timeout(120)
@@ -167,3 +170,38 @@ async def test_the_router_learns_the_template_as_vllm_does(
             r = await c.post(base + "/debug/route?path=/v1/messages", json=again)
             assert r.json()["prompt_tokens"] > 0
             assert await _calls(c, url) == before + 1
+
+
+async def test_the_probe_runs_once_per_model_within_its_bounds() -> None:
+    """Concurrent requests share one probe; answers last ``TTL_S`` and at most ``MAX_MODELS``
+    models are kept; a probe that reached no worker is not kept. The worker's ``/tokenize`` is
+    a stand-in here: a template refusing ``"none"`` and inline system messages."""
+    now = [0.0]
+    calls: list[str] = []
+    down = {"down"}
+
+    async def tokenize(body: dict[str, Any]) -> TokenIds:
+        calls.append(body["model"])
+        await asyncio.sleep(0.01)
+        if body["model"] in down:
+            raise TokenizeError("no healthy worker")
+        if body.get("reasoning_effort") == "none" or body["messages"][2:3]:
+            raise TokenizeRefused("400")
+        return TokenIds(b"\x01\x00\x00\x00", b"[1]")
+
+    probe = template_probe.TemplateProbe(clock=lambda: now[0])
+    got = await asyncio.gather(*(probe.traits("m", tokenize) for _ in range(50)))
+    assert {(t.merge_inline_system, t.disabled_thinking_effort) for t in got} == {(True, "low")}
+    once = len(calls)
+    assert once == 2  # the inline-system render, then "none" refused
+    await probe.traits("m", tokenize)
+    assert len(calls) == once
+    now[0] += template_probe.TTL_S + 1
+    await probe.traits("m", tokenize)
+    assert len(calls) == 2 * once
+    assert await probe.traits("down", tokenize) is None
+    assert await probe.traits("down", tokenize) is None
+    assert calls.count("down") == 2  # not kept: asked again
+    for i in range(template_probe.MAX_MODELS + 10):
+        await probe.traits(f"model-{i}", tokenize)
+    assert len(probe._known) == template_probe.MAX_MODELS
