@@ -407,7 +407,7 @@ class Exchange:
                 self.usage.feed(chunk)
                 if self.usage.usage is not None:
                     st.cached, st.prompt = self.usage.usage
-            elif has_cache_usage(chunk):
+            else:
                 self.usage_of_json(st, chunk)
             if hb.end_of_stream:
                 self.end_response()

@@ -120,7 +120,7 @@ def _add(item: Any, out: list[Message]) -> None:
             msg["name"] = item["name"]
         out.append(msg)
     else:
-        raise _Unreadable  # custom tool calls, item references, built-in tool calls, ...
+        raise _Unreadable  # item references, built-in tool calls, ...
 
 
 def _tool_call(item: dict[str, Any]) -> dict[str, Any]:
@@ -166,15 +166,14 @@ def _assistant_text(content: Any) -> str:
     """vLLM reads an assistant item as its first part's text."""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list) or not content or not isinstance(content[0], dict):
-        raise _Unreadable
-    text = content[0].get("text")
-    if not isinstance(text, str):
+    text = _first_text(content)
+    if text is None:
         raise _Unreadable
     return text
 
 
 def _first_text(parts: Any) -> str | None:
+    """The first part's text; None for no parts."""
     if parts is None:
         return None
     if not isinstance(parts, list):

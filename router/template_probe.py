@@ -89,33 +89,27 @@ class TemplateProbe:
 async def _probe(model: str, tokenize: Tokenize) -> TemplateTraits | None:
     try:
         body = {"model": model, "messages": _PROBE_TURNS, "add_generation_prompt": False}
-        merge = await _refused(tokenize, body)
+        merge = await _render(tokenize, body) is None
         effort = await _disabled_effort(model, tokenize)
     except TokenizeError:
         return None
     return TemplateTraits(merge_inline_system=merge, disabled_thinking_effort=effort)
 
 
-async def _refused(tokenize: Tokenize, body: dict[str, Any]) -> bool:
+async def _render(tokenize: Tokenize, body: dict[str, Any]) -> list[int] | None:
+    """The tokens a worker renders for ``body``; None when it refuses (a failed render)."""
     try:
-        await tokenize(body)
+        return (await tokenize(body)).tolist()
     except TokenizeRefused:
-        return True
-    return False
+        return None
 
 
 async def _disabled_effort(model: str, tokenize: Tokenize) -> str:
-    async def render(effort: str) -> list[int] | None:
-        body = {"model": model, "messages": [{"role": "user", "content": "Hi"}]}
-        try:
-            return (await tokenize({**body, "reasoning_effort": effort})).tolist()
-        except TokenizeRefused:
-            return None
-
-    none = await render("none")
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}]}
+    none = await _render(tokenize, {**body, "reasoning_effort": "none"})
     if none is None:
         return "low"
     for effort in EFFORTS:
-        if await render(effort) == none:
+        if await _render(tokenize, {**body, "reasoning_effort": effort}) == none:
             return "low"
     return "none"
