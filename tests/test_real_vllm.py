@@ -164,6 +164,14 @@ class ThroughRouter:
         seen = [-1 if tap.last_seq is None else tap.last_seq for tap in self.taps]
         self._poll(lambda es: [_applied(e) for e in es] == seen, f"{what} up to {seen}")
 
+    def one_sample(self, before: dict[str, int], label: str) -> list[dict[str, Any]]:
+        """The engines once the verifiers have taken the sample of the request ``label``:
+        exactly one more than ``before`` (summed over the ranks)."""
+        n = before["samples"]
+        behind = self._poll(lambda es: _verified(es)["samples"] > n, f"the verification of {label}")
+        assert _verified(behind)["samples"] == n + 1, label
+        return behind
+
     def send(self, label: str, body: dict[str, Any], chat: bool) -> Reply:
         for tap in self.taps:
             tap.quiet(QUIET_S, self.done_at)
@@ -180,16 +188,13 @@ class ThroughRouter:
             body = {**body, "model": self.adapter}
         reply, cached = self._post(label, request_body(body), chat, stream)
         self.done_at = time.monotonic()
-        behind = self._poll(
-            lambda es: _verified(es)["samples"] > before["samples"], f"the verification of {label}"
-        )
+        behind = self.one_sample(before, label)
         after = _verified(behind)
         grew = [
             e["dp_rank"]
             for e, a in zip(behind, ahead, strict=True)
             if e["verify"]["samples"] > a["verify"]["samples"]
         ]
-        assert after["samples"] == before["samples"] + 1, label
         got = after["reported_cached_tokens"] - before["reported_cached_tokens"]
         assert cached is None or cached == got, (label, cached, got)
         predicted = after["predicted_tokens"] - before["predicted_tokens"]
@@ -1108,11 +1113,7 @@ def _agent_session(sender: ThroughRouter, path: str) -> list[Row]:
             usage = r.json()["usage"]
         sender.done_at = time.monotonic()
         total, cached = _usage_of(path, usage)
-        n = before["samples"]
-        after = _verified(
-            sender._poll(lambda es, n=n: _verified(es)["samples"] > n, f"verifying {label}")
-        )
-        assert after["samples"] == before["samples"] + 1, label
+        after = _verified(sender.one_sample(before, label))
         checked = after["predicted_tokens"] - before["predicted_tokens"]
         assert checked == plan["predicted_hit_tokens"], (label, checked, plan)
         assert after["reported_cached_tokens"] - before["reported_cached_tokens"] == cached, label
