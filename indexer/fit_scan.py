@@ -165,15 +165,15 @@ def _accepted(
     points accept no engine of ``relevant`` (engines outside it may be left out of the masks)."""
     bs = spec.block_size
     step = bs // unit
-    if spec.kind == CHUNKED:
-        return _accepted_chunked(spec, res, points, keys, step), 0
+    if spec.kind == CHUNKED and spec.attention_chunk:
+        return _accepted_chunked(spec, res, points, keys, step, spec.attention_chunk), 0
     if spec.kind == SLIDING:
         window = spec.sliding_window or bs
         width: int | None = -(-(window - 1) // bs)  # cdiv(W - 1, block_size)
     elif spec.kind == MAMBA:
         width = 1  # the state block ending at the point
     else:
-        width = None  # every block from 0
+        width = None  # every block from 0 (a chunked group whose chunk is unknown too)
     if width is not None and width <= 0:
         return [_ALL] * len(points), 0  # no block before the point is needed
     # Block ends of the points, descending by ``stride`` blocks (align is a multiple of bs).
@@ -206,11 +206,10 @@ def _accepted(
 
 
 def _accepted_chunked(
-    spec: GroupSpec, res: Table, points: range, keys: Sequence[int], step: int
+    spec: GroupSpec, res: Table, points: range, keys: Sequence[int], step: int, chunk: int
 ) -> list[int]:
     """Chunked local attention: the blocks from the start of the point's chunk."""
     bs = spec.block_size
-    chunk = spec.attention_chunk or bs
     prefix: dict[int, list[int]] = {}
     out = []
     for p in points:

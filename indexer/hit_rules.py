@@ -13,7 +13,8 @@ The rules (vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` and its ma
 * a sliding window of ``W`` tokens needs the ``cdiv(W - 1, bs)`` blocks ending at the point (or
   a shorter run from block 0);
 * mamba needs the one state block ending at the point;
-* chunked local attention needs the blocks from the start of the point's chunk;
+* chunked local attention needs the blocks from the start of the point's chunk (every block
+  from 0 while the chunk is unknown);
 * the hit is the largest point every group accepts.
 
 CPU offload adds whole chunks beyond the GPU hit (:func:`cpu_extension`).
@@ -126,8 +127,8 @@ def group_accepts(
         first = max(end_block - need, 0)  # a shorter run from block 0 also counts
     elif spec.kind == MAMBA:
         first = end_block - 1  # only the state block ending exactly at the point
-    elif spec.kind == CHUNKED:
-        chunk = spec.attention_chunk or bs
+    elif spec.kind == CHUNKED and spec.attention_chunk:
+        chunk = spec.attention_chunk
         first = ((point // chunk) * chunk) // bs
         if first >= end_block:
             return True

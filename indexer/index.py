@@ -29,7 +29,7 @@ from indexer.keys import DEFAULT_UNIT, NamespaceRoots, chain_keys, packed_keys
 from indexer.matching import GroupHit, Layouts, PrefixMatch, match_engines
 from indexer.residency import Residency
 from indexer.snapshot import EngineExport, decode_snapshot, encode_snapshot, restore_snapshot
-from indexer.types import EngineId, GroupSpec, group_kind
+from indexer.types import CHUNKED, EngineId, GroupSpec, group_kind
 from indexer.wire import Event
 
 __all__ = [
@@ -67,6 +67,10 @@ class PrefixIndex:
     ``max_pending_events``: how many such events wait per engine.
     ``eagle``: the workers run EAGLE / MTP speculative decoding (vLLM then drops the last
     matched block); engines whose events carry ``lookahead_token_ids`` are treated so anyway.
+    ``attention_chunk``: tokens per chunk of the workers' chunked-local-attention groups (the
+    model's ``attention_chunk_size``: Llama 4's 8,192), which vLLM's events do not carry; None
+    reads such groups as full attention (never more than vLLM hits; exact for prompts within
+    the first chunk).
     ``vllm_hash_seed`` / ``locator_entries``: for models with no full-attention group only, sparse
     hashes are located by recomputing vLLM's default hash chain (see indexer/vllm_hash.py), with
     this seed (vLLM's default, or the workers' PYTHONHASHSEED) and a bounded memory per engine.
@@ -82,13 +86,17 @@ class PrefixIndex:
         vllm_hash_seed: str = "vllm-none-hash",
         locator_entries: int = 32_768,
         eagle: bool = False,
+        attention_chunk: int | None = None,
     ) -> None:
         if unit <= 0 or cpu_chunk_tokens % unit:
             raise ValueError("unit must be positive and divide cpu_chunk_tokens")
         self.unit = unit
         self.cpu_chunk_tokens = cpu_chunk_tokens
         self.max_entries = max_entries
+        if attention_chunk is not None and attention_chunk <= 0:
+            raise ValueError("attention_chunk must be positive")
         self.eagle = eagle
+        self.attention_chunk = attention_chunk
         self._engines: dict[EngineId, EngineState] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
@@ -152,7 +160,14 @@ class PrefixIndex:
         slot = self._free_slots.pop() if self._free_slots else self._next_slot
         if slot == self._next_slot:
             self._next_slot += 1
-        e = EngineState(engine, slot, model, bit=1 << slot, eagle=self.eagle)
+        e = EngineState(
+            engine,
+            slot,
+            model,
+            bit=1 << slot,
+            eagle=self.eagle,
+            attention_chunk=self.attention_chunk,
+        )
         self._engines[engine] = e
         return e
 
@@ -273,6 +288,7 @@ class PrefixIndex:
                     "kind": s.kind,
                     "block_size": s.block_size,
                     "sliding_window": s.sliding_window,
+                    **({"attention_chunk": s.attention_chunk} if s.kind == CHUNKED else {}),
                 }
                 for g, s in sorted(e.groups.items())
             },

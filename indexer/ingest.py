@@ -505,7 +505,11 @@ class Ingest:
             return
         old = e.groups.get(g)
         kind = group_kind(ev.kv_cache_spec_kind)
-        spec = GroupSpec(kind, ev.block_size, ev.kv_cache_spec_sliding_window)
+        chunk = None
+        if kind == CHUNKED:  # not in the events: configured, per group or for the fleet
+            configured = e.configured_groups.get(g)
+            chunk = (configured.attention_chunk if configured else None) or e.attention_chunk
+        spec = GroupSpec(kind, ev.block_size, ev.kv_cache_spec_sliding_window, chunk)
         if _is_partial_block(old, spec):
             # Not kept as the group's facts, so every partial entry is counted.
             e.counters["partial_blocks"] += 1
@@ -519,9 +523,8 @@ class Ingest:
             or old.kind != spec.kind
             or old.block_size != spec.block_size
             or (spec.sliding_window is not None and old.sliding_window != spec.sliding_window)
+            or old.attention_chunk != spec.attention_chunk
         ):
-            if kind == CHUNKED and g in e.configured_groups:
-                spec = GroupSpec(kind, ev.block_size, None, e.configured_groups[g].attention_chunk)
             e.groups[g] = spec
 
     # ------------------------------------------------------------------ re-announce

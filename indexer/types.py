@@ -55,6 +55,9 @@ class GroupSpec:
     kind: str
     block_size: int
     sliding_window: int | None = None  # tokens, sliding-window groups
-    attention_chunk: int | None = None  # tokens, chunked local attention groups
+    attention_chunk: int | None = None
+    """Tokens per chunk of a chunked-local-attention group. vLLM's events do not carry it; None
+    (unknown) reads the group as full attention, which never credits more than vLLM hits and is
+    exact for every point inside the first chunk."""
     eagle: bool = False
     """Matching only (indexer/eagle.py): the group drops its last matched block."""

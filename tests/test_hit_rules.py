@@ -180,8 +180,15 @@ def test_chunked_local_attention_needs_the_blocks_of_the_points_chunk() -> None:
 def test_chunked_local_attention_at_a_chunk_boundary_needs_nothing() -> None:
     spec = GroupSpec(CHUNKED, 16, attention_chunk=32)
     assert accepts(spec, {}, 64)  # the next chunk starts at the point: no block of it yet
-    no_chunk = GroupSpec(CHUNKED, 16)  # chunk = one block: every point is a boundary
-    assert accepts(no_chunk, {}, 48)
+
+
+def test_chunked_local_attention_of_an_unknown_chunk_needs_every_block() -> None:
+    # The chunk is not in vLLM's events: until told, the group is read as full attention,
+    # never accepting a point vLLM would refuse whatever the chunk.
+    no_chunk = GroupSpec(CHUNKED, 16)
+    assert not accepts(no_chunk, {}, 48)
+    assert not accepts(no_chunk, {32: A, 48: A}, 48)
+    assert accepts(no_chunk, {16: A, 32: A, 48: A}, 48)
 
 
 # ------------------------------------------------------------------ points across groups
