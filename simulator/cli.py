@@ -124,7 +124,8 @@ def _add_kv_cache_args(a: Callable[..., Any]) -> None:
         "--groups",
         default="full",
         help='KV-cache groups in group_idx order, e.g. "full", "full,swa:64", "swa:64,full", '
-        '"full,mamba"; "@N" gives a group its own block size ("full@16,mamba@64")',
+        '"full,mamba", "chunked:8192,full" (Llama 4\'s chunked local attention); "@N" gives '
+        'a group its own block size ("full@16,mamba@64")',
     )
     a(
         "--retention-interval",

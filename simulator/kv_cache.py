@@ -8,7 +8,9 @@ Mirrors vLLM 0.33:
 - ``single_type_kv_cache_manager.py``: ``FullAttentionManager`` (L739, left-to-right scan),
   ``SlidingWindowManager`` (L946/L969: ``cdiv(W-1, bs)`` contiguous cached blocks ending at
   the hit, right-to-left; a shorter run starting at block 0 also counts), ``MambaManager``
-  (L1428: the single state block at the boundary), ``remove_skipped_blocks`` (early free of
+  (L1428: the single state block at the boundary), ``ChunkedLocalAttentionManager`` (the
+  blocks from the start of the hit's chunk, left to right; earlier ones count as computed),
+  ``remove_skipped_blocks`` (early free of
   blocks that left the window, tail first, not announced), ``reachable_block_mask`` (sparse
   retention with ``prefix_cache_retention_interval=0``).
 - ``block_pool.cache_full_blocks`` (L230): one ``BlockStored`` per group per call, blocks
@@ -34,6 +36,7 @@ from simulator.request import Request
 FULL = "full_attention"
 SWA = "sliding_window"
 MAMBA = "mamba"
+CHUNKED = "chunked_local_attention"
 
 
 @dataclass(frozen=True)
@@ -41,11 +44,13 @@ class GroupSpec:
     kind: str
     sliding_window: int | None = None
     block_size: int | None = None  # None: the engine's block size
+    attention_chunk: int | None = None  # tokens per chunk, chunked local attention
 
 
 def parse_groups(spec: str) -> list[GroupSpec]:
-    """``"full"``, ``"full,swa:64"``, ``"swa:64,full"``, ``"full,mamba"``; an optional
-    ``@N`` gives a group its own block size: ``"full@16,mamba@64"``, ``"swa:64@32"``."""
+    """``"full"``, ``"full,swa:64"``, ``"swa:64,full"``, ``"full,mamba"``, ``"chunked:128,full"``
+    (Llama 4's chunked local attention, chunks of 128 tokens); an optional ``@N`` gives a group
+    its own block size: ``"full@16,mamba@64"``, ``"swa:64@32"``."""
     out: list[GroupSpec] = []
     for part in spec.split(","):
         p = part.strip().lower()
@@ -66,6 +71,11 @@ def parse_groups(spec: str) -> list[GroupSpec]:
             out.append(GroupSpec(SWA, int(w), bs))
         elif p == "mamba":
             out.append(GroupSpec(MAMBA, None, bs))
+        elif p.startswith("chunked"):
+            _, _, c = p.partition(":")
+            if not c.isdigit() or int(c) < 1:
+                raise ValueError(f"chunked group needs a chunk, e.g. chunked:128 (got {part!r})")
+            out.append(GroupSpec(CHUNKED, None, bs, int(c)))
         else:
             raise ValueError(f"unknown KV-cache group kind {part!r}")
     if not out:
@@ -116,6 +126,14 @@ class KVCacheManager:
         cached = self.pool.cached[g]
         bs, s, a = self.gbs[g], self.scale[g], self.align
         max_blocks = limit // bs
+        if self.groups[g].kind == CHUNKED:
+            # Blocks before the chunk of ``limit`` count as computed; those from its start on
+            # must be cached, left to right (vLLM asserts the group's blocks are the alignment).
+            first = self._chunk_start(g, limit) // bs
+            run = first
+            while run < max_blocks and digests[(run + 1) * s - 1] in cached:
+                run += 1
+            return run * bs // a * a
         if self.groups[g].kind == MAMBA:
             for i in range(max_blocks - 1, -1, -1):
                 if ((i + 1) * bs) % a == 0 and digests[(i + 1) * s - 1] in cached:
@@ -177,12 +195,20 @@ class KVCacheManager:
                 per_group.append([])
             elif spec.kind == FULL:
                 per_group.append(fa_blocks[g][:nb])
+            elif spec.kind == CHUNKED:
+                start = self._chunk_start(g, hit) // self.gbs[g]
+                tail = [get(self._gkey(digests, g, i)) or 0 for i in range(start, nb)]
+                per_group.append([0] * start + tail)
             else:
                 keep = 1 if spec.kind == MAMBA else self.needed[g]
                 start = max(0, nb - keep)
                 tail = [get(self._gkey(digests, g, i)) or 0 for i in range(start, nb)]
                 per_group.append([0] * start + tail)
         return hit, per_group, longest
+
+    def _chunk_start(self, g: int, tokens: int) -> int:
+        chunk = self.groups[g].attention_chunk or 1
+        return tokens // chunk * chunk
 
     def set_reachable(self, req: Request, hit: int, longest: int) -> None:
         """Token boundaries at which sparse SWA/mamba groups keep blocks: the replay
@@ -196,6 +222,8 @@ class KVCacheManager:
             spec = self.groups[g]
             if spec.kind == SWA:
                 skipped = total_computed - spec.sliding_window + 1
+            elif spec.kind == CHUNKED:  # the chunks before the current one
+                skipped = self._chunk_start(g, total_computed)
             else:  # mamba keeps only the state of the last computed block
                 skipped = total_computed - 1
             if skipped <= 0:
@@ -247,8 +275,8 @@ class KVCacheManager:
     def _allowed(self, req: Request, g: int) -> set[int] | None:
         """``reachable_block_mask``: group blocks that may be cached (None = all)."""
         spec = self.groups[g]
-        if spec.kind == FULL or self.retention is None:
-            return None
+        if spec.kind in (FULL, CHUNKED) or self.retention is None:
+            return None  # chunked local attention caches every block, as full attention does
         bs = self.gbs[g]
         bounds = set(req.reachable or ())
         if self.retention and self.retention > 0:  # one tail per N tokens

@@ -84,7 +84,14 @@ def test_parse_groups() -> None:
     g = parse_groups("full,swa:64,mamba")
     assert [x.kind for x in g] == ["full_attention", "sliding_window", "mamba"]
     assert g[1].sliding_window == 64
-    for bad in ("", "swa", "foo", "swa:x"):
+    (c, f) = parse_groups("chunked:128@32,full")
+    assert (c.kind, c.attention_chunk, c.block_size, f.kind) == (
+        "chunked_local_attention",
+        128,
+        32,
+        "full_attention",
+    )
+    for bad in ("", "swa", "foo", "swa:x", "chunked", "chunked:0", "chunked:x"):
         with pytest.raises(ValueError):
             parse_groups(bad)
 
@@ -326,7 +333,15 @@ def test_fleet_replay_speed() -> None:
 @settings(max_examples=30, deadline=None)
 @given(
     groups=st.sampled_from(
-        ["full", "full,swa:16", "swa:24,full", "full,mamba", "full,mamba@16", "swa:24@16,full"]
+        [
+            "full",
+            "full,swa:16",
+            "swa:24,full",
+            "full,mamba",
+            "full,mamba@16",
+            "swa:24@16,full",
+            "chunked:32,full",
+        ]
     ),
     cpu=st.sampled_from([0, 4]),
     reqs=st.lists(
@@ -338,10 +353,10 @@ def test_fleet_replay_speed() -> None:
 def test_fleet_concurrent_invariants(
     groups: str, cpu: int, reqs: list[tuple[int, int, int, float]]
 ) -> None:
-    """Concurrent traffic on a tiny pool (preemption, chunked prefill, early SWA frees,
-    CPU tier): every request completes, stores/removes balance, the pool drains."""
-    if "@" in groups:
-        cpu = 0  # a CPU tier needs one block size for all groups
+    """Concurrent traffic on a tiny pool (preemption, chunked prefill, early SWA and chunk
+    frees, CPU tier): every request completes, stores/removes balance, the pool drains."""
+    if "@" in groups or "chunked" in groups:
+        cpu = 0  # a CPU tier needs one block size for all groups; none for chunked attention
     cfg = EngineConfig(
         block_size=8,
         num_gpu_blocks=48,
