@@ -99,6 +99,11 @@ class ModelConfig(_Section):
     cpu_chunk_tokens: int = 256
     speculative: bool = False
     """The workers run EAGLE / MTP speculative decoding: vLLM drops the last matched block."""
+    attention_chunk_tokens: int | None = None
+    """The model's ``attention_chunk_size`` (Llama 4: 8192), for models with chunked local
+    attention: vLLM's events do not carry it. None: read from ``config.json`` beside a local
+    tokenizer (``tokenizer.path``), else unknown, and such groups are matched as full
+    attention (never more than vLLM hits; exact for prompts within the first chunk)."""
     prefix_cache_retention_interval: int | None = 0
     """As the workers' ``--prefix-cache-retention-interval``: which sliding-window and Mamba
     blocks vLLM keeps (0, its default: at replay boundaries and junctions; N: also every N

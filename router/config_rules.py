@@ -107,6 +107,8 @@ def _check_model_and_tokenizer(m: ModelConfig, t: TokenizerConfig) -> None:
         raise ConfigError("model.block_size: must be positive")
     if m.cpu_chunk_tokens <= 0:
         raise ConfigError("model.cpu_chunk_tokens: must be positive")
+    if m.attention_chunk_tokens is not None and m.attention_chunk_tokens <= 0:
+        raise ConfigError("model.attention_chunk_tokens: must be positive or null")
     r = m.prefix_cache_retention_interval
     if r is not None and r < 0:
         raise ConfigError("model.prefix_cache_retention_interval: must be >= 0 or null")

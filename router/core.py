@@ -57,6 +57,7 @@ from router.tokenize import (
     TokenizeError,
     TokenizeRefused,
     decode_tokenize_response,
+    model_attention_chunk,
 )
 from router.tracing import RequestTrace, make_tracer
 from router.verify import Verifier, VerifyCollector, VerifyParams
@@ -103,6 +104,7 @@ class Router:
             cpu_chunk_tokens=cfg.model.cpu_chunk_tokens,
             max_entries=cfg.index.max_blocks,
             eagle=cfg.model.speculative,
+            attention_chunk=_attention_chunk(cfg),
         )
         self.metrics = RouterMetrics(
             lambda: fleet_state(
@@ -697,6 +699,16 @@ def _registry(cfg: Config, on_events_ready: Callable[[Worker], None]) -> WorkerR
         stall_after_s=sc.worker_stall_s,
         poll_interval_s=sc.worker_poll_s,
     )
+
+
+def _attention_chunk(cfg: Config) -> int | None:
+    """The chunk of the model's chunked local attention: configured, else the local model
+    folder's, else unknown (router/config.py ``attention_chunk_tokens``)."""
+    if cfg.model.attention_chunk_tokens is not None:
+        return cfg.model.attention_chunk_tokens
+    if cfg.tokenizer.mode == "local" and cfg.tokenizer.path:
+        return model_attention_chunk(cfg.tokenizer.path)
+    return None
 
 
 def _tokenizer(cfg: Config, unit: int) -> PromptTokenizer:

@@ -28,7 +28,7 @@ from indexer.endpoints import concrete_endpoint
 from indexer.replay import ReplayError, fetch_replay
 from indexer.wire import BlockStored, DecodedBatch, DecodeError, decode_payload
 from router.config import WorkerSpec
-from router.doctor_report import FAIL, FIX, OK, SKIP, WorkerReport
+from router.doctor_report import FAIL, FIX, OK, SKIP, WARN, WorkerReport
 from router.messages import cached_tokens_of
 from router.tokenize import decode_tokenize_response
 
@@ -337,7 +337,7 @@ class WorkerProbe:
         r = self.report
         self._judge_prefix_cache(probes)
         if not has_sources:
-            for c in ("block-size", "dp", "clock"):
+            for c in ("block-size", "groups", "dp", "clock"):
                 r.add(c, SKIP, "no KV events")
             return
         matched = [p for p in probes if p.seen is not None]
@@ -391,6 +391,7 @@ class WorkerProbe:
                 FIX["silent"],
             )
         self._judge_block_size()
+        self._judge_groups()
         self._judge_dp(matched)
         self._judge_clock()
 
@@ -447,6 +448,23 @@ class WorkerProbe:
                 )
                 return
         r.add("block-size", OK, f"{', '.join(map(str, r.block_sizes))} (from events)")
+
+    def _judge_groups(self) -> None:
+        """The KV-cache groups the events declare, and what the router must be told of them."""
+        r = self.report
+        kinds: dict[int, str] = {}
+        for ev in self._stored():
+            if (ev.medium or "GPU") == "GPU":
+                kinds.setdefault(ev.group_idx or 0, ev.kv_cache_spec_kind or "undeclared")
+        if not kinds:
+            r.add("groups", SKIP, "no BlockStored to read them from")
+            return
+        each = ", ".join(f"{g}: {k}" for g, k in sorted(kinds.items()))
+        if "chunked_local_attention" in kinds.values():
+            detail = f"{each}; the attention chunk is not in the events"
+            r.add("groups", WARN, detail, FIX["attention_chunk"])
+            return
+        r.add("groups", OK, f"{each} (from events)")
 
     def _judge_dp(self, matched: list[_Probe]) -> None:
         r = self.report

@@ -24,6 +24,7 @@ CHECKS = (
     "usage",
     "prefix-cache",
     "block-size",
+    "groups",
     "dp",
     "clock",
 )
@@ -48,6 +49,9 @@ FIX = {
     "tokenizer": "serve the same model with the same --tokenizer and --chat-template on every "
     "worker",
     "block_size": "vllm serve ... --block-size N with the same N on every worker",
+    "attention_chunk": "kvrouter config: model.attention_chunk_tokens: the model's "
+    "attention_chunk_size (Llama 4: 8192), or tokenizer.mode local with the model folder; "
+    "without it long prompts' hits are under-counted",
     "block_size_events": "events must describe whole blocks of block_size tokens: run a vLLM "
     "whose events match its --block-size",
     "dp": "let the router host reach every DP rank's ports (rank r publishes on port + r)",

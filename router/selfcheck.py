@@ -17,6 +17,9 @@ Per worker, once it is healthy and its event discovery has had a chance to run:
 3. **hits**: the same probe again: the worker's ``cached_tokens`` must equal what the index
    predicts (``ok`` / ``mismatch`` / ``unreported`` when the worker does not report cached tokens,
    i.e. vLLM without ``--enable-prompt-tokens-details``).
+   **groups**: what the events leave out of the KV-cache groups they declare: ``chunk_unknown``
+   for a chunked-local-attention group with no ``model.attention_chunk_tokens`` (matched as full
+   attention, so long prompts' hits are under-counted), else ``ok`` (``unknown``: no group seen).
 4. **priority** (with ``policy.prefill_priority`` only): a one-token completion carrying
    ``priority: 1``. vLLM's V0 engine without ``--scheduling-policy priority`` answers it 400
    (``refused``): that worker gets no priority from the router (``Worker.priority_refused``), so
@@ -44,6 +47,7 @@ import msgspec
 
 from indexer.index import EngineId, PrefixIndex
 from indexer.subscriber import SourceStatus
+from indexer.types import CHUNKED
 from router.messages import cached_tokens_of
 from router.tokenize import LocalTokenizer, decode_tokenize_response
 from router.workers import Worker, WorkerRegistry
@@ -202,7 +206,20 @@ class SelfCheck:
             return res
         res.update(await self._check_events(w, ids, root, engines, events_before))
         res.update(await self._check_hits(w, ids, root, model, rank=first[0]))
+        res.update(self._check_groups(engines))
         return res
+
+    def _check_groups(self, engines: list[EngineId]) -> dict[str, Any]:
+        """What the index cannot learn from the events of the groups they declared."""
+        specs = [s for e in engines for s in self.index.group_specs(e)]
+        if any(s.kind == CHUNKED and s.attention_chunk is None for s in specs):
+            return {
+                "groups": "chunk_unknown",
+                "groups_detail": "chunked local attention, chunk not in vLLM's events: matched "
+                "as full attention (no hit past a chunk whose earlier blocks vLLM evicted); set "
+                "model.attention_chunk_tokens to the model's attention_chunk_size",
+            }
+        return {"groups": "ok" if specs else "unknown"}
 
     async def _check_tokenizer(self, w: Worker, model: str | None) -> dict[str, Any]:
         """The worker's /tokenize on a fixed prompt and chat, against the local tokenizer if
@@ -426,6 +443,8 @@ class SelfCheck:
                 url,
                 res.get("hits_detail"),
             )
+        if res.get("groups") == "chunk_unknown":
+            log.warning("self-check of %s: %s", url, res.get("groups_detail"))
         if res.get("priority") == "refused":
             log.error(
                 "self-check of %s: no request priority is written for it: %s",

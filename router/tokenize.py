@@ -54,6 +54,7 @@ __all__ = [
     "TokenizeError",
     "TokenizeRefused",
     "Tokenized",
+    "model_attention_chunk",
     "template_arguments",
 ]
 
@@ -206,6 +207,23 @@ def decode_tokenize_response(body: bytes) -> TokenIds:
             f"bad /tokenize response: count {answer.count} but {len(data) // 4} tokens"
         )
     return TokenIds(data, bytes(answer.tokens))
+
+
+def model_attention_chunk(path: str) -> int | None:
+    """``attention_chunk_size`` from the ``config.json`` of the model folder holding a local
+    tokenizer (``path``: the folder or its tokenizer.json; a multimodal model's under
+    ``text_config``), or None when there is none to read."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for holder in (cfg, cfg.get("text_config")) if isinstance(cfg, dict) else ():
+        chunk = holder.get("attention_chunk_size") if isinstance(holder, dict) else None
+        if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0:
+            return chunk
+    return None
 
 
 class LocalTokenizer:

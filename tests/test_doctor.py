@@ -77,6 +77,7 @@ def test_json_shape_and_facts(capsys: pytest.CaptureFixture[str]) -> None:
         "usage",
         "prefix-cache",
         "block-size",
+        "groups",
         "dp",
         "clock",
     }
@@ -105,6 +106,20 @@ def test_each_misconfiguration_names_its_fix(
     assert failing(doc) == fails, doc
     for name in fails:
         assert fix in check(doc, w.url, name)["fix"], doc
+
+
+def test_a_chunked_attention_model_is_routable_once_told_its_chunk(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Llama 4's layout: vLLM's events name the chunked group but not its chunk, which the
+    router must be told; a warning (never more than vLLM hits), with the setting that fixes it."""
+    with running_fleet(1, groups="chunked:64,full", **SIM) as (w,):
+        code, doc = run(capsys, w.url)
+    groups = check(doc, w.url, "groups")
+    assert code == 0 and failing(doc) == set(), doc
+    assert groups["status"] == "warn", groups
+    assert "0: chunked_local_attention, 1: full_attention" in groups["detail"]
+    assert "model.attention_chunk_tokens" in groups["fix"]
 
 
 def test_clock_skew_is_measured(capsys: pytest.CaptureFixture[str]) -> None:
