@@ -178,6 +178,10 @@ def record(py: Path, key: str, work: Path, quiet_s: float, seed: int, out_dir: P
         "max_model_len": MAX_LEN,
         "num_gpu_blocks": kind.gpu_blocks,
         "groups": groups_of(frames),
+        # Not in vLLM's events: a chunked-local-attention model's chunk, from its config.
+        "attention_chunk_size": json.loads((model / "config.json").read_text()).get(
+            "attention_chunk_size"
+        ),
         "cpu_offload": None
         if not kind.offload
         else {

@@ -8,7 +8,9 @@ docs/vllm-captures.md explain the choices. Nothing here is imported by kvrouter 
   about 80 s) and its three packaging fixes;
 * :data:`KINDS`: dense (Llama), hybrid (Gemma-3, sliding window 64 + full attention),
   all-sliding-window (Mistral-style, also hashed with ``sha256_cbor``), dense / hybrid with
-  CPU offloading, and mamba hybrid (Qwen3-Next: gated delta net + full attention); the
+  CPU offloading, mamba hybrid (Qwen3-Next: gated delta net + full attention) and Llama 4's
+  chunked local attention + full attention (the router told the chunk by the model folder, and
+  not told it); the
   Gemma-3 and mamba hybrids also with a ``--prefix-match-unit`` finer than their blocks; the
   dense model with two data-parallel ranks, and with a LoRA adapter (:func:`write_adapter`);
   the dense, Gemma-3 and mamba models with a small token budget per step (chunked prefill);
@@ -38,6 +40,7 @@ import httpx
 from simulator.testing import find_port_block
 
 __all__ = [
+    "ATTENTION_CHUNK",
     "BLOCK",
     "CHAT_TEMPLATE",
     "KINDS",
@@ -62,6 +65,7 @@ STUB_DIR = ROOT / "scripts" / "vllm_offload_stub"
 BLOCK = 32  # the CPU build needs a multiple of 32
 MAX_LEN = 1024
 VOCAB = 2048
+ATTENTION_CHUNK = 128  # the Llama 4 model's attention_chunk_size: several chunks per prompt
 SERVED = "tiny"
 CHAT_TEMPLATE = (
     # documents, tools, tool calls, reasoning and a thinking switch, as RAG, agent and thinking
@@ -98,13 +102,16 @@ class Kind:
     """One engine setup: which model, how big a GPU cache, and whether CPU offloading runs."""
 
     name: str  # the capture's name
-    model: str  # "dense" | "hybrid" | "sliding"
+    model: str  # "dense" | "hybrid" | "sliding" | "mamba" | "llama4"
     gpu_blocks: int
     cpu_bytes: int | None = None  # CPU offloading tier size (None: no offloading)
     cpu_chunk: int = 256
     extra: tuple[str, ...] = ()  # more `vllm serve` flags
     dp: int = 1  # --data-parallel-size: engines (ranks) behind the one HTTP server
     lora: str | None = None  # a LoRA adapter served beside the base model, by this name
+    local_tokenizer: bool = False
+    """The router tokenizes with the model folder (``tokenizer.mode: local``) and so reads the
+    model's ``config.json`` (a chunked-attention model's chunk) instead of asking vLLM."""
     exact: bool = True
     """Every prediction equals vLLM's cached tokens. False where vLLM's events cannot place
     what it caches (hits finer than a block: docs/vllm-reference.md, "Partial blocks"): then
@@ -128,6 +135,8 @@ KINDS: dict[str, Kind] = {
     "sliding-cbor": Kind(
         "mistral-cbor", "sliding", 40, extra=("--prefix-caching-hash-algo", "sha256_cbor")
     ),
+    "llama4": Kind("llama4-chunked-local", "llama4", 72, local_tokenizer=True),
+    "llama4-no-chunk": Kind("llama4-no-chunk", "llama4", 72, exact=False),
     "hybrid-fine": Kind("gemma3-fine", "hybrid", 72, extra=("--prefix-match-unit", "16")),
     "dense-dp2": Kind("llama-dp2", "dense", 40, dp=2),
     "dense-lora": Kind("llama-lora", "dense", 40, lora="tiny-lora"),
@@ -147,6 +156,7 @@ MODEL_GROUPS: dict[str, dict[str, tuple[str, int, int | None]]] = {
     "hybrid": {"0": ("sliding_window", BLOCK, 64), "1": ("full_attention", BLOCK, None)},
     "sliding": {"0": ("sliding_window", BLOCK, 64)},
     "mamba": {"0": ("mamba", 96, None), "1": ("full_attention", 96, None)},
+    "llama4": {"0": ("chunked_local_attention", BLOCK, None), "1": ("full_attention", BLOCK, None)},
 }
 
 
@@ -189,7 +199,7 @@ _MODEL_SCRIPT = textwrap.dedent(
     import json, sys
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     kind, out, template = sys.argv[1], sys.argv[2], sys.argv[3]
-    max_len, vocab = int(sys.argv[4]), int(sys.argv[5])
+    max_len, vocab, attention_chunk = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
     common = dict(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=max_len,
                   bos_token_id=2, eos_token_id=3)
@@ -214,6 +224,16 @@ _MODEL_SCRIPT = textwrap.dedent(
                               num_experts=4, num_experts_per_tok=2, pad_token_id=1,
                               layer_types=["linear_attention", "full_attention"])
         arch = "Qwen3NextForCausalLM"
+    elif kind == "llama4":
+        # Llama 4's layout: chunked local attention (RoPE layers) and a full-attention (NoPE)
+        # layer, every layer a mixture of experts.
+        from transformers import Llama4TextConfig
+        cfg = Llama4TextConfig(**{**common, "intermediate_size": 64}, head_dim=32,
+                               intermediate_size_mlp=128, num_local_experts=4,
+                               num_experts_per_tok=1, interleave_moe_layer_step=1,
+                               no_rope_layers=[1, 0], attention_chunk_size=attention_chunk,
+                               pad_token_id=1, tie_word_embeddings=False)
+        arch = "Llama4ForCausalLM"
     else:
         from transformers import Gemma3TextConfig
         cfg = Gemma3TextConfig(head_dim=32, sliding_window=64, pad_token_id=1,
@@ -242,7 +262,7 @@ _MODEL_SCRIPT = textwrap.dedent(
 
 
 def write_model(py: Path, model: str, out: Path) -> Path:
-    """The model folder for ``model`` ("dense" | "hybrid" | "sliding") under ``out``; kept when
+    """The model folder for ``model`` (``Kind.model``) under ``out``; kept when
     it already holds one, so kinds sharing a model build it once."""
     if (out / "config.json").exists() and (out / "tokenizer_config.json").exists():
         return out
@@ -250,6 +270,7 @@ def write_model(py: Path, model: str, out: Path) -> Path:
     script = out / "make_model.py"
     script.write_text(_MODEL_SCRIPT)
     cmd = [str(py), str(script), model, str(out), CHAT_TEMPLATE, str(MAX_LEN), str(VOCAB)]
+    cmd.append(str(ATTENTION_CHUNK))
     subprocess.run(cmd, check=True, timeout=600)
     return out
 

@@ -63,6 +63,11 @@ CAPTURES: dict[str, tuple[str, dict[str, tuple[str, int, int | None]], bool]] = 
         {"0": ("mamba", 96, None), "1": ("full_attention", 96, None)},
         False,
     ),
+    "llama4-chunked-local": (
+        "llama4",
+        {"0": ("chunked_local_attention", 32, None), "1": ("full_attention", 32, None)},
+        False,
+    ),
 }
 
 # Where the index and vLLM 0.32 part ways; docs/vllm-captures.md gives vLLM's rule, the code
@@ -106,16 +111,22 @@ def prompt_of(request: dict[str, Any], earlier: list[list[int]]) -> list[int]:
     return tokens
 
 
-def replay(name: str) -> Replayed:
-    """Apply every frame in order; at each request, compare prediction and vLLM's report."""
+def replay(name: str, attention_chunk: int | str | None = "model") -> Replayed:
+    """Apply every frame in order; at each request, compare prediction and vLLM's report.
+    ``attention_chunk``: what the index is told of a chunked-local-attention model's chunk
+    (``"model"``: the model's own, as the router reads it from the model's config)."""
     lines = load(name)
     header = lines[0]
     assert header["type"] == "header"
     cpu = header["cpu_offload"]
-    # As the router builds it (router/app.py): unit gcd(16, block size), configured chunk size.
+    if attention_chunk == "model":
+        attention_chunk = header.get("attention_chunk_size")
+    assert not isinstance(attention_chunk, str)
+    # As the router builds it (router/core.py): unit gcd(16, block size), configured chunk sizes.
     index = PrefixIndex(
         unit=math.gcd(16, header["block_size"]),
         cpu_chunk_tokens=cpu["chunk_tokens"] if cpu else 256,
+        attention_chunk=attention_chunk,
     )
     model = header["served_model_name"]
     index.add_engine(ENGINE, model)
@@ -215,3 +226,24 @@ def test_a_match_unit_finer_than_the_blocks_is_never_over_predicted(capsys) -> N
     counters = r.stats.counters
     assert counters["partial_blocks"] > 0
     assert counters["unknown_parent"] == counters["unresolved_hashes"] == 0
+
+
+def test_chunked_local_attention_needs_the_models_chunk(capsys) -> None:
+    """Llama 4's layout (chunked local attention beside full attention), whose chunk vLLM's
+    events do not carry: told the model's chunk the index is exact (above); not told, it reads
+    the group as full attention and never predicts more than vLLM finds, only less where a
+    chunk's earlier blocks were evicted; told a chunk of one block (every point a chunk
+    boundary, no block of the group needed) it predicts hits vLLM does not find."""
+    name = "llama4-chunked-local"
+    header = load(name)[0]
+    assert header["attention_chunk_size"] == 128
+    unknown = replay(name, attention_chunk=None)
+    one_block = replay(name, attention_chunk=header["block_size"])
+    with capsys.disabled():
+        print(f"\n[chunk unknown] {unknown.summary()}\n[chunk of a block] {one_block.summary()}")
+    told = replay(name)
+    assert told.stats is not None and unknown.stats is not None
+    assert told.stats.groups[0]["attention_chunk"] == 128
+    assert unknown.stats.groups[0]["attention_chunk"] is None
+    assert unknown.over == [] and unknown.under, unknown.summary()
+    assert one_block.over, one_block.summary()

@@ -84,6 +84,7 @@ from typing import Any
 import httpx
 import pytest
 from real_vllm_models import (
+    ATTENTION_CHUNK,
     BLOCK,
     KINDS,
     MODEL_GROUPS,
@@ -284,6 +285,8 @@ async def test_predicted_hits_equal_vllm_cached_tokens(
     with _served(vllm_python, kind, models, tmp_path) as (served, taps):
         cfg = _config(served)
         cfg.model.cpu_chunk_tokens = kind.cpu_chunk
+        if kind.local_tokenizer:
+            cfg.tokenizer.mode, cfg.tokenizer.path = "local", str(models / kind.model)
         async with serve_router(cfg) as (base, _router):
             await _router_ready(base)
             sender = ThroughRouter(base, taps, adapter=kind.lora)
@@ -336,6 +339,10 @@ async def test_predicted_hits_equal_vllm_cached_tokens(
         groups = e["groups"]
         declared = {g: (v["kind"], v["block_size"], v["sliding_window"]) for g, v in groups.items()}
         assert declared == MODEL_GROUPS[kind.model]
+        # The chunk is not in vLLM's events: read from config.json beside a local tokenizer.
+        chunks = {v["attention_chunk"] for v in groups.values() if "attention_chunk" in v}
+        chunk = ATTENTION_CHUNK if kind.local_tokenizer else None
+        assert chunks == ({chunk} if kind.model == "llama4" else set())
         assert e["verify"]["state"] == "verified", e["verify"]
     assert sum(1 for o in out if o.cached) >= 25, "the scenario reuses prefixes"
     assert evicted > 0, "the scenario evicts"
