@@ -15,6 +15,9 @@ local and connector-loaded tokens alike) and how many prompt tokens it saw
   only), ``/debug/index`` shows it with a diagnosed cause, and ONE warning is logged. Measuring
   goes on (the index is still matched for it); once a fresh window is accurate again the flag is
   cleared (re-verified).
+* under-predictions on an engine with a chunked-local-attention group whose chunk the router
+  was not told count as right: the index reads that group as full attention on purpose
+  (``model.attention_chunk_tokens``; the self-check names it);
 * causes, in the order they are checked: ``no_events`` (the subscriber has received nothing from
   a worker that reports cache hits), ``tokens_differ`` (the worker's ``prompt_tokens`` differ
   from the router's count), ``block_size_mismatch`` (``cached_tokens`` are not multiples of the
@@ -49,6 +52,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from indexer.index import EngineId, PrefixIndex
+from indexer.types import CHUNKED
 
 __all__ = [
     "EngineVerification",
@@ -223,7 +227,11 @@ class Verifier:
         tokens_ok = prompt_tokens is None or prompt_tokens == n_tokens
         # A race only excuses a prediction made over the worker's own tokens.
         raced = tokens_ok and ((diff > 0 and removed_since) or (diff < 0 and stored_since))
-        ok = abs(diff) <= bs or raced
+        # A chunked-attention group whose chunk the router was not told is matched as full
+        # attention on purpose: its under-predictions are the price of never over-crediting,
+        # and routing such an engine by load alone would lose the hits the index does see.
+        under_by_design = diff < 0 and tokens_ok and self._chunk_unknown(engine)
+        ok = abs(diff) <= bs or raced or under_by_design
         if not tokens_ok:
             st.tokens_mismatches += 1
         misaligned = (learned or st.block_size is not None) and cached % bs != 0
@@ -255,6 +263,11 @@ class Verifier:
             st.collapse_streak = 0
         self._evaluate(st)
         return s
+
+    def _chunk_unknown(self, engine: EngineId) -> bool:
+        return any(
+            s.kind == CHUNKED and s.attention_chunk is None for s in self.index.group_specs(engine)
+        )
 
     def _evaluate(self, st: EngineVerification) -> None:
         n = len(st.window)

@@ -124,6 +124,35 @@ def test_counters_going_back_reset_the_engine_once():
     assert v.debug(e)["index_resets"] == {"restart": 1}
 
 
+def test_an_unknown_attention_chunk_under_counts_without_an_alarm():
+    """Under-predictions on an engine with a chunked-attention group whose chunk the router was
+    not told are the price of never over-crediting: no alarm, so the hits the index does see
+    still route. Told the chunk, the same misses are a wrong index; over-predictions always are."""
+    from indexer.wire import BlockStored
+
+    engine = ("http://w", 0)
+    for chunk, miss, expect_unverified in (
+        (None, -512, False),
+        (128, -512, True),
+        (None, 512, True),
+    ):
+        index = PrefixIndex(unit=16, attention_chunk=chunk)
+        index.add_engine(engine, "m")
+        kind = "chunked_local_attention"
+        index.apply(engine, [BlockStored([1], None, list(range(16)), 16, kv_cache_spec_kind=kind)])
+        v = Verifier(index, VerifyParams(window=20, min_samples=10, min_accuracy=0.8))
+        for _ in range(20):
+            v.observe(
+                engine,
+                predicted_gpu=max(miss, 0),
+                predicted_cpu=0,
+                n_tokens=600,
+                cached=max(-miss, 0),
+                prompt_tokens=600,
+            )
+        assert v.is_unverified(engine) is expect_unverified, (chunk, miss)
+
+
 # ------------------------------------------------------------------------- correct fleet
 
 
