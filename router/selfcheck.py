@@ -315,12 +315,20 @@ class SelfCheck:
                     "from what its events say"
                 ),
             }
+        if w.prefix_caching is False:
+            why = (
+                "prefix caching is off on the worker (vllm:cache_config_info "
+                'enable_prefix_caching="False"): it caches no prefix to route by; start it with '
+                "--enable-prefix-caching (vLLM turns it off itself for some models, e.g. MLA "
+                "on CPU)"
+            )
+        else:
+            why = "events disabled on the worker, or its ZMQ port unreachable"
         return {
             "events": "missing",
             "events_detail": (
                 f"no KV event arrived within {self.timeout_s:.1f}s of a {n}-token probe "
-                f"(subscribed to {w.events_endpoint}; events disabled on the worker, or its "
-                "ZMQ port unreachable)"
+                f"(subscribed to {w.events_endpoint}; {why})"
             ),
         }
 

@@ -43,6 +43,7 @@ __all__ = [
     "StallListener",
     "Worker",
     "WorkerRegistry",
+    "parse_prefix_caching",
     "parse_retention",
     "parse_vllm_metrics",
     "serving_engines",
@@ -109,25 +110,37 @@ def parse_vllm_metrics(text: str) -> dict[int, dict[str, float]]:
 NOT_REPORTED = -1
 """``Worker.retention`` of a worker whose /metrics does not say (the configuration applies)."""
 _CACHE_INFO = "vllm:cache_config_info{"
-_RETENTION = 'prefix_cache_retention_interval="'
+
+
+def _cache_info(text: str, label: str) -> str | None:
+    """One label of ``vllm:cache_config_info`` (vLLM's CacheConfig, exported once at
+    start-up), or None when the worker does not report it."""
+    pos = text.find(_CACHE_INFO)
+    if pos < 0:
+        return None
+    end = text.find("}", pos)
+    at = text.find(f'{label}="', pos, end)
+    if at < 0:
+        return None
+    at += len(label) + 2
+    return text[at : text.find('"', at, end)]
 
 
 def parse_retention(text: str) -> int | None:
-    """The ``prefix_cache_retention_interval`` label of ``vllm:cache_config_info`` (vLLM's
-    CacheConfig, exported once at start-up): an interval, None (vLLM's "None": every block
-    kept), or ``NOT_REPORTED``."""
-    pos = text.find(_CACHE_INFO)
-    if pos < 0:
-        return NOT_REPORTED
-    end = text.find("}", pos)
-    at = text.find(_RETENTION, pos, end)
-    if at < 0:
-        return NOT_REPORTED
-    at += len(_RETENTION)
-    value = text[at : text.find('"', at, end)]
+    """The ``prefix_cache_retention_interval`` label of ``vllm:cache_config_info``: an
+    interval, None (vLLM's "None": every block kept), or ``NOT_REPORTED``."""
+    value = _cache_info(text, "prefix_cache_retention_interval")
     if value == "None":
         return None
-    return int(value) if value.isdigit() else NOT_REPORTED
+    return int(value) if value is not None and value.isdigit() else NOT_REPORTED
+
+
+def parse_prefix_caching(text: str) -> bool | None:
+    """The ``enable_prefix_caching`` label of ``vllm:cache_config_info``: whether the worker
+    caches prefixes at all (vLLM turns it off for some models, e.g. MLA on CPU), None when
+    not reported."""
+    value = _cache_info(text, "enable_prefix_caching")
+    return None if value is None else value == "True"
 
 
 class StallListener(Protocol):
@@ -200,6 +213,8 @@ class Worker:
     retention: int | None = NOT_REPORTED
     """Its ``--prefix-cache-retention-interval``, as its /metrics reports it
     (router/speculative.py)."""
+    prefix_caching: bool | None = None
+    """Whether it caches prefixes, as its /metrics reports it (None: not reported)."""
     stalled: str | None = None
     """Why engines of the worker are skipped although its /health answers (see
     ``WorkerRegistry.routable``), None while none is."""
@@ -631,6 +646,7 @@ class WorkerRegistry:
                 self._check_ranks(w, parsed)
                 w.lora_slots = parse_lora_info(r.text)
                 w.retention = parse_retention(r.text)
+                w.prefix_caching = parse_prefix_caching(r.text)
                 w.metrics_ts = time.monotonic()
                 self._observe_stall(w, parsed, w.metrics_ts)
                 if self.on_metrics is not None:

@@ -64,6 +64,22 @@ def metrics_text(model: str, runners: list[EngineRunner], extra: Iterable[str] =
         "External prefix cache hits from KV connector, in terms of number of tokens.",
         [(r.dp_rank, float(r.engine.external_hits)) for r in rs],
     )
+    # vLLM's CacheConfig as labels of a gauge set to 1, one sample per engine (a subset of
+    # its fields: the ones a router reads).
+    name = "vllm:cache_config_info"
+    lines.append(f"# HELP {name} Information of the LLMEngine CacheConfig")
+    lines.append(f"# TYPE {name} gauge")
+    for r in rs:
+        c = r.engine.config
+        info = {
+            "block_size": c.block_size,
+            "enable_prefix_caching": c.enable_prefix_caching,
+            "engine": r.dp_rank,
+            "num_gpu_blocks": c.num_gpu_blocks,
+            "prefix_cache_retention_interval": c.retention_interval,
+        }
+        labels = ",".join(f'{k}="{v}"' for k, v in info.items())
+        lines.append(f"{name}{{{labels}}} 1.0")
     name = "vllm:engine_sleep_state"
     lines.append(
         f"# HELP {name} Engine sleep state; awake = 0 means engine is sleeping; awake = 1 "

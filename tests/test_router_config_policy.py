@@ -516,13 +516,17 @@ def test_a_worker_reporting_its_retention_interval_overrides_the_configured_one(
     """vLLM exports its CacheConfig as ``vllm:cache_config_info`` labels; what a worker reports
     there is what its engines are credited by, the configuration only where it says nothing."""
     from router.core import Router
-    from router.workers import NOT_REPORTED, parse_retention
+    from router.workers import NOT_REPORTED, parse_prefix_caching, parse_retention
 
     info = 'vllm:cache_config_info{block_size="32",prefix_cache_retention_interval="%s"} 1.0\n'
     assert parse_retention("# HELP x\n" + info % "None") is None
     assert parse_retention(info % "128") == 128 and parse_retention(info % "0") == 0
     assert parse_retention(info % "bad") == NOT_REPORTED
     assert parse_retention("vllm:num_requests_running 1\n") == NOT_REPORTED
+    caching = 'vllm:cache_config_info{enable_prefix_caching="%s",engine="0"} 1.0\n'
+    assert parse_prefix_caching(caching % "False") is False
+    assert parse_prefix_caching(caching % "True") is True
+    assert parse_prefix_caching(info % "0") is None
     r = Router(parse_config({"workers": [{"url": "http://a:1"}, {"url": "http://b:1"}]}, env={}))
     r.registry.workers["http://a:1"].retention = None
     assert r.retention(("http://a:1", 0)) is None and r.retention(("http://b:1", 0)) == 0

@@ -385,6 +385,22 @@ async def test_events_off_selfcheck_missing_then_unverified_no_events(caplog):
             assert f'kvrouter_worker_unverified{{worker="{url}"}} 1.0' in m
 
 
+async def test_a_worker_without_prefix_caching_is_named_as_such():
+    """vLLM with prefix caching off (a flag, or forced off for the model: MLA on CPU) publishes
+    no block event: the self-check says which flag, read from vllm:cache_config_info."""
+    with running_fleet(1, no_prefix_caching=True, num_gpu_blocks=512, **FAST) as fleet:
+        url = fleet[0].url
+        async with (
+            serve_router(cfg_with(fleet)) as (base, router),
+            httpx.AsyncClient(timeout=30) as c,
+        ):
+            w = await debug_worker(c, base, url)
+            assert router.registry.workers[url].prefix_caching is False
+            assert w["selfcheck"]["events"] == "missing", w["selfcheck"]
+            detail = w["selfcheck"]["events_detail"]
+            assert "prefix caching is off" in detail and "--enable-prefix-caching" in detail
+
+
 def _bos_proxy(target: str) -> FastAPI:
     """A worker front whose /tokenize adds a BOS token the engine itself does not add: the
     router's token count differs from the worker's prompt_tokens (a tokenizer mismatch)."""
