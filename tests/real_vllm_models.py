@@ -109,6 +109,11 @@ class Kind:
     extra: tuple[str, ...] = ()  # more `vllm serve` flags
     dp: int = 1  # --data-parallel-size: engines (ranks) behind the one HTTP server
     lora: str | None = None  # a LoRA adapter served beside the base model, by this name
+    live: bool = True
+    """Run through the router by the opt-in test. False for GPT-OSS: vLLM renders its chats
+    with the harmony encoding, not the chat template its /tokenize applies, so the router's
+    chat prompts differ from vLLM's (docs/vllm-captures.md); its capture still holds the index
+    to vLLM's own token ids."""
     local_tokenizer: bool = False
     """The router tokenizes with the model folder (``tokenizer.mode: local``) and so reads the
     model's ``config.json`` (a chunked-attention model's chunk) instead of asking vLLM."""
@@ -137,6 +142,7 @@ KINDS: dict[str, Kind] = {
     ),
     "llama4": Kind("llama4-chunked-local", "llama4", 72, local_tokenizer=True),
     "llama4-no-chunk": Kind("llama4-no-chunk", "llama4", 72, exact=False),
+    "sinks": Kind("gptoss-sinks", "sinks", 72, live=False),
     "hybrid-fine": Kind("gemma3-fine", "hybrid", 72, extra=("--prefix-match-unit", "16")),
     "dense-dp2": Kind("llama-dp2", "dense", 40, dp=2),
     "dense-lora": Kind("llama-lora", "dense", 40, lora="tiny-lora"),
@@ -157,6 +163,7 @@ MODEL_GROUPS: dict[str, dict[str, tuple[str, int, int | None]]] = {
     "sliding": {"0": ("sliding_window", BLOCK, 64)},
     "mamba": {"0": ("mamba", 96, None), "1": ("full_attention", 96, None)},
     "llama4": {"0": ("chunked_local_attention", BLOCK, None), "1": ("full_attention", BLOCK, None)},
+    "sinks": {"0": ("sliding_window", BLOCK, 64), "1": ("full_attention", BLOCK, None)},
 }
 
 
@@ -224,6 +231,15 @@ _MODEL_SCRIPT = textwrap.dedent(
                               num_experts=4, num_experts_per_tok=2, pad_token_id=1,
                               layer_types=["linear_attention", "full_attention"])
         arch = "Qwen3NextForCausalLM"
+    elif kind == "sinks":
+        # GPT-OSS's layout: sliding-window and full attention layers, both with sinks; the
+        # vocabulary of its harmony encoding, in which vLLM renders its chats.
+        from transformers import GptOssConfig
+        cfg = GptOssConfig(**{**common, "intermediate_size": 128, "vocab_size": 201088},
+                           head_dim=32,
+                           num_local_experts=4, num_experts_per_tok=2, sliding_window=64,
+                           layer_types=["sliding_attention", "full_attention"], pad_token_id=1)
+        arch = "GptOssForCausalLM"
     elif kind == "llama4":
         # Llama 4's layout: chunked local attention (RoPE layers) and a full-attention (NoPE)
         # layer, every layer a mixture of experts.

@@ -63,6 +63,11 @@ CAPTURES: dict[str, tuple[str, dict[str, tuple[str, int, int | None]], bool]] = 
         {"0": ("mamba", 96, None), "1": ("full_attention", 96, None)},
         False,
     ),
+    "gptoss-sinks": (
+        "sinks",
+        {"0": ("sliding_window", 32, 64), "1": ("full_attention", 32, None)},
+        False,
+    ),
     "llama4-chunked-local": (
         "llama4",
         {"0": ("chunked_local_attention", 32, None), "1": ("full_attention", 32, None)},
