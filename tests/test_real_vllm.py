@@ -644,6 +644,7 @@ SPECULATIVE_KINDS: dict[str, tuple[Kind, int | None]] = {
     "sliding": (KINDS["sliding"], 0),
     "mamba": (KINDS["mamba"], 0),
     "mamba-fine": (KINDS["mamba-fine"], 0),
+    "llama4": (KINDS["llama4"], 0),
     "hybrid-keep-all": (Kind("gemma3-keep-all", "hybrid", 72, extra=(RETENTION, "None")), None),
     "hybrid-every-128": (Kind("gemma3-every-128", "hybrid", 72, extra=(RETENTION, "128")), 128),
 }
