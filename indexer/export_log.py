@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from indexer.staggered import HashMap, Table
+from indexer.u64map import SEGMENTS
 from indexer.wire import BlockHash
 
 __all__ = ["ExportLog"]
@@ -20,11 +21,14 @@ __all__ = ["ExportLog"]
 class ExportLog:
     """Pre-images of one engine's entries changed since an export's cut."""
 
-    __slots__ = ("hashes", "resident")
+    __slots__ = ("by_segment", "hashes", "resident")
 
     def __init__(self) -> None:
         self.hashes: dict[BlockHash, tuple[int | None, int]] = {}
         """Engine hash -> (content key or None when unmapped, extra references) at the cut."""
+        self.by_segment: list[list[BlockHash]] = [[] for _ in range(SEGMENTS)]
+        """The hashes of ``hashes`` that were mapped at the cut, by their segment of the map:
+        an export reading one segment looks at its own share of the log, not all of it."""
         self.resident: dict[tuple[int, str], dict[int, bool]] = {}
         """(group, medium) -> content key -> whether the engine held it at the cut."""
 
@@ -35,7 +39,10 @@ class ExportLog:
         log = self.hashes
         for h in hashes:
             if h not in log:
-                log[h] = (hmap.get(h), extra.get(h, 0))
+                key = hmap.get(h)
+                log[h] = (key, extra.get(h, 0))
+                if key is not None:
+                    self.by_segment[hmap.segment_of(h)].append(h)
 
     def before_blocks(
         self, g: int, medium: str, res: Table, bit: int, keys: Iterable[int | None]

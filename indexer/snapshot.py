@@ -128,13 +128,9 @@ class EngineExport:
         log = self._log.hashes
         hmap = self._hmap
         # The segment now, and (in the same step) what it held at the cut but lost since: only
-        # the log still knows those.
+        # the log still knows those, and it lists them by segment.
         todo = hmap.segment_keys(segment)
-        todo.extend(
-            h
-            for h, (key, _x) in list(log.items())
-            if key is not None and h not in hmap and hmap.segment_of(h) == segment
-        )
+        todo.extend(h for h in self._log.by_segment[segment] if h not in hmap)
         yield b"", []
         extra = self._extra
         for i in range(0, len(todo), SLICE):
