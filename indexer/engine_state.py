@@ -67,10 +67,6 @@ class EngineState:
     pending: list[tuple[BlockStored, int]] = field(default_factory=list)
     pending_removed: set[BlockHash] = field(default_factory=set)
     locator: VllmHashLocator | None = None
-    attention_chunk: int | None = None
-    """Tokens per chunk of the engine's chunked-local-attention groups (the model's
-    ``attention_chunk_size``; vLLM's events do not carry it), set for every engine by
-    ``PrefixIndex(attention_chunk=...)``; None: unknown (see :class:`GroupSpec`)."""
     eagle: bool = False
     """vLLM drops the last matched block (EAGLE / MTP drafting): learned from events carrying
     ``lookahead_token_ids``, or set for every engine by ``PrefixIndex(eagle=True)``."""

@@ -96,7 +96,6 @@ class PrefixIndex:
         if attention_chunk is not None and attention_chunk <= 0:
             raise ValueError("attention_chunk must be positive")
         self.eagle = eagle
-        self.attention_chunk = attention_chunk
         self._engines: dict[EngineId, EngineState] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
@@ -111,6 +110,7 @@ class PrefixIndex:
             max_pending_events,
             vllm_hash_seed,
             locator_entries,
+            attention_chunk,
         )
         self.overflowed: list[EngineId] = []
         """Engines reset by the cap since the caller last cleared this list."""
@@ -136,6 +136,10 @@ class PrefixIndex:
     def locator_entries(self) -> int:
         return self._ingest.locator_entries
 
+    @property
+    def attention_chunk(self) -> int | None:
+        return self._ingest.attention_chunk
+
     # ------------------------------------------------------------------ engines
 
     def add_engine(
@@ -160,14 +164,7 @@ class PrefixIndex:
         slot = self._free_slots.pop() if self._free_slots else self._next_slot
         if slot == self._next_slot:
             self._next_slot += 1
-        e = EngineState(
-            engine,
-            slot,
-            model,
-            bit=1 << slot,
-            eagle=self.eagle,
-            attention_chunk=self.attention_chunk,
-        )
+        e = EngineState(engine, slot, model, bit=1 << slot, eagle=self.eagle)
         self._engines[engine] = e
         return e
 
@@ -304,6 +301,14 @@ class PrefixIndex:
         if e is None:
             return (0, 0)
         return (e.counters["blocks_stored"], e.counters["blocks_removed"])
+
+    def attention_chunk_unknown(self, engine: EngineId) -> bool:
+        """Whether the engine has a chunked-local-attention group whose chunk the index was not
+        told: matched as full attention, so it under-counts such hits by design."""
+        e = self._engines.get(engine)
+        return e is not None and any(
+            s.kind == CHUNKED and s.attention_chunk is None for s in e.groups.values()
+        )
 
     def group_specs(self, engine: EngineId) -> tuple[GroupSpec, ...]:
         """The engine's KV-cache groups as its events declared them (or its configuration

@@ -62,6 +62,7 @@ class Ingest:
         max_pending_events: int,
         vllm_hash_seed: str,
         locator_entries: int,
+        attention_chunk: int | None = None,
     ) -> None:
         self.residency = residency
         self.unit = unit
@@ -70,6 +71,8 @@ class Ingest:
         self.max_pending_events = max_pending_events
         self.vllm_hash_seed = vllm_hash_seed
         self.locator_entries = locator_entries
+        self.attention_chunk = attention_chunk
+        """The fleet's chunk of chunked-local-attention groups (``PrefixIndex``)."""
 
     def apply(self, e: EngineState, events: Sequence[Event]) -> None:
         """Apply one batch of events of one engine, in list order (vLLM's order)."""
@@ -508,7 +511,7 @@ class Ingest:
         chunk = None
         if kind == CHUNKED:  # not in the events: configured, per group or for the fleet
             configured = e.configured_groups.get(g)
-            chunk = (configured.attention_chunk if configured else None) or e.attention_chunk
+            chunk = (configured.attention_chunk if configured else None) or self.attention_chunk
         spec = GroupSpec(kind, ev.block_size, ev.kv_cache_spec_sliding_window, chunk)
         if _is_partial_block(old, spec):
             # Not kept as the group's facts, so every partial entry is counted.

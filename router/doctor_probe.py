@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from indexer.endpoints import concrete_endpoint
 from indexer.replay import ReplayError, fetch_replay
+from indexer.types import CHUNKED, group_kind
 from indexer.wire import BlockStored, DecodedBatch, DecodeError, decode_payload
 from router.config import WorkerSpec
 from router.doctor_report import FAIL, FIX, OK, SKIP, WARN, WorkerReport
@@ -460,7 +461,7 @@ class WorkerProbe:
             r.add("groups", SKIP, "no BlockStored to read them from")
             return
         each = ", ".join(f"{g}: {k}" for g, k in sorted(kinds.items()))
-        if "chunked_local_attention" in kinds.values():
+        if any(group_kind(k) == CHUNKED for k in kinds.values()):
             detail = f"{each}; the attention chunk is not in the events"
             r.add("groups", WARN, detail, FIX["attention_chunk"])
             return

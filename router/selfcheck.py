@@ -47,7 +47,6 @@ import msgspec
 
 from indexer.index import EngineId, PrefixIndex
 from indexer.subscriber import SourceStatus
-from indexer.types import CHUNKED
 from router.messages import cached_tokens_of
 from router.tokenize import LocalTokenizer, decode_tokenize_response
 from router.workers import Worker, WorkerRegistry
@@ -211,15 +210,15 @@ class SelfCheck:
 
     def _check_groups(self, engines: list[EngineId]) -> dict[str, Any]:
         """What the index cannot learn from the events of the groups they declared."""
-        specs = [s for e in engines for s in self.index.group_specs(e)]
-        if any(s.kind == CHUNKED and s.attention_chunk is None for s in specs):
+        if any(map(self.index.attention_chunk_unknown, engines)):
             return {
                 "groups": "chunk_unknown",
                 "groups_detail": "chunked local attention, chunk not in vLLM's events: matched "
                 "as full attention (no hit past a chunk whose earlier blocks vLLM evicted); set "
                 "model.attention_chunk_tokens to the model's attention_chunk_size",
             }
-        return {"groups": "ok" if specs else "unknown"}
+        known = any(self.index.group_specs(e) for e in engines)
+        return {"groups": "ok" if known else "unknown"}
 
     async def _check_tokenizer(self, w: Worker, model: str | None) -> dict[str, Any]:
         """The worker's /tokenize on a fixed prompt and chat, against the local tokenizer if

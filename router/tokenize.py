@@ -209,11 +209,17 @@ def decode_tokenize_response(body: bytes) -> TokenIds:
     return TokenIds(data, bytes(answer.tokens))
 
 
+def _tokenizer_file(path: str) -> str:
+    """A local tokenizer's tokenizer.json: ``path`` itself, or in the folder ``path``; the
+    model's other files (tokenizer_config.json, config.json) sit beside it."""
+    return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+
+
 def model_attention_chunk(path: str) -> int | None:
     """``attention_chunk_size`` from the ``config.json`` of the model folder holding a local
     tokenizer (``path``: the folder or its tokenizer.json; a multimodal model's under
     ``text_config``), or None when there is none to read."""
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    folder = os.path.dirname(_tokenizer_file(path))
     try:
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
@@ -232,7 +238,7 @@ class LocalTokenizer:
     def __init__(self, path: str) -> None:
         from tokenizers import Tokenizer  # optional dependency (test extra)
 
-        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        file = _tokenizer_file(path)
         self.tok = Tokenizer.from_file(file)
         self.template: Any = None
         self.special: dict[str, str] = {}

@@ -52,7 +52,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from indexer.index import EngineId, PrefixIndex
-from indexer.types import CHUNKED
 
 __all__ = [
     "EngineVerification",
@@ -230,7 +229,7 @@ class Verifier:
         # A chunked-attention group whose chunk the router was not told is matched as full
         # attention on purpose: its under-predictions are the price of never over-crediting,
         # and routing such an engine by load alone would lose the hits the index does see.
-        under_by_design = diff < 0 and tokens_ok and self._chunk_unknown(engine)
+        under_by_design = diff < 0 and tokens_ok and self.index.attention_chunk_unknown(engine)
         ok = abs(diff) <= bs or raced or under_by_design
         if not tokens_ok:
             st.tokens_mismatches += 1
@@ -263,11 +262,6 @@ class Verifier:
             st.collapse_streak = 0
         self._evaluate(st)
         return s
-
-    def _chunk_unknown(self, engine: EngineId) -> bool:
-        return any(
-            s.kind == CHUNKED and s.attention_chunk is None for s in self.index.group_specs(engine)
-        )
 
     def _evaluate(self, st: EngineVerification) -> None:
         n = len(st.window)

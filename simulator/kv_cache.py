@@ -195,13 +195,11 @@ class KVCacheManager:
                 per_group.append([])
             elif spec.kind == FULL:
                 per_group.append(fa_blocks[g][:nb])
-            elif spec.kind == CHUNKED:
-                start = self._chunk_start(g, hit) // self.gbs[g]
-                tail = [get(self._gkey(digests, g, i)) or 0 for i in range(start, nb)]
-                per_group.append([0] * start + tail)
             else:
-                keep = 1 if spec.kind == MAMBA else self.needed[g]
-                start = max(0, nb - keep)
+                if spec.kind == CHUNKED:  # the blocks from the hit's chunk on
+                    start = self._chunk_start(g, hit) // self.gbs[g]
+                else:
+                    start = max(0, nb - (1 if spec.kind == MAMBA else self.needed[g]))
                 tail = [get(self._gkey(digests, g, i)) or 0 for i in range(start, nb)]
                 per_group.append([0] * start + tail)
         return hit, per_group, longest
