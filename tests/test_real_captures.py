@@ -26,6 +26,7 @@ import pytest
 from indexer.index import EngineStats, PrefixIndex
 from indexer.wire import BlockRemoved, BlockStored, decode_payload
 from tests.ingest_impls import IMPLS, decoder
+from tests.real_vllm_models import MODEL_GROUPS
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-captures"
 ENGINE = ("http://vllm:8000", 0)
@@ -37,42 +38,19 @@ def ingest_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(sys.modules[__name__], "decode_payload", decoder(request.param))
 
 
-# name -> (model kind, KV-cache groups as the events declare them, CPU offloading)
-CAPTURES: dict[str, tuple[str, dict[str, tuple[str, int, int | None]], bool]] = {
-    "llama-dense": ("dense", {"0": ("full_attention", 32, None)}, False),
-    "gemma3-hybrid": (
-        "hybrid",
-        {"0": ("sliding_window", 32, 64), "1": ("full_attention", 32, None)},
-        False,
-    ),
-    "mistral-sliding": ("sliding", {"0": ("sliding_window", 32, 64)}, False),
-    "llama-offload": ("dense", {"0": ("full_attention", 32, None)}, True),
-    "gemma3-offload": (
-        "hybrid",
-        {"0": ("sliding_window", 32, 64), "1": ("full_attention", 32, None)},
-        True,
-    ),
-    "mistral-cbor": ("sliding", {"0": ("sliding_window", 32, 64)}, False),
-    "gemma3-fine": (
-        "hybrid",
-        {"0": ("sliding_window", 32, 64), "1": ("full_attention", 32, None)},
-        False,
-    ),
-    "qwen3next-mamba": (
-        "mamba",
-        {"0": ("mamba", 96, None), "1": ("full_attention", 96, None)},
-        False,
-    ),
-    "gptoss-sinks": (
-        "sinks",
-        {"0": ("sliding_window", 32, 64), "1": ("full_attention", 32, None)},
-        False,
-    ),
-    "llama4-chunked-local": (
-        "llama4",
-        {"0": ("chunked_local_attention", 32, None), "1": ("full_attention", 32, None)},
-        False,
-    ),
+# name -> (model kind, CPU offloading); the kind's KV-cache groups, as its events declare them,
+# are tests/real_vllm_models.py's MODEL_GROUPS.
+CAPTURES: dict[str, tuple[str, bool]] = {
+    "llama-dense": ("dense", False),
+    "gemma3-hybrid": ("hybrid", False),
+    "mistral-sliding": ("sliding", False),
+    "llama-offload": ("dense", True),
+    "gemma3-offload": ("hybrid", True),
+    "mistral-cbor": ("sliding", False),
+    "gemma3-fine": ("hybrid", False),
+    "qwen3next-mamba": ("mamba", False),
+    "gptoss-sinks": ("sinks", False),
+    "llama4-chunked-local": ("llama4", False),
 }
 
 # Where the index and vLLM 0.32 part ways; docs/vllm-captures.md gives vLLM's rule, the code
@@ -173,7 +151,8 @@ def replay(name: str, attention_chunk: int | str | None = "model") -> Replayed:
 def test_capture_is_what_it_claims(name: str) -> None:
     """The fixture itself: a real 0.32 engine with the declared groups, enough requests, hits
     and evictions (and CPU loads with offloading), every frame decoding with nothing unknown."""
-    kind, groups, offload = CAPTURES[name]
+    kind, offload = CAPTURES[name]
+    groups = MODEL_GROUPS[kind]
     r = replay(name)
     h = r.header
     assert (h["capture"], h["model_kind"], h["vllm_version"]) == (name, kind, "0.32.0")
