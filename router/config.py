@@ -104,6 +104,17 @@ class ModelConfig(_Section):
     attention: vLLM's events do not carry it. None: read from ``config.json`` beside a local
     tokenizer (``tokenizer.path``), else unknown, and such groups are matched as full
     attention (never more than vLLM hits; exact for prompts within the first chunk)."""
+    chat_format: str = "auto"
+    """How the workers render a chat: ``template`` (the model's chat template; every model but
+    GPT-OSS), ``harmony`` (vLLM renders a ``gpt_oss`` model's chats in the harmony format, and
+    the router renders them the same way: router/harmony.py), ``auto`` (harmony when a local
+    tokenizer's ``config.json`` says ``model_type: gpt_oss``, else template)."""
+    harmony_start_date: str | None = None
+    """As the workers' ``VLLM_SYSTEM_START_DATE``: the date harmony's system message carries
+    (null: today, as a worker without it renders)."""
+    harmony_system_instructions: bool = False
+    """As the workers' ``VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS``: system messages go into
+    harmony's system message rather than its developer message."""
     prefix_cache_retention_interval: int | None = 0
     """As the workers' ``--prefix-cache-retention-interval``: which sliding-window and Mamba
     blocks vLLM keeps (0, its default: at replay boundaries and junctions; N: also every N

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from router import harmony
 from router.quotas import parse_keys
 from router.tracing import config_problem
 
@@ -36,6 +37,7 @@ __all__ = ["POLICIES", "ConfigError", "validate"]
 
 POLICIES = ("kvrouter", "round_robin", "least_loaded", "random")
 TOKENIZER_MODES = ("remote", "local")
+CHAT_FORMATS = ("auto", "template", "harmony")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 LOG_FORMATS = ("text", "json")
 ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -109,6 +111,14 @@ def _check_model_and_tokenizer(m: ModelConfig, t: TokenizerConfig) -> None:
         raise ConfigError("model.cpu_chunk_tokens: must be positive")
     if m.attention_chunk_tokens is not None and m.attention_chunk_tokens <= 0:
         raise ConfigError("model.attention_chunk_tokens: must be positive or null")
+    if m.chat_format not in CHAT_FORMATS:
+        raise ConfigError(
+            f"model.chat_format: {m.chat_format!r} is not one of {', '.join(CHAT_FORMATS)}"
+        )
+    if m.chat_format == "harmony" and not harmony.available():
+        raise ConfigError(
+            "model.chat_format: harmony needs the harmony library: pip install 'kvrouter[harmony]'"
+        )
     r = m.prefix_cache_retention_interval
     if r is not None and r < 0:
         raise ConfigError("model.prefix_cache_retention_interval: must be >= 0 or null")

@@ -24,7 +24,7 @@ from starlette.types import Receive
 
 from indexer.index import EngineId, PrefixIndex, PrefixMatch
 from indexer.subscriber import SourceStatus, Subscriber
-from router import anthropic, passthrough, proxy
+from router import anthropic, harmony, passthrough, proxy
 from router.admission import Admission, make_admission
 from router.anthropic import TemplateTraits
 from router.cache_read import reads_prefix_cache, sequences
@@ -32,6 +32,7 @@ from router.candidates import build_candidates, record_sent, speculative_hits
 from router.config import Config, WorkerSpec, upstream_api_key
 from router.discovery import Discovery
 from router.errors import BodyError
+from router.harmony import HarmonyRenderer
 from router.load import EngineLoad
 from router.lora import LoraPlacement
 from router.metrics import RouterMetrics, fleet_state
@@ -58,6 +59,7 @@ from router.tokenize import (
     TokenizeRefused,
     decode_tokenize_response,
     model_attention_chunk,
+    model_type,
 )
 from router.tracing import RequestTrace, make_tracer
 from router.verify import Verifier, VerifyCollector, VerifyParams
@@ -357,6 +359,8 @@ class Router:
         traits = passthrough.DEFAULT_TRAITS
         if body is None or path not in passthrough.BY_CACHE:
             return None, traits
+        if path == "/v1/responses" and self.tokenizer.harmony is not None:
+            return None, traits  # vLLM renders these in harmony from its own item conversion
         if path == "/v1/messages":
             known = await self.template_traits(body)
             if known is None:
@@ -711,10 +715,36 @@ def _attention_chunk(cfg: Config) -> int | None:
     return None
 
 
+def _harmony(cfg: Config) -> HarmonyRenderer | None:
+    """The harmony renderer when the workers render chats in harmony (router/config.py
+    ``chat_format``): configured, or a local model folder of ``model_type: gpt_oss``."""
+    m = cfg.model
+    fmt = m.chat_format
+    if fmt == "auto":
+        local = cfg.tokenizer.mode == "local" and cfg.tokenizer.path
+        fmt = (
+            "harmony" if local and model_type(cfg.tokenizer.path or "") == "gpt_oss" else "template"
+        )
+        if fmt == "harmony" and not harmony.available():
+            log.warning(
+                "the model folder is GPT-OSS, whose chats vLLM renders in harmony, but the "
+                "harmony library is not installed: pip install 'kvrouter[harmony]'; until then "
+                "its chats are tokenized with the chat template and may be routed by load"
+            )
+            return None
+    if fmt != "harmony":
+        return None
+    return HarmonyRenderer(m.harmony_start_date, m.harmony_system_instructions)
+
+
 def _tokenizer(cfg: Config, unit: int) -> PromptTokenizer:
     local = None
     if cfg.tokenizer.mode == "local" and cfg.tokenizer.path:
         local = LocalTokenizer(cfg.tokenizer.path)
     return PromptTokenizer(
-        unit, cfg.tokenizer.cache_entries, cfg.tokenizer.cache_tokens, local=local
+        unit,
+        cfg.tokenizer.cache_entries,
+        cfg.tokenizer.cache_tokens,
+        local=local,
+        harmony=_harmony(cfg),
     )

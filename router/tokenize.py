@@ -14,6 +14,10 @@ Optional ``tokenizer.mode: local``: a ``tokenizers`` tokenizer from ``tokenizer.
 against a worker's ``/tokenize`` at start-up (:meth:`PromptTokenizer.verify_local`); on any
 mismatch the router logs it and stays remote.
 
+A GPT-OSS fleet (``model.chat_format``): vLLM renders such a model's chats in the harmony format
+rather than with its template, and so does the router, in process (router/harmony.py); the
+date in the system message is part of the cache key.
+
 Caching (bounded LRU, ``tokenizer.cache_entries`` entries and a token budget): results are keyed
 by a 128-bit hash of the namespace plus the JSON of the tokenize request, and hold the tokens
 (packed uint32) and their chained content keys. The JSON keeps the client's key order, and is
@@ -45,6 +49,7 @@ import xxhash
 
 from indexer.keys import chain_keys, tokens_to_bytes
 from indexer.native import ids_from_json, ids_to_json
+from router.harmony import HarmonyError, HarmonyRenderer
 from router.truncation import prefilled_window
 
 __all__ = [
@@ -55,6 +60,7 @@ __all__ = [
     "TokenizeRefused",
     "Tokenized",
     "model_attention_chunk",
+    "model_type",
     "template_arguments",
 ]
 
@@ -136,8 +142,8 @@ class Tokenized:
     GPU hit stops at ``n - 1`` tokens, but a CPU chunk may end exactly at ``n``."""
     root: int
     source: str
-    """"cache", "remote", "local", "ids", or "remote+prefix" (keys partly reused); "+truncated"
-    when the tokens are the window ``truncate_prompt_tokens`` keeps."""
+    """"cache", "remote", "local", "harmony", "ids", or "remote+prefix" (keys partly reused);
+    "+truncated" when the tokens are the window ``truncate_prompt_tokens`` keeps."""
     reused_keys: int = 0
     ids_json: bytes | None = None
     """The ids as the JSON array a worker sent, when this request just received them (not kept
@@ -215,17 +221,30 @@ def _tokenizer_file(path: str) -> str:
     return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
 
 
-def model_attention_chunk(path: str) -> int | None:
-    """``attention_chunk_size`` from the ``config.json`` of the model folder holding a local
-    tokenizer (``path``: the folder or its tokenizer.json; a multimodal model's under
-    ``text_config``), or None when there is none to read."""
+def _model_config(path: str) -> dict[str, Any]:
+    """The ``config.json`` of the model folder holding a local tokenizer (``path``: the folder
+    or its tokenizer.json), or {} when there is none to read."""
     folder = os.path.dirname(_tokenizer_file(path))
     try:
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
     except (OSError, ValueError):
-        return None
-    for holder in (cfg, cfg.get("text_config")) if isinstance(cfg, dict) else ():
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def model_type(path: str) -> str | None:
+    """``model_type`` from the model folder's ``config.json`` (vLLM renders a ``gpt_oss``
+    model's chats in harmony), or None."""
+    kind = _model_config(path).get("model_type")
+    return kind if isinstance(kind, str) else None
+
+
+def model_attention_chunk(path: str) -> int | None:
+    """``attention_chunk_size`` from the model folder's ``config.json`` (a multimodal model's
+    under ``text_config``), or None when there is none to read."""
+    cfg = _model_config(path)
+    for holder in (cfg, cfg.get("text_config")):
         chunk = holder.get("attention_chunk_size") if isinstance(holder, dict) else None
         if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0:
             return chunk
@@ -321,8 +340,11 @@ class PromptTokenizer:
         cache_entries: int = 4096,
         max_cached_tokens: int = 32_000_000,
         local: LocalTokenizer | None = None,
+        harmony: HarmonyRenderer | None = None,
     ) -> None:
         self.unit = unit
+        self.harmony = harmony
+        """Renders chats in harmony (GPT-OSS workers): router/harmony.py."""
         self.cache_entries = cache_entries
         self.max_cached_tokens = max_cached_tokens
         self.local = local
@@ -371,6 +393,17 @@ class PromptTokenizer:
             payload["model"] = model
         return payload
 
+    def _harmony_payload(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """What a harmony rendering depends on: its cache key and the renderer's input."""
+        assert self.harmony is not None
+        if not isinstance(body.get("messages"), list):
+            return None
+        payload = {"messages": body["messages"], "start_date": self.harmony.start_date()}
+        for k in ("tools", "reasoning_effort", "model"):
+            if body.get(k) is not None:
+                payload[k] = body[k]
+        return payload
+
     # ---------------------------------------------------------------- main entry
 
     async def tokenize(
@@ -415,7 +448,10 @@ class PromptTokenizer:
         root: int,
         remote: RemoteCall | None,
     ) -> Tokenized:
-        payload = self.tokenize_payload(body, chat)
+        harmony = self.harmony if chat else None
+        payload = (
+            self.tokenize_payload(body, chat) if harmony is None else self._harmony_payload(body)
+        )
         if payload is None:
             raise TokenizeError("request has no prompt or messages to tokenize")
         if isinstance(payload, list):
@@ -440,7 +476,13 @@ class PromptTokenizer:
         conv_hashes = self._conv_hashes(rootb, payload) if chat else []
         tokens: list[int] | None = None
         source = "remote"
-        if self.local is not None:
+        if harmony is not None:
+            try:
+                tokens = harmony.render(payload, payload["start_date"])
+            except HarmonyError as exc:
+                raise TokenizeError(str(exc)) from None
+            source = "harmony"
+        elif self.local is not None:
             try:
                 if chat:
                     tokens = self.local.encode_chat(payload)

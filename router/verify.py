@@ -321,7 +321,8 @@ class Verifier:
             return TOKENS_DIFFER, (
                 f"the worker counted different prompt tokens than the router in {bad_tokens} of "
                 f"{len(win)} requests: its tokenizer or chat template differs from the one the "
-                "router used (local tokenizer, or another worker's /tokenize)"
+                "router used (local tokenizer, or another worker's /tokenize); a GPT-OSS model's "
+                "chats are rendered in harmony: model.chat_format: harmony"
             )
         selfcheck = self.tokenizer_mismatch(st.engine[0])
         if selfcheck:

@@ -1,0 +1,318 @@
+"""A GPT-OSS chat's prompt tokens as vLLM renders them: the harmony format, not the template.
+
+vLLM serves a model whose ``config.json`` says ``model_type: gpt_oss`` by rendering a chat
+request with the harmony encoding (vLLM 0.32 ``OnlineRenderer._make_request_with_harmony`` over
+``entrypoints/openai/parser/harmony_utils.py``), while its ``/tokenize`` applies the model's
+chat template. The two part as soon as a chat has a system message (the template closes the
+developer message with a blank line, harmony does not), and for a model whose template is not
+GPT-OSS's at once; so the router renders such chats itself, with the library vLLM renders them
+with (``oss-harmony``, whose vocabulary is built in), and this module mirrors vLLM's conversion
+of the chat body into harmony messages:
+
+* a leading system or developer message is the developer message's instructions, after the
+  system message (model identity, reasoning effort, the date the worker renders on);
+* ``tools`` (functions, as a chat completion takes them) are the developer message's tools;
+* an assistant turn is its ``reasoning`` (analysis channel) and its content (final channel),
+  or, with ``tool_calls``, its content and reasoning on the commentary and analysis channels
+  and each call to ``functions.<name>`` as JSON; analysis before the last final answer goes;
+* a ``tool`` message is the output of the function its ``tool_call_id`` names;
+* a later system or developer message is another developer message.
+
+What vLLM reads from its environment is configuration here (``model.harmony_start_date``:
+``VLLM_SYSTEM_START_DATE``; ``model.harmony_system_instructions``:
+``VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS``). A body vLLM would refuse raises
+:class:`HarmonyError`, and the request is routed by load.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["HarmonyError", "HarmonyRenderer", "available"]
+
+_EFFORTS = ("high", "medium", "low")
+
+
+class HarmonyError(ValueError):
+    """The chat is not one vLLM renders in harmony (it would answer 400)."""
+
+
+def available() -> bool:
+    """Whether the harmony library (``pip install 'kvrouter[harmony]'``) is installed."""
+    try:
+        import openai_harmony  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _text(content: Any) -> str | None:
+    """vLLM's ``flatten_input_text_content``: a string as it is, a list's text parts joined."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    texts = [
+        item if isinstance(item, str) else item.get("text")
+        for item in content
+        if isinstance(item, (str, dict))
+    ]
+    kept = [t for t in texts if t is not None]
+    if not all(isinstance(t, str) for t in kept):
+        raise HarmonyError("message content: a text part's text must be a string")
+    return "".join(kept) if kept else None
+
+
+class HarmonyRenderer:
+    """Renders chat bodies to the token ids vLLM prefills for a GPT-OSS model."""
+
+    def __init__(
+        self,
+        start_date: str | None = None,
+        system_instructions: bool = False,
+        today: Callable[[], str] | None = None,
+    ) -> None:
+        try:
+            import openai_harmony as h
+        except ImportError:
+            raise ImportError(
+                "GPT-OSS chats need the harmony library: pip install 'kvrouter[harmony]' "
+                "(or set model.chat_format: template and accept by-load routing of their chats)"
+            ) from None
+        self._h = h
+        self._enc = h.load_harmony_encoding(h.HarmonyEncodingName.HARMONY_GPT_OSS)
+        self._start_date = start_date
+        self._system_instructions = system_instructions
+        self._today = today or (lambda: datetime.datetime.now().strftime("%Y-%m-%d"))
+        special = self._special
+        self._start, self._channel = special("<|start|>"), special("<|channel|>")
+        self._constrain, self._message = special("<|constrain|>"), special("<|message|>")
+
+    def _special(self, token: str) -> int:
+        ids: list[int] = self._enc.encode(token, allowed_special="all")
+        return ids[0]
+
+    # ------------------------------------------------------------------ the request
+
+    def start_date(self) -> str:
+        """The date the system message carries now (part of the prompt, so of its cache key)."""
+        return self._start_date or self._today()
+
+    def render(self, body: dict[str, Any], start_date: str | None = None) -> list[int]:
+        """The prompt ids of a chat completion body (``messages``, ``tools``,
+        ``reasoning_effort``), its system message dated ``start_date`` (default:
+        :meth:`start_date`). HarmonyError where vLLM refuses the body."""
+        h = self._h
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise HarmonyError("messages: a list of message objects")
+        effort = body.get("reasoning_effort")
+        if effort is not None and effort not in _EFFORTS:
+            raise HarmonyError(f"harmony does not support reasoning_effort={effort!r}")
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise HarmonyError("tools: a list")
+        date = start_date or self.start_date()
+        try:  # the library's message models validate what the body left unchecked
+            instructions, rest = self._instructions(messages)
+            out = self._preamble(instructions, tools, effort, date)
+            out += self._conversation(rest, date)
+            conv = h.Conversation.from_messages(self._drop_analysis(out))
+            ids: list[int] = self._enc.render_conversation_for_completion(
+                conv, h.Role.ASSISTANT, config=h.RenderConversationConfig(auto_drop_analysis=False)
+            )
+        except HarmonyError:
+            raise
+        except (h.HarmonyError, ValueError, TypeError, AttributeError) as exc:
+            raise HarmonyError(f"harmony render: {type(exc).__name__}: {exc}") from None
+        return self._legacy_tool_call_headers(ids)
+
+    @staticmethod
+    def _instructions(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
+        """A leading system or developer message's text, and the messages after it."""
+        if messages and messages[0].get("role") in ("system", "developer"):
+            return _text(messages[0].get("content")), messages[1:]
+        return None, messages
+
+    def _preamble(
+        self, instructions: str | None, tools: list[Any] | None, effort: str | None, date: str
+    ) -> list[Any]:
+        """The system message, and the developer message when there are instructions or
+        tools (vLLM's ``build_harmony_preamble``)."""
+        to_system = self._system_instructions
+        out = [self._system(instructions if to_system else None, effort, date)]
+        developer = None if to_system else instructions
+        if developer or tools:
+            out.append(self._developer(developer, tools))
+        return out
+
+    def _system(self, instructions: str | None, effort: str | None, date: str) -> Any:
+        h = self._h
+        content = h.SystemContent.new()
+        if instructions is not None:
+            identity = content.model_identity
+            content = content.with_model_identity(
+                f"{identity}\n{instructions}" if identity else instructions
+            )
+        if effort is not None:
+            content = content.with_reasoning_effort(h.ReasoningEffort[effort.upper()])
+        content = content.with_conversation_start_date(date)
+        return h.Message.from_role_and_content(h.Role.SYSTEM, content)
+
+    def _developer(self, instructions: str | None, tools: list[Any] | None) -> Any:
+        h = self._h
+        content = h.DeveloperContent.new()
+        if instructions is not None and not self._system_instructions:
+            content = content.with_instructions(instructions)
+        functions = []
+        for tool in tools or ():
+            if not isinstance(tool, dict):
+                raise HarmonyError("tools: each tool an object")
+            kind = tool.get("type", "function")
+            if kind != "function":  # a chat completion's tools are functions only
+                raise HarmonyError(f"tool type {kind!r} is not supported")
+            fn = tool.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise HarmonyError("tools: a function tool needs function.name")
+            params = fn.get("parameters")
+            if params is not None and not isinstance(params, dict):
+                raise HarmonyError("tools: function.parameters must be an object")
+            functions.append(
+                h.ToolDescription.new(
+                    name=fn["name"], description=fn.get("description") or "", parameters=params
+                )
+            )
+        if functions:
+            content = content.with_function_tools(functions)
+        return h.Message.from_role_and_content(h.Role.DEVELOPER, content)
+
+    # ------------------------------------------------------------------ the turns
+
+    def _conversation(self, messages: list[dict[str, Any]], date: str) -> list[Any]:
+        """vLLM's ``parse_chat_inputs_to_harmony_messages``."""
+        names: dict[Any, Any] = {}
+        for m in messages:
+            calls = m.get("tool_calls", [])
+            if not isinstance(calls, list):
+                raise HarmonyError("tool_calls: a list")
+            for call in calls:
+                if not isinstance(call, dict):
+                    raise HarmonyError("tool_calls: each call an object")
+                fn = call.get("function", {})
+                names[call.get("id")] = fn.get("name") if isinstance(fn, dict) else None
+        out: list[Any] = []
+        for m in messages:
+            out += self._turn(m, names, date)
+        return out
+
+    def _turn(self, m: dict[str, Any], names: dict[Any, Any], date: str) -> list[Any]:
+        h = self._h
+        Msg, Role = h.Message, h.Role
+        role = m.get("role")
+        calls = m.get("tool_calls", [])
+        reasoning = m.get("reasoning")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise HarmonyError("reasoning: a string")
+        out = []
+        if role == "assistant" and calls:
+            content = _text(m.get("content"))
+            if content:
+                out.append(
+                    Msg.from_role_and_content(Role.ASSISTANT, content).with_channel("commentary")
+                )
+            if reasoning:
+                out.append(
+                    Msg.from_role_and_content(Role.ASSISTANT, reasoning).with_channel("analysis")
+                )
+            for call in calls:
+                fn = call.get("function", {})
+                fn = fn if isinstance(fn, dict) else {}
+                args = fn.get("arguments", "") or ""
+                if not isinstance(args, str):
+                    raise HarmonyError("tool_calls: function.arguments must be a string")
+                msg = Msg.from_role_and_content(Role.ASSISTANT, args).with_channel("commentary")
+                out.append(
+                    msg.with_recipient(f"functions.{fn.get('name', '')}").with_content_type("json")
+                )
+            return out
+        if role == "tool":
+            name = names.get(m.get("tool_call_id", ""), "")
+            content = _text(m.get("content")) or ""
+            author = h.Author.new(Role.TOOL, f"functions.{name}")
+            msg = Msg.from_author_and_content(author, content)
+            return [msg.with_channel("commentary").with_recipient("assistant")]
+        if role == "assistant" and reasoning:
+            out.append(
+                Msg.from_role_and_content(Role.ASSISTANT, reasoning).with_channel("analysis")
+            )
+        content = m.get("content") or ""
+        if isinstance(content, str):
+            contents = [h.TextContent(text=content)]
+        elif isinstance(content, list) and all(isinstance(c, dict) for c in content):
+            contents = [h.TextContent(text=c.get("text", "")) for c in content]
+        else:
+            raise HarmonyError("message content: a string or a list of parts")
+        if role == "assistant" and contents and contents[0].text:
+            out.append(Msg.from_role_and_contents(role, contents).with_channel("final"))
+        elif role in ("system", "developer"):
+            instructions = _text(m.get("content"))
+            if instructions is not None:
+                if role == "system" and self._system_instructions:
+                    out.append(self._system(instructions, None, date))
+                else:
+                    out.append(self._developer(instructions, None))
+        elif role != "assistant":
+            if not isinstance(role, str):
+                raise HarmonyError("message role: a string")
+            out.append(Msg.from_role_and_contents(role, contents))
+        return out
+
+    @staticmethod
+    def _drop_analysis(messages: list[Any]) -> list[Any]:
+        """Analysis (chain of thought) before the last final answer goes (vLLM's
+        ``auto_drop_analysis_messages``)."""
+        last = max(
+            (
+                i
+                for i, m in enumerate(messages)
+                if m.author.role == "assistant" and m.channel == "final"
+            ),
+            default=-1,
+        )
+        return [m for i, m in enumerate(messages) if not (i < last and m.channel == "analysis")]
+
+    def _legacy_tool_call_headers(self, ids: list[int]) -> list[int]:
+        """An earlier tool call's header in the layout GPT-OSS was trained on, as vLLM
+        rewrites it: ``assistant to=R<|channel|>C T`` where oss-harmony renders
+        ``assistant<|channel|>C to=R <|constrain|>T``."""
+        enc, start, message = self._enc, self._start, self._message
+        out = ids.copy()
+        i = 0
+        while i < len(out):
+            if out[i] != start:
+                i += 1
+                continue
+            try:
+                end = out.index(message, i + 1)
+                ch = out.index(self._channel, i + 1, end)
+                co = out.index(self._constrain, ch + 1, end)
+            except ValueError:
+                i += 1
+                continue
+            author = enc.decode(out[i + 1 : ch])
+            channel_to = enc.decode(out[ch + 1 : co])
+            ctype = enc.decode(out[co + 1 : end])
+            if author != "assistant" or " to=" not in channel_to or not channel_to.endswith(" "):
+                i = end + 1
+                continue
+            channel, recipient = channel_to[:-1].split(" to=", 1)
+            if not channel or not recipient or not ctype:
+                i = end + 1
+                continue
+            header = [start, *enc.encode(f"assistant to={recipient}"), self._channel]
+            header += [*enc.encode(f"{channel} {ctype}"), message]
+            out[i : end + 1] = header
+            i += len(header)
+        return out

@@ -1,0 +1,216 @@
+"""GPT-OSS chats: the router renders them in harmony, to the ids vLLM prefills.
+
+Ground truth: ``tests/fixtures/vllm-captures/harmony-chats.json``, each body rendered by vLLM
+0.32's own chat request model and harmony method (``scripts/record_harmony_chats.py``), with
+system messages as developer instructions (vLLM's default) and as system instructions
+(``VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS``), refusals included. The opt-in real-vLLM suite
+routes a GPT-OSS model's chats through the router end to end (kind ``sinks``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_router_support import config_for, serve_router, until, write_tokenizer
+
+from router.config import Config, ConfigError
+from router.config_rules import validate
+from router.core import _harmony
+from router.harmony import HarmonyError, HarmonyRenderer
+from router.tokenize import PromptTokenizer, TokenizeError
+from simulator.testing import running_fleet
+
+pytestmark = pytest.mark.timeout(120)
+
+FIXTURE = Path(__file__).parent / "fixtures/vllm-captures/harmony-chats.json"
+DOC = json.loads(FIXTURE.read_text())
+CASES = DOC["cases"]
+DATE = DOC["start_date"]
+
+
+@pytest.fixture(scope="module")
+def renderers() -> dict[bool, HarmonyRenderer]:
+    return {si: HarmonyRenderer(DATE, system_instructions=si) for si in (False, True)}
+
+
+def test_the_fixture_covers_what_it_claims():
+    assert DOC["vllm_version"] == "0.32.0"
+    names = {c["name"] for c in CASES}
+    assert {"system", "tool-round-trip", "reasoning-turns", "later-system"} <= names
+    assert {c["system_instructions"] for c in CASES} == {False, True}
+    assert sum("error" in c for c in CASES) == 4  # two refusals, both modes
+
+
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"{c['name']}-si{int(c['system_instructions'])}"
+)
+def test_each_chat_renders_to_the_ids_vllm_prefills(case: dict[str, Any], renderers):
+    r = renderers[case["system_instructions"]]
+    if "error" in case:
+        with pytest.raises(HarmonyError):
+            r.render(case["body"])
+    else:
+        assert r.render(case["body"]) == case["prompt_token_ids"]
+
+
+def test_the_template_and_harmony_part_where_the_router_used_to_lose_a_system_prompt(renderers):
+    """The GPT-OSS template closes the developer message with a blank line; vLLM (harmony)
+    does not: the ids part right after the system prompt's text."""
+    case = next(c for c in CASES if c["name"] == "system" and not c["system_instructions"])
+    text = renderers[False]._enc.decode(case["prompt_token_ids"])
+    assert "# Instructions\n\nBe brief.<|end|>" in text
+    assert "Be brief.\n\n<|end|>" not in text
+
+
+def test_the_date_is_the_workers_today_unless_pinned():
+    want = next(c for c in CASES if c["name"] == "user" and not c["system_instructions"])
+    body = want["body"]
+    today = HarmonyRenderer(today=lambda: "2031-01-02")
+    assert today.start_date() == "2031-01-02"
+    pinned = HarmonyRenderer("2026-03-14", today=lambda: "2031-01-02")
+    assert pinned.start_date() == "2026-03-14"
+    assert pinned.render(body) == want["prompt_token_ids"]
+    assert today.render(body) != want["prompt_token_ids"]
+    assert today.render(body, "2026-03-14") == want["prompt_token_ids"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": "hi"},
+        {"messages": [{"role": "user", "content": "hi"}], "tools": {"x": 1}},
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+        {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "max"},
+        {"messages": [{"role": "assistant", "tool_calls": "x", "content": "hi"}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        {"messages": [{"role": "user", "content": 5}]},
+        {"messages": [{"role": 7, "content": "hi"}]},
+    ],
+)
+def test_a_body_vllm_refuses_is_a_clear_error_never_a_crash(body: dict[str, Any], renderers):
+    with pytest.raises(HarmonyError):
+        renderers[False].render(body)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda kids: (
+        st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=6), kids, max_size=3)
+    ),
+    max_leaves=12,
+)
+_field = st.sampled_from(["role", "content", "tool_calls", "tool_call_id", "reasoning", "text"])
+_function = st.fixed_dictionaries({"name": st.text(max_size=5)}, optional={"parameters": _json})
+_role = st.sampled_from(["user", "assistant", "tool", "system", "developer"])
+_content = (
+    st.none() | st.text(max_size=8) | st.lists(st.fixed_dictionaries({"text": st.text(max_size=5)}))
+)
+_call = st.fixed_dictionaries({"id": st.text(max_size=3), "function": _function})
+_turn = st.fixed_dictionaries(
+    {"role": _role, "content": _content},
+    optional={"reasoning": st.text(max_size=5), "tool_calls": st.lists(_call, max_size=2)},
+)
+_message = _turn | st.dictionaries(
+    _field, _json | st.sampled_from(["user", "assistant", "tool", "system"])
+)
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    messages=st.lists(_message, max_size=4),
+    tools=st.none() | st.lists(st.fixed_dictionaries({"function": _function}), max_size=2) | _json,
+    effort=st.none() | st.sampled_from(["low", "high", "none"]) | _json,
+)
+def test_any_body_renders_or_is_refused(messages, tools, effort, renderers):
+    body = {"messages": messages, "tools": tools, "reasoning_effort": effort}
+    try:
+        ids = renderers[False].render(body)
+    except HarmonyError:
+        return
+    assert ids and all(isinstance(i, int) for i in ids)
+
+
+async def test_chats_tokenize_in_harmony_and_completions_do_not():
+    r = HarmonyRenderer(DATE)
+    tok = PromptTokenizer(16, harmony=r)
+    asked: list[Any] = []
+
+    async def remote(payload: Any) -> Any:
+        asked.append(payload)
+        raise TokenizeError("no worker here")
+
+    case = next(c for c in CASES if c["name"] == "tool-round-trip" and not c["system_instructions"])
+    got = await tok.tokenize(case["body"], True, 0, remote)
+    assert got.source == "harmony" and got.n_tokens == len(case["prompt_token_ids"])
+    assert got.data == b"".join(i.to_bytes(4, "little") for i in case["prompt_token_ids"])
+    assert (await tok.tokenize(case["body"], True, 0, remote)).source == "cache"
+    assert not asked
+    with pytest.raises(TokenizeError, match="no worker here"):
+        await tok.tokenize({"prompt": "plain text"}, False, 0, remote)
+    with pytest.raises(TokenizeError, match="reasoning_effort"):
+        await tok.tokenize({**case["body"], "reasoning_effort": "none"}, True, 0, remote)
+
+
+async def test_a_new_day_is_a_new_prompt_not_a_stale_cache_entry():
+    day = ["2026-03-14"]
+    tok = PromptTokenizer(16, harmony=HarmonyRenderer(today=lambda: day[0]))
+    body = {"messages": [{"role": "user", "content": "Hi"}]}
+    first = await tok.tokenize(body, True, 0, None)
+    day[0] = "2026-03-15"
+    second = await tok.tokenize(body, True, 0, None)
+    assert second.source == "harmony" and second.data != first.data
+
+
+def test_chat_format_is_checked_and_auto_reads_the_model_folder(tmp_path: Path):
+    with pytest.raises(ConfigError, match="chat_format"):
+        cfg = Config()
+        cfg.model.chat_format = "jinja"
+        validate(cfg)
+    model = Path(write_tokenizer(tmp_path / "gptoss"))
+    (model / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    local = Config()
+    local.tokenizer.mode, local.tokenizer.path = "local", str(model)
+    assert isinstance(_harmony(local), HarmonyRenderer)
+    local.model.chat_format = "template"
+    assert _harmony(local) is None
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    local.model.chat_format = "auto"
+    assert _harmony(local) is None
+    remote = Config()
+    assert _harmony(remote) is None  # nothing to read: the operator says harmony
+    remote.model.chat_format, remote.model.harmony_start_date = "harmony", DATE
+    assert _harmony(remote).start_date() == DATE  # type: ignore[union-attr]
+
+
+async def test_the_router_routes_a_gpt_oss_chat_by_its_harmony_tokens(tmp_path: Path):
+    """Through the router's HTTP plane: ``/debug/route`` tokenizes a chat in harmony (no worker
+    asked), and a Responses body, which vLLM renders from its own item conversion, is routed
+    by load rather than by a prompt the router cannot know."""
+    fast = {"decode_ms": 1, "prefill_tps": 400000, "step_overhead_ms": 0.1}
+    with running_fleet(2, **fast) as fleet:
+        cfg = config_for(fleet, model={"chat_format": "harmony", "harmony_start_date": DATE})
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
+            await until(lambda: c.get(base + "/ready"), 20)
+            case = next(
+                x for x in CASES if x["name"] == "multi-turn" and not x["system_instructions"]
+            )
+            e = (await c.post(base + "/debug/route", json=case["body"])).json()
+            assert (e["tokenization"], e["prompt_tokens"]) == (
+                "harmony",
+                len(case["prompt_token_ids"]),
+            )
+            prompt, _ = await router.read_prompt("/v1/responses", {"model": "m", "input": "hi"})
+            assert prompt is None
+            r = await c.post(
+                base + "/v1/chat/completions",
+                json={**case["body"], "model": "sim-model", "max_tokens": 2},
+            )
+            assert r.status_code == 200, r.text
