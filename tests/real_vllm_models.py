@@ -110,13 +110,11 @@ class Kind:
     dp: int = 1  # --data-parallel-size: engines (ranks) behind the one HTTP server
     lora: str | None = None  # a LoRA adapter served beside the base model, by this name
     live: bool = True
-    """Run through the router by the opt-in test. False for GPT-OSS: vLLM renders its chats
-    with the harmony encoding, not the chat template its /tokenize applies, so the router's
-    chat prompts differ from vLLM's (docs/vllm-captures.md); its capture still holds the index
-    to vLLM's own token ids."""
+    """Run through the router by the opt-in test."""
     local_tokenizer: bool = False
     """The router tokenizes with the model folder (``tokenizer.mode: local``) and so reads the
-    model's ``config.json`` (a chunked-attention model's chunk) instead of asking vLLM."""
+    model's ``config.json`` (a chunked-attention model's chunk, a GPT-OSS model's harmony
+    chats) instead of asking vLLM."""
     exact: bool = True
     """Every prediction equals vLLM's cached tokens. False where vLLM's events cannot place
     what it caches (hits finer than a block: docs/vllm-reference.md, "Partial blocks"): then
@@ -142,7 +140,7 @@ KINDS: dict[str, Kind] = {
     ),
     "llama4": Kind("llama4-chunked-local", "llama4", 72, local_tokenizer=True),
     "llama4-no-chunk": Kind("llama4-no-chunk", "llama4", 72, exact=False),
-    "sinks": Kind("gptoss-sinks", "sinks", 72, live=False),
+    "sinks": Kind("gptoss-sinks", "sinks", 72, local_tokenizer=True),
     "hybrid-fine": Kind("gemma3-fine", "hybrid", 72, extra=("--prefix-match-unit", "16")),
     "dense-dp2": Kind("llama-dp2", "dense", 40, dp=2),
     "dense-lora": Kind("llama-lora", "dense", 40, lora="tiny-lora"),
