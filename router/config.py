@@ -108,7 +108,8 @@ class ModelConfig(_Section):
     """How the workers render a chat: ``template`` (the model's chat template; every model but
     GPT-OSS), ``harmony`` (vLLM renders a ``gpt_oss`` model's chats in the harmony format, and
     the router renders them the same way: router/harmony.py), ``auto`` (harmony when a local
-    tokenizer's ``config.json`` says ``model_type: gpt_oss``, else template)."""
+    tokenizer's ``config.json`` says ``model_type: gpt_oss``, else for the models whose workers
+    the self-check finds rendering harmony)."""
     harmony_start_date: str | None = None
     """As the workers' ``VLLM_SYSTEM_START_DATE``: the date harmony's system message carries
     (null: today, as a worker without it renders)."""

@@ -32,7 +32,7 @@ from router.candidates import build_candidates, record_sent, speculative_hits
 from router.config import Config, WorkerSpec, upstream_api_key
 from router.discovery import Discovery
 from router.errors import BodyError
-from router.harmony import HarmonyRenderer
+from router.harmony import HarmonyChats
 from router.load import EngineLoad
 from router.lora import LoraPlacement
 from router.metrics import RouterMetrics, fleet_state
@@ -207,6 +207,8 @@ class Router:
             self.registry,
             self.index,
             local_tokenizer=lambda: self.tokenizer.local,
+            harmony=self.tokenizer.harmony,
+            chat_format_probe=self.cfg.model.chat_format == "auto",
             sources=lambda url: self.subscriber_status().get(url, []),
             root=lambda model: self.namespace_root({"model": model})[1],
             block_size=self.block_size,
@@ -359,7 +361,7 @@ class Router:
         traits = passthrough.DEFAULT_TRAITS
         if body is None or path not in passthrough.BY_CACHE:
             return None, traits
-        if path == "/v1/responses" and self.tokenizer.harmony is not None:
+        if path == "/v1/responses" and self.tokenizer.harmony_for(body) is not None:
             return None, traits  # vLLM renders these in harmony from its own item conversion
         if path == "/v1/messages":
             known = await self.template_traits(body)
@@ -715,26 +717,26 @@ def _attention_chunk(cfg: Config) -> int | None:
     return None
 
 
-def _harmony(cfg: Config) -> HarmonyRenderer | None:
-    """The harmony renderer when the workers render chats in harmony (router/config.py
-    ``chat_format``): configured, or a local model folder of ``model_type: gpt_oss``."""
+def _harmony(cfg: Config) -> HarmonyChats | None:
+    """Which models' chats the workers render in harmony (router/config.py ``chat_format``):
+    every model's when configured or when the local model folder is GPT-OSS; with ``auto``
+    otherwise, those the self-check finds rendering it. None: none (``template``, or the
+    harmony library missing; the self-check then names a GPT-OSS worker)."""
     m = cfg.model
-    fmt = m.chat_format
-    if fmt == "auto":
-        local = cfg.tokenizer.mode == "local" and cfg.tokenizer.path
-        fmt = (
-            "harmony" if local and model_type(cfg.tokenizer.path or "") == "gpt_oss" else "template"
-        )
-        if fmt == "harmony" and not harmony.available():
+    if m.chat_format == "template":
+        return None
+    everywhere = m.chat_format == "harmony"
+    if m.chat_format == "auto" and cfg.tokenizer.mode == "local" and cfg.tokenizer.path:
+        everywhere = model_type(cfg.tokenizer.path) == "gpt_oss"
+    if not harmony.available():
+        if everywhere:
             log.warning(
                 "the model folder is GPT-OSS, whose chats vLLM renders in harmony, but the "
                 "harmony library is not installed: pip install 'kvrouter[harmony]'; until then "
                 "its chats are tokenized with the chat template and may be routed by load"
             )
-            return None
-    if fmt != "harmony":
         return None
-    return HarmonyRenderer(m.harmony_start_date, m.harmony_system_instructions)
+    return HarmonyChats(m.harmony_start_date, m.harmony_system_instructions, everywhere=everywhere)
 
 
 def _tokenizer(cfg: Config, unit: int) -> PromptTokenizer:

@@ -30,7 +30,7 @@ import datetime
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["HarmonyError", "HarmonyRenderer", "available"]
+__all__ = ["HarmonyChats", "HarmonyError", "HarmonyRenderer", "available"]
 
 _EFFORTS = ("high", "medium", "low")
 
@@ -316,3 +316,42 @@ class HarmonyRenderer:
             out[i : end + 1] = header
             i += len(header)
         return out
+
+
+class HarmonyChats:
+    """Which models' chats the workers render in harmony, and the renderer for them.
+
+    ``everywhere``: every model's (``model.chat_format: harmony``, or a local GPT-OSS model
+    folder); else only the models the self-check found rendering harmony (:meth:`learn`). The
+    renderer loads on first use: the vocabulary costs about 70 MB and half a second, which a
+    fleet without GPT-OSS never pays."""
+
+    def __init__(
+        self,
+        start_date: str | None = None,
+        system_instructions: bool = False,
+        *,
+        everywhere: bool = False,
+        today: Callable[[], str] | None = None,
+    ) -> None:
+        self.everywhere = everywhere
+        self.models: set[str | None] = set()
+        """Models learned to render harmony (None: a body that names no model)."""
+        self._args = (start_date, system_instructions, today)
+        self._renderer: HarmonyRenderer | None = None
+
+    def renders(self, model: Any) -> bool:
+        return self.everywhere or (bool(self.models) and model in self.models)
+
+    def learn(self, names: list[Any], *, default: bool = False) -> None:
+        """The workers serving these model names render their chats in harmony; ``default``:
+        one of them is the model a body naming none is served."""
+        self.models.update(n for n in names if isinstance(n, str))
+        if default:
+            self.models.add(None)
+
+    @property
+    def renderer(self) -> HarmonyRenderer:
+        if self._renderer is None:
+            self._renderer = HarmonyRenderer(*self._args)
+        return self._renderer

@@ -7,6 +7,11 @@ Per worker, once it is healthy and its event discovery has had a chance to run:
    one the router tokenizes remotely, on any worker, so each worker is compared with the rest of
    the fleet: ``remote`` when it agrees with the majority (or is alone), ``mismatch`` when it does
    not (e.g. a different chat template).
+   **chat_format** (with ``model.chat_format: auto``): the fixed chat sent as a one-token chat
+   completion; its ``prompt_tokens`` against the worker's ``/tokenize`` (``template``) and
+   against harmony (``harmony``: vLLM renders a GPT-OSS model's chats so, and the router
+   renders that model's chats in harmony from then on), else ``mismatch`` with what to set
+   (``unchecked`` when the probe fails, e.g. a model without a chat template).
 2. **events**: one probe completion (``max_tokens=1``) whose prompt is a unique random sequence of
    a few blocks (token ids taken from the worker's own tokenization of random text, so they are
    valid for its vocabulary) is sent straight to the worker; the index must then show the probe's
@@ -47,7 +52,8 @@ import msgspec
 
 from indexer.index import EngineId, PrefixIndex
 from indexer.subscriber import SourceStatus
-from router.messages import cached_tokens_of
+from router.harmony import HarmonyChats, HarmonyError
+from router.messages import cached_tokens_of, prompt_tokens_of
 from router.tokenize import LocalTokenizer, decode_tokenize_response
 from router.workers import Worker, WorkerRegistry
 
@@ -76,6 +82,8 @@ class SelfCheck:
         index: PrefixIndex,
         *,
         local_tokenizer: Callable[[], LocalTokenizer | None],
+        harmony: HarmonyChats | None = None,
+        chat_format_probe: bool = False,
         sources: Callable[[str], list[SourceStatus]],
         root: Callable[[str | None], int],
         block_size: int = 16,
@@ -86,6 +94,8 @@ class SelfCheck:
         self.registry = registry
         self.index = index
         self.local_tokenizer = local_tokenizer
+        self.harmony = harmony
+        self.chat_format_probe = chat_format_probe
         self.sources = sources
         self.root = root
         self.block_size = block_size
@@ -227,6 +237,8 @@ class SelfCheck:
         prompt_ids = await self._tokenize(w, {"prompt": _PROMPT, "add_special_tokens": True}, model)
         chat_ids = await self._tokenize(w, {"messages": _CHAT}, model)
         self.fingerprints[w.url] = (tuple(prompt_ids), tuple(chat_ids))
+        if self.chat_format_probe:
+            res.update(await self._check_chat_format(w, model, len(chat_ids)))
         local = self.local_tokenizer()
         if local is None:
             res["tokenizer"] = "remote"
@@ -244,6 +256,58 @@ class SelfCheck:
         if problems:
             res["tokenizer_detail"] = f"local tokenizer differs on: {', '.join(problems)}"
         return res
+
+    async def _check_chat_format(
+        self, w: Worker, model: str | None, template_tokens: int
+    ) -> dict[str, Any]:
+        """How the worker renders a chat: the fixed chat sent as a one-token chat completion,
+        its ``prompt_tokens`` against its own ``/tokenize`` (the template) and against harmony
+        (vLLM renders a GPT-OSS model's chats so). ``harmony``: the router renders this model's
+        chats in harmony from now on."""
+        body: dict[str, Any] = {"messages": _CHAT, "max_tokens": 1, "temperature": 0.0}
+        if model is not None:
+            body["model"] = model
+        headers = {"x-data-parallel-rank": "0"} if w.dp_size > 1 else {}
+        try:
+            resp = await w.client.post(
+                "/v1/chat/completions", json=body, headers=headers, timeout=self.timeout_s * 4
+            )
+        except Exception as exc:
+            return {"chat_format": "unchecked", "chat_format_detail": f"the probe failed: {exc}"}
+        if resp.status_code != 200:
+            why = f"the probe chat returned {resp.status_code}: {resp.text[:200]}"
+            return {"chat_format": "unchecked", "chat_format_detail": why}
+        w.saw_first_token(0)  # the router's own: it releases no buffered request there
+        n = None
+        with contextlib.suppress(msgspec.DecodeError):
+            n = prompt_tokens_of(_dec.decode(resp.content))
+        if n is None:
+            return {"chat_format": "unchecked", "chat_format_detail": "no usage in the answer"}
+        if n == template_tokens:
+            return {"chat_format": "template"}
+        h = self.harmony
+        harmony_tokens = None
+        if h is not None:
+            with contextlib.suppress(HarmonyError):
+                harmony_tokens = len(h.renderer.render({"messages": _CHAT}))
+        if n == harmony_tokens and h is not None:
+            names = [m.get("id") for m in w.models if not m.get("parent")]
+            h.learn(names or [model], default=self.registry.models.base in (names or [model]))
+            log.info("%s renders chats in harmony (GPT-OSS): the router does the same", w.url)
+            return {"chat_format": "harmony"}
+        fix = (
+            "model.chat_format: harmony, pip install 'kvrouter[harmony]'"
+            if h is None
+            else "check the worker's chat template"
+        )
+        return {
+            "chat_format": "mismatch",
+            "chat_format_detail": (
+                f"the worker's chat completion counted {n} prompt tokens for a chat its "
+                f"/tokenize renders in {template_tokens}: its chats are rendered otherwise "
+                f"(GPT-OSS renders them in harmony: {fix})"
+            ),
+        }
 
     async def _check_priority(self, w: Worker, model: str | None) -> dict[str, Any]:
         """Does the worker take a request ``priority``? Sets ``w.priority_refused``."""

@@ -49,7 +49,7 @@ import xxhash
 
 from indexer.keys import chain_keys, tokens_to_bytes
 from indexer.native import ids_from_json, ids_to_json
-from router.harmony import HarmonyError, HarmonyRenderer
+from router.harmony import HarmonyChats, HarmonyError, HarmonyRenderer
 from router.truncation import prefilled_window
 
 __all__ = [
@@ -340,11 +340,11 @@ class PromptTokenizer:
         cache_entries: int = 4096,
         max_cached_tokens: int = 32_000_000,
         local: LocalTokenizer | None = None,
-        harmony: HarmonyRenderer | None = None,
+        harmony: HarmonyChats | None = None,
     ) -> None:
         self.unit = unit
         self.harmony = harmony
-        """Renders chats in harmony (GPT-OSS workers): router/harmony.py."""
+        """The models whose chats are rendered in harmony (GPT-OSS): router/harmony.py."""
         self.cache_entries = cache_entries
         self.max_cached_tokens = max_cached_tokens
         self.local = local
@@ -393,12 +393,17 @@ class PromptTokenizer:
             payload["model"] = model
         return payload
 
-    def _harmony_payload(self, body: dict[str, Any]) -> dict[str, Any] | None:
+    def harmony_for(self, body: dict[str, Any]) -> HarmonyRenderer | None:
+        """The harmony renderer when the workers render this body's chat in harmony."""
+        h = self.harmony
+        return h.renderer if h is not None and h.renders(body.get("model")) else None
+
+    @staticmethod
+    def _harmony_payload(body: dict[str, Any], harmony: HarmonyRenderer) -> dict[str, Any] | None:
         """What a harmony rendering depends on: its cache key and the renderer's input."""
-        assert self.harmony is not None
         if not isinstance(body.get("messages"), list):
             return None
-        payload = {"messages": body["messages"], "start_date": self.harmony.start_date()}
+        payload = {"messages": body["messages"], "start_date": harmony.start_date()}
         for k in ("tools", "reasoning_effort", "model"):
             if body.get(k) is not None:
                 payload[k] = body[k]
@@ -448,9 +453,11 @@ class PromptTokenizer:
         root: int,
         remote: RemoteCall | None,
     ) -> Tokenized:
-        harmony = self.harmony if chat else None
+        harmony = self.harmony_for(body) if chat else None
         payload = (
-            self.tokenize_payload(body, chat) if harmony is None else self._harmony_payload(body)
+            self.tokenize_payload(body, chat)
+            if harmony is None
+            else self._harmony_payload(body, harmony)
         )
         if payload is None:
             raise TokenizeError("request has no prompt or messages to tokenize")

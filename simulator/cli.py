@@ -204,6 +204,13 @@ def _add_request_args(a: Callable[..., Any]) -> None:
     order of ``--help``."""
     a("--chat-template", choices=["default", "alt"], default="default")
     a(
+        "--chat-format",
+        choices=["template", "harmony"],
+        default="template",
+        help="harmony: chat completions rendered as vLLM renders a gpt_oss model's (its "
+        "/tokenize keeps the template); needs oss-harmony",
+    )
+    a(
         "--event-block-size-lie",
         type=int,
         default=None,
@@ -269,6 +276,7 @@ def settings_from_args(ns: argparse.Namespace, worker_idx: int) -> WorkerSetting
         event_encoding=ns.event_encoding,
         legacy_replay=ns.legacy_replay,
         chat_template=ns.chat_template,
+        chat_format=ns.chat_format,
         tokenizer_path=ns.tokenizer,
         max_body_bytes=ns.max_body_bytes,
         loras=tuple(ns.lora),

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from simulator.api_errors import ApiError
 from simulator.engine import EngineConfig, QueueFull, SimEngine
 from simulator.faults import Faults
+from simulator.harmony_chat import HarmonyChat, HarmonyChatError
 from simulator.hf_tokenizer import HFTokenizer
 from simulator.lora import LoraAdapters, LoraSettings
 from simulator.publisher import ZmqPublisher, offset_endpoint_port
@@ -53,6 +54,9 @@ class WorkerSettings:
     event_encoding: str = "map"
     legacy_replay: bool = False
     chat_template: str = "default"
+    chat_format: str = "template"
+    """``harmony``: chat completions rendered as vLLM renders a gpt_oss model's (simulator/
+    harmony_chat.py); ``/tokenize`` keeps the template, as in vLLM."""
     max_body_bytes: int = 8 * 1024 * 1024
     request_timeout_s: float = 600.0
     default_max_tokens: int = 16  # output length when a request sets no max_tokens
@@ -110,6 +114,7 @@ class Worker:
             settings.engine.vocab_size = self.tokenizer.vocab_size
         else:
             self.tokenizer = Tokenizer(settings.engine.vocab_size, settings.chat_template)
+        self.harmony = HarmonyChat() if settings.chat_format == "harmony" else None
         self.runners: list[EngineRunner] = []
         modules = {name: f"/sim/lora/{name}" for name in settings.loras}
         modules.update(settings.lora.modules)
@@ -291,6 +296,11 @@ class Worker:
         cfm = data.get("continue_final_message", False)
         if not isinstance(agp, bool) or not isinstance(cfm, bool):
             raise ApiError(400, "add_generation_prompt/continue_final_message must be booleans")
+        if completion and self.harmony is not None:
+            try:
+                return self.harmony.render(data)
+            except HarmonyChatError as e:
+                raise ApiError(400, str(e), param="messages") from None
         kwargs = self.template_kwargs(data, completion=completion)
         try:
             return self.tokenizer.encode_chat(data.get("messages"), agp, cfm, kwargs)

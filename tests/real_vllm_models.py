@@ -141,6 +141,8 @@ KINDS: dict[str, Kind] = {
     "llama4": Kind("llama4-chunked-local", "llama4", 72, local_tokenizer=True),
     "llama4-no-chunk": Kind("llama4-no-chunk", "llama4", 72, exact=False),
     "sinks": Kind("gptoss-sinks", "sinks", 72, local_tokenizer=True),
+    # The same, the router tokenizing through vLLM: its self-check finds the harmony chats.
+    "sinks-remote": Kind("gptoss-remote", "sinks", 72),
     "hybrid-fine": Kind("gemma3-fine", "hybrid", 72, extra=("--prefix-match-unit", "16")),
     "dense-dp2": Kind("llama-dp2", "dense", 40, dp=2),
     "dense-lora": Kind("llama-lora", "dense", 40, lora="tiny-lora"),

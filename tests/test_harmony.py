@@ -22,7 +22,7 @@ from test_router_support import config_for, serve_router, until, write_tokenizer
 from router.config import Config, ConfigError
 from router.config_rules import validate
 from router.core import _harmony
-from router.harmony import HarmonyError, HarmonyRenderer
+from router.harmony import HarmonyChats, HarmonyError, HarmonyRenderer
 from router.tokenize import PromptTokenizer, TokenizeError
 from simulator.testing import running_fleet
 
@@ -139,8 +139,7 @@ def test_any_body_renders_or_is_refused(messages, tools, effort, renderers):
 
 
 async def test_chats_tokenize_in_harmony_and_completions_do_not():
-    r = HarmonyRenderer(DATE)
-    tok = PromptTokenizer(16, harmony=r)
+    tok = PromptTokenizer(16, harmony=HarmonyChats(DATE, everywhere=True))
     asked: list[Any] = []
 
     async def remote(payload: Any) -> Any:
@@ -161,7 +160,7 @@ async def test_chats_tokenize_in_harmony_and_completions_do_not():
 
 async def test_a_new_day_is_a_new_prompt_not_a_stale_cache_entry():
     day = ["2026-03-14"]
-    tok = PromptTokenizer(16, harmony=HarmonyRenderer(today=lambda: day[0]))
+    tok = PromptTokenizer(16, harmony=HarmonyChats(everywhere=True, today=lambda: day[0]))
     body = {"messages": [{"role": "user", "content": "Hi"}]}
     first = await tok.tokenize(body, True, 0, None)
     day[0] = "2026-03-15"
@@ -178,39 +177,92 @@ def test_chat_format_is_checked_and_auto_reads_the_model_folder(tmp_path: Path):
     (model / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
     local = Config()
     local.tokenizer.mode, local.tokenizer.path = "local", str(model)
-    assert isinstance(_harmony(local), HarmonyRenderer)
+    assert _harmony(local).everywhere  # type: ignore[union-attr]
     local.model.chat_format = "template"
     assert _harmony(local) is None
     (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
     local.model.chat_format = "auto"
-    assert _harmony(local) is None
+    auto = _harmony(local)
+    assert auto is not None and not auto.everywhere and not auto.renders("sim-model")
+    auto.learn(["gpt-oss", "oss-alias"], default=True)
+    assert auto.renders("oss-alias") and auto.renders(None) and not auto.renders("llama")
     remote = Config()
-    assert _harmony(remote) is None  # nothing to read: the operator says harmony
+    assert not _harmony(remote).everywhere  # type: ignore[union-attr]  # the self-check learns
     remote.model.chat_format, remote.model.harmony_start_date = "harmony", DATE
-    assert _harmony(remote).start_date() == DATE  # type: ignore[union-attr]
+    assert _harmony(remote).renderer.start_date() == DATE  # type: ignore[union-attr]
 
 
-async def test_the_router_routes_a_gpt_oss_chat_by_its_harmony_tokens(tmp_path: Path):
-    """Through the router's HTTP plane: ``/debug/route`` tokenizes a chat in harmony (no worker
-    asked), and a Responses body, which vLLM renders from its own item conversion, is routed
-    by load rather than by a prompt the router cannot know."""
-    fast = {"decode_ms": 1, "prefill_tps": 400000, "step_overhead_ms": 0.1}
-    with running_fleet(2, **fast) as fleet:
-        cfg = config_for(fleet, model={"chat_format": "harmony", "harmony_start_date": DATE})
+FAST = {"decode_ms": 1, "prefill_tps": 400000, "step_overhead_ms": 0.1, "num_gpu_blocks": 512}
+
+
+async def _selfcheck(c: httpx.AsyncClient, base: str) -> dict[str, Any]:
+    async def checked() -> Any:
+        d = (await c.get(base + "/debug/index")).json()["workers"][0]["selfcheck"] or {}
+        return d if d.get("events") not in (None, "pending") else None
+
+    return await until(checked, 30, "the self-check")
+
+
+async def test_the_self_check_finds_harmony_workers_and_chats_are_predicted_exactly():
+    """Default configuration (``chat_format: auto``, tokenizing through the workers) in front of
+    simulated GPT-OSS workers, which render chat completions in harmony and ``/tokenize`` with
+    the template, as vLLM does: the self-check's probe chat finds it, the router renders the
+    model's chats in harmony, and a conversation's next turn is credited what the worker finds.
+    A Responses body, which vLLM renders from its own item conversion, goes by load."""
+    with running_fleet(2, chat_format="harmony", **FAST) as fleet:
+        cfg = config_for(fleet)
         async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
             await until(lambda: c.get(base + "/ready"), 20)
-            case = next(
-                x for x in CASES if x["name"] == "multi-turn" and not x["system_instructions"]
-            )
-            e = (await c.post(base + "/debug/route", json=case["body"])).json()
-            assert (e["tokenization"], e["prompt_tokens"]) == (
-                "harmony",
-                len(case["prompt_token_ids"]),
-            )
-            prompt, _ = await router.read_prompt("/v1/responses", {"model": "m", "input": "hi"})
-            assert prompt is None
-            r = await c.post(
-                base + "/v1/chat/completions",
-                json={**case["body"], "model": "sim-model", "max_tokens": 2},
-            )
+            assert (await _selfcheck(c, base))["chat_format"] == "harmony"
+            system = {"role": "system", "content": " ".join(f"rule {i}." for i in range(60))}
+            turns = [system, {"role": "user", "content": "Tell me about rain."}]
+            body = {"model": "sim-model", "messages": turns, "max_tokens": 8}
+            e = (await c.post(base + "/debug/route", json=body)).json()
+            assert e["tokenization"] == "harmony"
+            r = await c.post(base + "/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == e["prompt_tokens"]
+            first = r.headers["x-kvrouter-worker"]
+            answer = r.json()["choices"][0]["message"]["content"]
+            turns = [*turns, {"role": "assistant", "content": answer}]
+            body = {**body, "messages": [*turns, {"role": "user", "content": "And snow?"}]}
+
+            async def credited() -> Any:
+                e = (await c.post(base + "/debug/route", json=body)).json()
+                return e if e["chosen"] == first and e["predicted_hit_tokens"] > 256 else None
+
+            e = await until(credited, 20, "the first turn's blocks in the index")
+            r = await c.post(base + "/v1/chat/completions", json=body)
+            usage = r.json()["usage"]
+            assert r.headers["x-kvrouter-worker"] == first
+            assert usage["prompt_tokens"] == e["prompt_tokens"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == e["predicted_hit_tokens"]
+            prompt, _ = await router.read_prompt(
+                "/v1/responses", {"model": "sim-model", "input": "hi"}
+            )
+            assert prompt is None
+
+
+async def test_a_template_fleet_never_loads_harmony():
+    with running_fleet(1, **FAST) as fleet:
+        async with serve_router(config_for(fleet)) as (base, router), httpx.AsyncClient() as c:
+            await until(lambda: c.get(base + "/ready"), 20)
+            assert (await _selfcheck(c, base))["chat_format"] == "template"
+            chat = {"messages": [{"role": "user", "content": "hi"}]}
+            e = (await c.post(base + "/debug/route", json=chat)).json()
+            assert e["tokenization"] == "remote"
+            assert router.tokenizer.harmony is not None
+            assert router.tokenizer.harmony._renderer is None  # 70 MB not paid
+
+
+async def test_a_worker_rendering_chats_otherwise_is_named():
+    """The router expects harmony's system instructions where the worker puts them in the
+    developer message: neither count matches, and the self-check says so."""
+    with running_fleet(1, chat_format="harmony", **FAST) as fleet:
+        cfg = config_for(fleet, model={"harmony_system_instructions": True})
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient() as c:
+            await until(lambda: c.get(base + "/ready"), 20)
+            check = await _selfcheck(c, base)
+            assert check["chat_format"] == "mismatch", check
+            assert "harmony" in check["chat_format_detail"]
+            assert not router.tokenizer.harmony.renders("sim-model")  # type: ignore[union-attr]
