@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -28,9 +29,10 @@ from indexer.endpoints import concrete_endpoint
 from indexer.replay import ReplayError, fetch_replay
 from indexer.types import CHUNKED, group_kind
 from indexer.wire import BlockStored, DecodedBatch, DecodeError, decode_payload
+from router import harmony
 from router.config import WorkerSpec
 from router.doctor_report import FAIL, FIX, OK, SKIP, WARN, WorkerReport
-from router.messages import cached_tokens_of
+from router.messages import cached_tokens_of, prompt_tokens_of
 from router.tokenize import decode_tokenize_response
 
 __all__ = ["Options", "WorkerProbe"]
@@ -41,6 +43,14 @@ CHAT = [
     {"role": "user", "content": "What is 2+2?"},
 ]
 _FULL_ATTENTION = (None, "full_attention")
+
+
+@functools.cache
+def _harmony_tokens() -> int | None:
+    """The fixed chat's length in harmony, or None without the harmony library."""
+    if not harmony.available():
+        return None
+    return len(harmony.HarmonyRenderer().render({"messages": CHAT}))
 
 
 class Options(msgspec.Struct, frozen=True):
@@ -192,6 +202,35 @@ class WorkerProbe:
             return
         self.fingerprint = (tuple(prompt), tuple(chat))
         self.report.add("tokenizer", OK, f"prompt {len(prompt)} ids, chat {len(chat)} ids")
+        await self._check_chat(len(chat))
+
+    async def _check_chat(self, template_tokens: int) -> None:
+        """How the worker renders a chat completion: the fixed chat's ``prompt_tokens``
+        against its ``/tokenize`` (the template) and against harmony (GPT-OSS)."""
+        r = self.report
+        body = {"model": self.model, "messages": CHAT, "max_tokens": 1, "temperature": 0.0}
+        try:
+            resp = await self._post("/v1/chat/completions", body)
+            doc = msgspec.json.decode(resp.content) if resp.status_code == 200 else None
+        except (httpx.HTTPError, msgspec.DecodeError) as exc:
+            r.add("chat", SKIP, f"the probe chat failed: {type(exc).__name__}")
+            return
+        n = prompt_tokens_of(doc) if isinstance(doc, dict) else None
+        if n is None:
+            r.add("chat", SKIP, f"the probe chat answered {resp.status_code} without usage")
+            return
+        if n == template_tokens:
+            r.add("chat", OK, "chat completions render as /tokenize does (the chat template)")
+            return
+        harmony_tokens = _harmony_tokens()
+        if n == harmony_tokens:
+            r.add(
+                "chat", OK, "chat completions are rendered in harmony (GPT-OSS), as the router does"
+            )
+            return
+        detail = f"chat completions count {n} prompt tokens, /tokenize renders {template_tokens}"
+        fix = FIX["harmony"] if harmony_tokens is None else FIX["chat"]
+        r.add("chat", WARN, detail, fix)
 
     async def _sources(self) -> tuple[list[str], list[str]] | None:
         """(events, replay) endpoints per DP rank, or None (with the events finding made)."""

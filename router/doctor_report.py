@@ -48,6 +48,11 @@ FIX = {
     "events_or_prefix": f"vllm serve ... --enable-prefix-caching {_KV_EVENTS}",
     "tokenizer": "serve the same model with the same --tokenizer and --chat-template on every "
     "worker",
+    "harmony": "a GPT-OSS worker renders chats in harmony: pip install 'kvrouter[harmony]' on "
+    "the router host (model.chat_format: auto finds it, or set harmony)",
+    "chat": "the worker renders chat completions otherwise than its /tokenize: check its "
+    "--chat-template and, for GPT-OSS, VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS against "
+    "model.harmony_system_instructions",
     "block_size": "vllm serve ... --block-size N with the same N on every worker",
     "attention_chunk": "kvrouter config: model.attention_chunk_tokens: the model's "
     "attention_chunk_size (Llama 4: 8192), or tokenizer.mode local with the model folder; "

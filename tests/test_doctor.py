@@ -72,6 +72,7 @@ def test_json_shape_and_facts(capsys: pytest.CaptureFixture[str]) -> None:
         "reach",
         "models",
         "tokenizer",
+        "chat",
         "events",
         "replay",
         "usage",
@@ -120,6 +121,18 @@ def test_a_chunked_attention_model_is_routable_once_told_its_chunk(
     assert groups["status"] == "warn", groups
     assert "0: chunked_local_attention, 1: full_attention" in groups["detail"]
     assert "model.attention_chunk_tokens" in groups["fix"]
+
+
+def test_a_gpt_oss_worker_renders_chats_in_harmony(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM renders a GPT-OSS model's chat completions in harmony, not with the template its
+    /tokenize applies: the probe chat's length tells, and the router renders them so."""
+    with running_fleet(1, chat_format="harmony", **SIM) as (w,):
+        code, doc = run(capsys, w.url)
+    chat = check(doc, w.url, "chat")
+    assert code == 0 and chat["status"] == "ok" and "harmony" in chat["detail"], doc
+    with running_fleet(1, **SIM) as (w,):
+        code, doc = run(capsys, w.url)
+    assert "template" in check(doc, w.url, "chat")["detail"]
 
 
 def test_clock_skew_is_measured(capsys: pytest.CaptureFixture[str]) -> None:

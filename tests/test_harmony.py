@@ -24,6 +24,7 @@ from router.config_rules import validate
 from router.core import _harmony
 from router.harmony import HarmonyChats, HarmonyError, HarmonyRenderer
 from router.tokenize import PromptTokenizer, TokenizeError
+from simulator.harmony_chat import HarmonyChat, HarmonyChatError
 from simulator.testing import running_fleet
 
 pytestmark = pytest.mark.timeout(120)
@@ -66,6 +67,24 @@ def test_the_template_and_harmony_part_where_the_router_used_to_lose_a_system_pr
     text = renderers[False]._enc.decode(case["prompt_token_ids"])
     assert "# Instructions\n\nBe brief.<|end|>" in text
     assert "Be brief.\n\n<|end|>" not in text
+
+
+def test_the_simulator_renders_harmony_as_vllm_does(monkeypatch: pytest.MonkeyPatch):
+    """The simulated GPT-OSS worker writes the harmony text itself (no tools): on every such
+    body of the fixture, the ids vLLM prefills; bodies with tools it refuses."""
+    monkeypatch.setenv("VLLM_SYSTEM_START_DATE", DATE)
+    sim = HarmonyChat()
+    rendered = 0
+    for c in CASES:
+        if c["system_instructions"] or "error" in c:
+            continue
+        if c["body"].get("tools") or any(m["role"] == "tool" for m in c["body"]["messages"]):
+            with pytest.raises(HarmonyChatError):
+                sim.render(c["body"])
+            continue
+        assert sim.render(c["body"]) == c["prompt_token_ids"], c["name"]
+        rendered += 1
+    assert rendered == 14
 
 
 def test_the_date_is_the_workers_today_unless_pinned():
