@@ -6,6 +6,7 @@ Redis outage leaves every request served from each replica's own state."""
 from __future__ import annotations
 
 import contextlib
+import pprint
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 from redis_server import RedisServer, redis_server
 from test_router_support import config_for, serve_app, until, words
@@ -86,6 +88,28 @@ def idle(routers: tuple[Any, ...]) -> bool:
     ) and not any(r.shared.remote_loads() for r in routers)
 
 
+def why(routers: tuple[Router, ...], engines: set[str]) -> list[dict[str, Any]]:
+    """What each replica knew that could withhold a session's credit: its Redis reads and
+    fallbacks, engines it saw cleared, degraded or unverified, and their polled loads."""
+    out = []
+    for r in routers:
+        out.append(
+            {
+                "sessions": dict(r.sessions.counters),  # type: ignore[attr-defined]
+                "now": time.monotonic(),
+                "cleared": {e: t for e, t in r._cleared_at.items() if e[0] in engines},
+                "degraded": [e for e in r.index.engines() if r.subscriber.is_degraded(e)],
+                "unverified": [e for e in r.index.engines() if r._unverified([e])],
+                "loads": {
+                    w.url: {k: msgspec.structs.asdict(v) for k, v in w.loads.items()}
+                    for w in r.registry.workers.values()
+                    if w.url in engines
+                },
+            }
+        )
+    return out
+
+
 async def test_a_session_bound_on_one_replica_stays_on_its_engine_through_the_other(
     redis: RedisServer,
 ) -> None:
@@ -134,7 +158,7 @@ async def test_a_session_bound_on_one_replica_stays_on_its_engine_through_the_ot
                     # which a soft binding may rightly avoid: the next turn waits for polls
                     # that show the fleet idle.
                     await until(lambda: idle(routers), 10, "polls of an idle fleet")
-                assert len(set(turns)) == 1, (conv, turns)
+                assert len(set(turns)) == 1, pprint.pformat((conv, turns, why(routers, set(turns))))
             assert rb.sessions.counters["read"] >= 3  # type: ignore[attr-defined]
             assert await metric(c, b, 'kvrouter_redis_fallbacks_total{state="sessions"}') == 0
 
