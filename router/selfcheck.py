@@ -48,6 +48,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import msgspec
 
 from indexer.index import EngineId, PrefixIndex
@@ -257,6 +258,15 @@ class SelfCheck:
             res["tokenizer_detail"] = f"local tokenizer differs on: {', '.join(problems)}"
         return res
 
+    async def _ask(
+        self, w: Worker, path: str, body: dict[str, Any], model: str | None
+    ) -> httpx.Response:
+        """One probe request to DP rank 0 of ``w`` (for ``model`` when named)."""
+        if model is not None:
+            body["model"] = model
+        headers = {"x-data-parallel-rank": "0"} if w.dp_size > 1 else {}
+        return await w.client.post(path, json=body, headers=headers, timeout=self.timeout_s * 4)
+
     async def _check_chat_format(
         self, w: Worker, model: str | None, template_tokens: int
     ) -> dict[str, Any]:
@@ -265,13 +275,8 @@ class SelfCheck:
         (vLLM renders a GPT-OSS model's chats so). ``harmony``: the router renders this model's
         chats in harmony from now on."""
         body: dict[str, Any] = {"messages": _CHAT, "max_tokens": 1, "temperature": 0.0}
-        if model is not None:
-            body["model"] = model
-        headers = {"x-data-parallel-rank": "0"} if w.dp_size > 1 else {}
         try:
-            resp = await w.client.post(
-                "/v1/chat/completions", json=body, headers=headers, timeout=self.timeout_s * 4
-            )
+            resp = await self._ask(w, "/v1/chat/completions", body, model)
         except Exception as exc:
             return {"chat_format": "unchecked", "chat_format_detail": f"the probe failed: {exc}"}
         if resp.status_code != 200:
@@ -312,13 +317,8 @@ class SelfCheck:
     async def _check_priority(self, w: Worker, model: str | None) -> dict[str, Any]:
         """Does the worker take a request ``priority``? Sets ``w.priority_refused``."""
         body: dict[str, Any] = {"prompt": _PROMPT, "max_tokens": 1, "priority": 1}
-        if model is not None:
-            body["model"] = model
-        headers = {"x-data-parallel-rank": "0"} if w.dp_size > 1 else {}
         try:
-            resp = await w.client.post(
-                "/v1/completions", json=body, headers=headers, timeout=self.timeout_s * 4
-            )
+            resp = await self._ask(w, "/v1/completions", body, model)
         except Exception as exc:
             return {"priority": "error", "priority_detail": f"the probe failed: {exc}"}
         if resp.status_code == 200:
