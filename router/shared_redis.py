@@ -754,6 +754,8 @@ class RedisSharedState(SharedState):
                 "staleness_bound_s": round(
                     self.push_interval_s + self.refresh_interval_s + 4 * self.op_timeout_s, 3
                 ),
+                "push": self._push_n,
+                "heard": {m: o.n for m, o in sorted(self._origins.items())},
                 "remote_inflight": {
                     engine_key(e): r.inflight_requests
                     for e, r in sorted(self.remote_loads().items())

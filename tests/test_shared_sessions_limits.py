@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 import pytest
 from redis_server import RedisServer, redis_server
 from test_router_support import config_for, serve_app, until, words
@@ -77,34 +76,47 @@ def keys_file(tmp_path: Path, text: str) -> str:
     return str(f)
 
 
-def idle(routers: tuple[Any, ...]) -> bool:
-    """Every router's last poll of every engine shows nothing waiting and nothing running, and
-    no router sees another's request in flight (each end reaches the others a push later)."""
-    return all(
+def idle(routers: tuple[Router, ...]) -> bool:
+    """Every router's last poll of every engine shows nothing waiting and nothing running, every
+    router has heard every other's latest load push, and none sees another's request in flight.
+    Without the middle condition a push still on its way through Redis reads as idle, then
+    lands as the last turn queued on its engine just as the next turn is routed."""
+    polled_idle = all(
         ld.waiting == 0 and ld.running == 0
         for r in routers
         for w in r.registry.workers.values()
         for ld in w.loads.values()
-    ) and not any(r.shared.remote_loads() for r in routers)
+    )
+    status = [r.shared.status() for r in routers]
+    heard_all = all(
+        mine["heard"].get(theirs["replica_id"], -1) >= theirs["push"]
+        for mine in status
+        for theirs in status
+        if theirs is not mine
+    )
+    return polled_idle and heard_all and not any(r.shared.remote_loads() for r in routers)
 
 
 def why(routers: tuple[Router, ...], engines: set[str]) -> list[dict[str, Any]]:
-    """What each replica knew that could withhold a session's credit: its Redis reads and
-    fallbacks, engines it saw cleared, degraded or unverified, and their polled loads."""
+    """What each replica knew that could move a session off its engine: its Redis reads and
+    fallbacks, the other replicas' load it heard, engines it saw cleared, degraded or
+    unverified, and its decisions (newest first)."""
     out = []
     for r in routers:
+        shared = r.shared.status()
         out.append(
             {
                 "sessions": dict(r.sessions.counters),  # type: ignore[attr-defined]
-                "now": time.monotonic(),
-                "cleared": {e: t for e, t in r._cleared_at.items() if e[0] in engines},
+                "push": shared["push"],
+                "heard": shared["heard"],
+                "remote_inflight": shared["remote_inflight"],
+                "cleared": [e for e in r._cleared_at if e[0] in engines],
                 "degraded": [e for e in r.index.engines() if r.subscriber.is_degraded(e)],
                 "unverified": [e for e in r.index.engines() if r._unverified([e])],
-                "loads": {
-                    w.url: {k: msgspec.structs.asdict(v) for k, v in w.loads.items()}
-                    for w in r.registry.workers.values()
-                    if w.url in engines
-                },
+                "decisions": [
+                    (d["worker"], d["predicted_hit_tokens"], d["prompt_tokens"], d["reason"])
+                    for d in r.recorder.decisions()
+                ],
             }
         )
     return out
