@@ -288,12 +288,15 @@ class HarmonyRenderer:
         rewrites it: ``assistant to=R<|channel|>C T`` where oss-harmony renders
         ``assistant<|channel|>C to=R <|constrain|>T``."""
         enc, start, message = self._enc, self._start, self._message
+        if self._constrain not in ids:
+            return ids  # no typed tool call anywhere: the common chat, in one C-speed scan
         out = ids.copy()
         i = 0
-        while i < len(out):
-            if out[i] != start:
-                i += 1
-                continue
+        while True:
+            try:
+                i = out.index(start, i)
+            except ValueError:
+                return out
             try:
                 end = out.index(message, i + 1)
                 ch = out.index(self._channel, i + 1, end)
@@ -315,7 +318,6 @@ class HarmonyRenderer:
             header += [*enc.encode(f"{channel} {ctype}"), message]
             out[i : end + 1] = header
             i += len(header)
-        return out
 
 
 class HarmonyChats:
