@@ -1,6 +1,6 @@
 """What rendering GPT-OSS chats in harmony costs the router.
 
-    python bench/harmony_bench.py          # ~10 s; last line is one JSON object
+    python bench/harmony_bench.py          # ~5 s; last line is one JSON object
 
 The router renders a GPT-OSS model's chats itself (router/harmony.py), on the request path,
 where a template model's chats cost one ``/tokenize`` round trip to a worker. Measured through
@@ -11,9 +11,12 @@ the product's path, :class:`router.tokenize.PromptTokenizer` with a
   o200k vocabulary); what that takes and what it adds to the process's resident memory. A fleet
   without GPT-OSS never loads it.
 * ``turn_ms``: per conversation size (the prompt's tokens), p50 of tokenizing the conversation's
-  next turn on a cache miss (each run a different last message, so no run is served from the
-  tokenizer's cache): the harmony render and the content keys, the earlier turns' keys reused
-  as the product reuses them.
+  next turn after its earlier turn went through the same router (each run a different last
+  message, so no run is served from the tokenizer's prompt cache): the new messages rendered,
+  the earlier ones' ids from the renderer's message cache, the content keys, the earlier turn's
+  keys reused as the product reuses them.
+* ``first_sight_ms``: the same turn where the router has seen none of the conversation (a new
+  replica, a conversation a balancer sent elsewhere until now): every message rendered.
 """
 
 from __future__ import annotations
@@ -61,8 +64,17 @@ async def main() -> dict[str, Any]:
         "renderer_rss_mb": round(rss_mb() - before, 1),
         "turn_ms": {},
     }
+    out["first_sight_ms"] = {}
     for turns in (4, 32, 128, 384):
         history = conversation(turns)
+        cold = []
+        for run in range(3):
+            fresh = PromptTokenizer(16, harmony=HarmonyChats("2026-01-01", everywhere=True))
+            await fresh.tokenize({"messages": [{"role": "user", "content": "Hi"}]}, True, 0, None)
+            body = {"messages": [*history, {"role": "user", "content": f"next {run}"}]}
+            t = time.perf_counter()
+            await fresh.tokenize(body, True, 0, None)
+            cold.append(time.perf_counter() - t)
         await tok.tokenize({"messages": history[:-1]}, True, 0, None)  # the earlier turn
         times, n = [], 0
         for run in range(RUNS):
@@ -73,6 +85,7 @@ async def main() -> dict[str, Any]:
             assert got.source.startswith("harmony"), got.source
             n = got.n_tokens
         out["turn_ms"][str(n)] = round(statistics.median(times) * 1000, 2)
+        out["first_sight_ms"][str(n)] = round(statistics.median(cold) * 1000, 2)
     return out
 
 

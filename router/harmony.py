@@ -18,6 +18,11 @@ of the chat body into harmony messages:
 * a ``tool`` message is the output of the function its ``tool_call_id`` names;
 * a later system or developer message is another developer message.
 
+The library renders a conversation message by message, each with one conversation-wide option
+(whether a developer message declares function tools), so the ids of a message are cached
+(``MESSAGE_CACHE_TOKENS``): the next turn of a long conversation renders only its new messages,
+and the router's event loop is not held for the whole history on every turn.
+
 What vLLM reads from its environment is configuration here (``model.harmony_start_date``:
 ``VLLM_SYSTEM_START_DATE``; ``model.harmony_system_instructions``:
 ``VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS``). A body vLLM would refuse raises
@@ -27,12 +32,22 @@ What vLLM reads from its environment is configuration here (``model.harmony_star
 from __future__ import annotations
 
 import datetime
+from array import array
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
+
+import xxhash
 
 __all__ = ["HarmonyChats", "HarmonyError", "HarmonyRenderer", "available"]
 
 _EFFORTS = ("high", "medium", "low")
+MESSAGE_CACHE_TOKENS = 1 << 21
+"""Bound of the rendered-message cache, in tokens (4 bytes each: 8 MiB of ids), least recently
+used first out. A message is charged at least ``MESSAGE_ENTRY_TOKENS``, so the entries' own
+overhead (key, array, ordering: about 250 bytes) stays within as much again; a message longer
+than a quarter of the bound is rendered every time, never cached."""
+MESSAGE_ENTRY_TOKENS = 64
 
 
 class HarmonyError(ValueError):
@@ -65,6 +80,19 @@ def _text(content: Any) -> str | None:
     return "".join(kept) if kept else None
 
 
+def _charge(ids: array) -> int:
+    """What a cached message counts against ``MESSAGE_CACHE_TOKENS``."""
+    return max(len(ids), MESSAGE_ENTRY_TOKENS)
+
+
+def _declares_functions(content: Any) -> bool:
+    """A developer message's content with function tools (what makes the library render every
+    message of the conversation with ``conversation_has_function_tools``)."""
+    tools = getattr(content, "tools", None)
+    functions = tools.get("functions") if isinstance(tools, dict) else None
+    return bool(functions is not None and functions.tools)
+
+
 class HarmonyRenderer:
     """Renders chat bodies to the token ids vLLM prefills for a GPT-OSS model."""
 
@@ -86,6 +114,13 @@ class HarmonyRenderer:
         self._start_date = start_date
         self._system_instructions = system_instructions
         self._today = today or (lambda: datetime.datetime.now().strftime("%Y-%m-%d"))
+        self._messages: OrderedDict[bytes, array] = OrderedDict()
+        """Rendered messages by :meth:`_message_ids`' key; ``_cached_tokens`` is what they are
+        charged against ``MESSAGE_CACHE_TOKENS``."""
+        self._cached_tokens = 0
+        self._suffix: list[int] = self._enc.render_conversation_for_completion(
+            h.Conversation.from_messages([]), h.Role.ASSISTANT
+        )
         special = self._special
         self._start, self._channel = special("<|start|>"), special("<|channel|>")
         self._constrain, self._message = special("<|constrain|>"), special("<|message|>")
@@ -119,15 +154,34 @@ class HarmonyRenderer:
             instructions, rest = self._instructions(messages)
             out = self._preamble(instructions, tools, effort, date)
             out += self._conversation(rest, date)
-            conv = h.Conversation.from_messages(self._drop_analysis(out))
-            ids: list[int] = self._enc.render_conversation_for_completion(
-                conv, h.Role.ASSISTANT, config=h.RenderConversationConfig(auto_drop_analysis=False)
-            )
+            messages = self._drop_analysis(out)
+            tools = any(_declares_functions(c) for m in messages for c in m.content)
+            options = h.RenderOptions(conversation_has_function_tools=tools)
+            ids: list[int] = []
+            for m in messages:
+                ids.extend(self._message_ids(m, tools, options))
+            ids.extend(self._suffix)
         except HarmonyError:
             raise
         except (h.HarmonyError, ValueError, TypeError, AttributeError) as exc:
             raise HarmonyError(f"harmony render: {type(exc).__name__}: {exc}") from None
         return self._legacy_tool_call_headers(ids)
+
+    def _message_ids(self, message: Any, tools: bool, options: Any) -> array:
+        """One message's ids as the library renders it inside a conversation (``tools``: the
+        conversation declares function tools), from the cache when rendered before."""
+        key = xxhash.xxh3_128_digest(message.to_json().encode()) + bytes((tools,))
+        got = self._messages.get(key)
+        if got is not None:
+            self._messages.move_to_end(key)
+            return got
+        ids = array("I", self._enc.render(message, options))
+        if len(ids) <= MESSAGE_CACHE_TOKENS // 4:
+            self._messages[key] = ids
+            self._cached_tokens += _charge(ids)
+            while self._cached_tokens > MESSAGE_CACHE_TOKENS:
+                self._cached_tokens -= _charge(self._messages.popitem(last=False)[1])
+        return ids
 
     @staticmethod
     def _instructions(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_router_support import config_for, serve_router, until, write_tokenizer
 
+from router import harmony
 from router.config import Config, ConfigError
 from router.config_rules import validate
 from router.core import _harmony
@@ -58,6 +59,22 @@ def test_each_chat_renders_to_the_ids_vllm_prefills(case: dict[str, Any], render
             r.render(case["body"])
     else:
         assert r.render(case["body"]) == case["prompt_token_ids"]
+
+
+def test_messages_render_once_and_the_cache_keeps_its_bound(monkeypatch: pytest.MonkeyPatch):
+    """A message's ids come from the cache the second time (with or without function tools in
+    the conversation, which changes how the library renders it), and equal vLLM's; a cache of
+    64 tokens holds at most 64 and renders the same ids."""
+    rendered = [c for c in CASES if "error" not in c and not c["system_instructions"]]
+    warm = HarmonyRenderer(DATE)
+    for case in rendered + rendered:
+        assert warm.render(case["body"]) == case["prompt_token_ids"], case["name"]
+    assert warm._cached_tokens == sum(max(len(v), 64) for v in warm._messages.values()) > 64
+    monkeypatch.setattr(harmony, "MESSAGE_CACHE_TOKENS", 64)
+    tiny = HarmonyRenderer(DATE)
+    for case in rendered + rendered:
+        assert tiny.render(case["body"]) == case["prompt_token_ids"], case["name"]
+        assert tiny._cached_tokens <= 64
 
 
 def test_the_template_and_harmony_part_where_the_router_used_to_lose_a_system_prompt(renderers):
