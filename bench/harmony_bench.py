@@ -17,6 +17,9 @@ the product's path, :class:`router.tokenize.PromptTokenizer` with a
   keys reused as the product reuses them.
 * ``first_sight_ms``: the same turn where the router has seen none of the conversation (a new
   replica, a conversation a balancer sent elsewhere until now): every message rendered.
+* ``first_sight_stall_ms``: the longest the event loop went without a turn for anything else
+  during that first-sight tokenization (a task that only yields, timed between its turns): the
+  library holds the GIL while it renders, so this is what other requests wait.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +56,31 @@ def conversation(turns: int) -> list[dict[str, Any]]:
     return msgs
 
 
+async def timed_with_stall(work: Awaitable[Any]) -> tuple[float, float]:
+    """How long ``work`` took, and the longest the event loop went meanwhile without a turn for
+    a task that does nothing but yield."""
+    stall = 0.0
+    done = False
+
+    async def others() -> None:
+        nonlocal stall
+        last = time.perf_counter()
+        while not done:
+            await asyncio.sleep(0)
+            now = time.perf_counter()
+            stall = max(stall, now - last)
+            last = now
+
+    ticker = asyncio.create_task(others())
+    await asyncio.sleep(0)
+    t = time.perf_counter()
+    await work
+    elapsed = time.perf_counter() - t
+    done = True
+    await ticker
+    return elapsed, stall
+
+
 async def main() -> dict[str, Any]:
     tok = PromptTokenizer(16, harmony=HarmonyChats("2026-01-01", everywhere=True))
     before = rss_mb()
@@ -65,16 +94,17 @@ async def main() -> dict[str, Any]:
         "turn_ms": {},
     }
     out["first_sight_ms"] = {}
+    out["first_sight_stall_ms"] = {}
     for turns in (4, 32, 128, 384):
         history = conversation(turns)
-        cold = []
+        cold, stalls = [], []
         for run in range(3):
             fresh = PromptTokenizer(16, harmony=HarmonyChats("2026-01-01", everywhere=True))
             await fresh.tokenize({"messages": [{"role": "user", "content": "Hi"}]}, True, 0, None)
             body = {"messages": [*history, {"role": "user", "content": f"next {run}"}]}
-            t = time.perf_counter()
-            await fresh.tokenize(body, True, 0, None)
-            cold.append(time.perf_counter() - t)
+            elapsed, stall = await timed_with_stall(fresh.tokenize(body, True, 0, None))
+            cold.append(elapsed)
+            stalls.append(stall)
         await tok.tokenize({"messages": history[:-1]}, True, 0, None)  # the earlier turn
         times, n = [], 0
         for run in range(RUNS):
@@ -86,6 +116,7 @@ async def main() -> dict[str, Any]:
             n = got.n_tokens
         out["turn_ms"][str(n)] = round(statistics.median(times) * 1000, 2)
         out["first_sight_ms"][str(n)] = round(statistics.median(cold) * 1000, 2)
+        out["first_sight_stall_ms"][str(n)] = round(statistics.median(stalls) * 1000, 2)
     return out
 
 

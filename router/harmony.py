@@ -31,10 +31,12 @@ What vLLM reads from its environment is configuration here (``model.harmony_star
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import xxhash
@@ -48,6 +50,9 @@ used first out. A message is charged at least ``MESSAGE_ENTRY_TOKENS``, so the e
 overhead (key, array, ordering: about 250 bytes) stays within as much again; a message longer
 than a quarter of the bound is rendered every time, never cached."""
 MESSAGE_ENTRY_TOKENS = 64
+RENDER_SLICE_S = 0.002
+"""Rendering :meth:`HarmonyRenderer.render_async` does between turns of the event loop (at
+least one message: a single message is rendered in one call)."""
 
 
 class HarmonyError(ValueError):
@@ -78,6 +83,11 @@ def _text(content: Any) -> str | None:
     if not all(isinstance(t, str) for t in kept):
         raise HarmonyError("message content: a text part's text must be a string")
     return "".join(kept) if kept else None
+
+
+def _refused(exc: Exception) -> HarmonyError:
+    """The library's refusal of a message, as the router reports it."""
+    return HarmonyError(f"harmony render: {type(exc).__name__}: {exc}")
 
 
 def _charge(ids: array) -> int:
@@ -114,6 +124,7 @@ class HarmonyRenderer:
         self._start_date = start_date
         self._system_instructions = system_instructions
         self._today = today or (lambda: datetime.datetime.now().strftime("%Y-%m-%d"))
+        self._library_errors = (h.HarmonyError, ValueError, TypeError, AttributeError)
         self._messages: OrderedDict[bytes, array] = OrderedDict()
         """Rendered messages by :meth:`_message_ids`' key; ``_cached_tokens`` is what they are
         charged against ``MESSAGE_CACHE_TOKENS``."""
@@ -139,6 +150,32 @@ class HarmonyRenderer:
         """The prompt ids of a chat completion body (``messages``, ``tools``,
         ``reasoning_effort``), its system message dated ``start_date`` (default:
         :meth:`start_date`). HarmonyError where vLLM refuses the body."""
+        steps = self._steps(body, start_date)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+
+    async def render_async(self, body: dict[str, Any], start_date: str | None = None) -> list[int]:
+        """:meth:`render`, giving the event loop a turn between messages once ``RENDER_SLICE_S``
+        of rendering has passed: the library holds the GIL while it renders, so a conversation
+        seen for the first time would otherwise hold the loop for its whole render."""
+        steps = self._steps(body, start_date)
+        began = time.perf_counter()
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            if time.perf_counter() - began >= RENDER_SLICE_S:
+                await asyncio.sleep(0)
+                began = time.perf_counter()
+
+    def _steps(
+        self, body: dict[str, Any], start_date: str | None
+    ) -> Generator[None, None, list[int]]:
+        """The rendering of ``body``, one step per message; returns the ids."""
         h = self._h
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -154,17 +191,21 @@ class HarmonyRenderer:
             instructions, rest = self._instructions(messages)
             out = self._preamble(instructions, tools, effort, date)
             out += self._conversation(rest, date)
-            messages = self._drop_analysis(out)
-            tools = any(_declares_functions(c) for m in messages for c in m.content)
-            options = h.RenderOptions(conversation_has_function_tools=tools)
-            ids: list[int] = []
-            for m in messages:
-                ids.extend(self._message_ids(m, tools, options))
-            ids.extend(self._suffix)
+            harmony_messages = self._drop_analysis(out)
+            declared = any(_declares_functions(c) for m in harmony_messages for c in m.content)
+            options = h.RenderOptions(conversation_has_function_tools=declared)
         except HarmonyError:
             raise
-        except (h.HarmonyError, ValueError, TypeError, AttributeError) as exc:
-            raise HarmonyError(f"harmony render: {type(exc).__name__}: {exc}") from None
+        except self._library_errors as exc:
+            raise _refused(exc) from None
+        ids: list[int] = []
+        for m in harmony_messages:
+            try:
+                ids.extend(self._message_ids(m, declared, options))
+            except self._library_errors as exc:
+                raise _refused(exc) from None
+            yield
+        ids.extend(self._suffix)
         return self._legacy_tool_call_headers(ids)
 
     def _message_ids(self, message: Any, tools: bool, options: Any) -> array:

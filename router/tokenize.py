@@ -485,7 +485,7 @@ class PromptTokenizer:
         source = "remote"
         if harmony is not None:
             try:
-                tokens = harmony.render(payload, payload["start_date"])
+                tokens = await harmony.render_async(payload, payload["start_date"])
             except HarmonyError as exc:
                 raise TokenizeError(str(exc)) from None
             source = "harmony"

@@ -9,6 +9,7 @@ routes a GPT-OSS model's chats through the router end to end (kind ``sinks``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,38 @@ def test_messages_render_once_and_the_cache_keeps_its_bound(monkeypatch: pytest.
     for case in rendered + rendered:
         assert tiny.render(case["body"]) == case["prompt_token_ids"], case["name"]
         assert tiny._cached_tokens <= 64
+
+
+async def test_a_long_first_render_gives_the_event_loop_turns(renderers):
+    """The library holds the GIL while it renders: a conversation of many turns seen for the
+    first time is rendered a slice at a time, the loop serving others in between, and the ids
+    are the same as in one go."""
+    for case in CASES:
+        if "error" not in case:
+            got = await renderers[case["system_instructions"]].render_async(case["body"])
+            assert got == case["prompt_token_ids"], case["name"]
+    messages: list[dict[str, Any]] = []
+    for i in range(400):
+        messages.append({"role": "user", "content": " ".join(f"u{i}w{j}" for j in range(60))})
+        messages.append({"role": "assistant", "content": f"answer {i}"})
+    messages.append({"role": "user", "content": "and now?"})
+    turns = 0
+    rendering = True
+
+    async def other_requests() -> None:
+        nonlocal turns
+        while rendering:
+            turns += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(other_requests())
+    await asyncio.sleep(0)
+    fresh = HarmonyRenderer(DATE)
+    ids = await fresh.render_async({"messages": messages})
+    rendering = False
+    await ticker
+    assert ids == HarmonyRenderer(DATE).render({"messages": messages})
+    assert turns > 10, turns
 
 
 def test_the_template_and_harmony_part_where_the_router_used_to_lose_a_system_prompt(renderers):
