@@ -92,9 +92,9 @@ async def main() -> dict[str, Any]:
         "renderer_load_s": round(load_s, 3),
         "renderer_rss_mb": round(rss_mb() - before, 1),
         "turn_ms": {},
+        "first_sight_ms": {},
+        "first_sight_stall_ms": {},
     }
-    out["first_sight_ms"] = {}
-    out["first_sight_stall_ms"] = {}
     for turns in (4, 32, 128, 384):
         history = conversation(turns)
         cold, stalls = [], []

@@ -112,7 +112,7 @@ def why(routers: tuple[Router, ...], engines: set[str]) -> list[dict[str, Any]]:
                 "remote_inflight": shared["remote_inflight"],
                 "cleared": [e for e in r._cleared_at if e[0] in engines],
                 "degraded": [e for e in r.index.engines() if r.subscriber.is_degraded(e)],
-                "unverified": [e for e in r.index.engines() if r._unverified([e])],
+                "unverified": sorted(r._unverified(r.index.engines())),
                 "decisions": [
                     (d["worker"], d["predicted_hit_tokens"], d["prompt_tokens"], d["reason"])
                     for d in r.recorder.decisions()
