@@ -307,8 +307,14 @@ class HarmonyRenderer:
         Msg, Role = h.Message, h.Role
         role = m.get("role")
         calls = m.get("tool_calls", [])
+        # vLLM's request model renames the deprecated field before rendering; only an
+        # assistant's reasoning is rendered, any other role's is ignored.
         reasoning = m.get("reasoning")
-        if reasoning is not None and not isinstance(reasoning, str):
+        if reasoning is None:
+            reasoning = m.get("reasoning_content")
+        if role != "assistant":
+            reasoning = None
+        elif reasoning is not None and not isinstance(reasoning, str):
             raise HarmonyError("reasoning: a string")
         out = []
         if role == "assistant" and calls:

@@ -17,6 +17,7 @@ loaded.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 from pathlib import Path
@@ -241,6 +242,61 @@ CHATS: list[tuple[str, dict[str, Any]]] = [
         {"tools": [{"type": "web_search_preview"}], "messages": [{"role": "user", "content": "x"}]},
     ),
     ("effort-none", {"reasoning_effort": "none", "messages": [{"role": "user", "content": "Hi"}]}),
+    (
+        "reasoning-content-turns",
+        {
+            "messages": [
+                {"role": "user", "content": "Pick a number."},
+                {"role": "assistant", "content": "7", "reasoning_content": "Any will do; 7."},
+                {"role": "user", "content": "Another?"},
+                {"role": "assistant", "content": "", "reasoning_content": "Still thinking."},
+                {"role": "user", "content": "Go on."},
+            ]
+        },
+    ),
+    (
+        "reasoning-content-tool-call",
+        {
+            "tools": [_WEATHER],
+            "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "reasoning_content": "Need the tool.",
+                    "tool_calls": [_CALL],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+            ],
+        },
+    ),
+    (
+        "reasoning-both-fields",
+        {
+            "tools": [_WEATHER],
+            "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "reasoning": "Kept.",
+                    "reasoning_content": "Not rendered.",
+                    "tool_calls": [_CALL],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+            ],
+        },
+    ),
+    (
+        "reasoning-off-assistant",
+        {
+            "messages": [
+                {"role": "user", "content": "Hi", "reasoning": {"note": 1}},
+                {"role": "assistant", "content": "Hello!"},
+                {"role": "user", "content": "Bye", "reasoning_content": "ignored"},
+            ]
+        },
+    ),
 ]
 
 
@@ -249,7 +305,9 @@ def render(body: dict[str, Any]) -> dict[str, Any]:
     from vllm.renderers.online_renderer import OnlineRenderer
 
     try:
-        req = ChatCompletionRequest(model="tiny", **body)
+        # The request model rewrites messages in place (``reasoning_content`` becomes
+        # ``reasoning``): the fixture keeps the body as the client sent it.
+        req = ChatCompletionRequest(model="tiny", **copy.deepcopy(body))
         tools = req.tools is not None
         host = SimpleNamespace(
             renderer=None, supports_browsing=False, supports_code_interpreter=False

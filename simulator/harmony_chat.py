@@ -78,10 +78,12 @@ class HarmonyChat:
         for m in msgs:
             role = m.get("role")
             if role == "assistant":
-                if m.get("reasoning"):
-                    parts.append(
-                        ("analysis", _message("assistant", str(m["reasoning"]), "analysis"))
-                    )
+                # ``reasoning_content`` is the field's older name, which vLLM still reads.
+                reasoning = m.get("reasoning")
+                if reasoning is None:
+                    reasoning = m.get("reasoning_content")
+                if reasoning:
+                    parts.append(("analysis", _message("assistant", str(reasoning), "analysis")))
                 answer = _text(m.get("content"))
                 if answer:
                     parts.append(("final", _message("assistant", answer, "final")))

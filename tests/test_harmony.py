@@ -134,7 +134,7 @@ def test_the_simulator_renders_harmony_as_vllm_does(monkeypatch: pytest.MonkeyPa
             continue
         assert sim.render(c["body"]) == c["prompt_token_ids"], c["name"]
         rendered += 1
-    assert rendered == 14
+    assert rendered == 16
 
 
 def test_the_date_is_the_workers_today_unless_pinned():
