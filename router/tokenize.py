@@ -103,6 +103,36 @@ def template_arguments(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def chat_messages(messages: list[Any]) -> list[Any]:
+    """The messages as vLLM's chat endpoint hands them to the template, for ``/tokenize``
+    (which reads them as sent) and a local template.
+
+    The endpoint's request model renames the deprecated ``reasoning_content`` to ``reasoning``
+    (vLLM 0.32 ``ChatCompletionRequest``); its message parser then gives an assistant message
+    both fields, the reasoning under each (templates read either: Qwen3 and DeepSeek-R1
+    ``reasoning_content``), and drops them from every other role. ``/tokenize`` skips the
+    rename, so a client echoing ``reasoning_content`` made the worker tokenize a prompt
+    without the reasoning its chat completion prefills. Messages without either field are
+    passed as they are (no copy)."""
+    if not any(
+        isinstance(m, dict) and ("reasoning" in m or "reasoning_content" in m) for m in messages
+    ):
+        return messages
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or ("reasoning" not in m and "reasoning_content" not in m):
+            out.append(m)
+            continue
+        reasoning = m.get("reasoning")
+        if reasoning is None:
+            reasoning = m.get("reasoning_content")
+        msg = {k: v for k, v in m.items() if k not in ("reasoning", "reasoning_content")}
+        if m.get("role") == "assistant" and reasoning is not None:
+            msg["reasoning"] = msg["reasoning_content"] = reasoning
+        out.append(msg)
+    return out
+
+
 class TokenIds:
     """A worker's ``/tokenize`` answer in the two forms the request path needs, each made once.
 
@@ -366,7 +396,7 @@ class PromptTokenizer:
             msgs = body.get("messages")
             if not isinstance(msgs, list):
                 return None
-            payload: dict[str, Any] = {"messages": msgs}
+            payload: dict[str, Any] = {"messages": chat_messages(msgs)}
             for k in CHAT_FORWARD_KEYS:
                 if k in body:
                     payload[k] = body[k]

@@ -302,8 +302,9 @@ class Worker:
             except HarmonyChatError as e:
                 raise ApiError(400, str(e), param="messages") from None
         kwargs = self.template_kwargs(data, completion=completion)
+        messages = template_messages(data.get("messages"), completion=completion)
         try:
-            return self.tokenizer.encode_chat(data.get("messages"), agp, cfm, kwargs)
+            return self.tokenizer.encode_chat(messages, agp, cfm, kwargs)
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
 
@@ -581,3 +582,25 @@ class Worker:
             "tokenize_calls": self.tokenize_calls,
             "lora": self.loras.state(),
         }
+
+
+def template_messages(messages: Any, *, completion: bool) -> Any:
+    """The messages as vLLM 0.32 hands them to the chat template. A chat completion's request
+    model first renames the deprecated ``reasoning_content`` to ``reasoning``
+    (``ChatCompletionRequest``); ``/tokenize``'s does not. The message parser then gives an
+    assistant message its ``reasoning`` under both names and drops both from other roles."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or ("reasoning" not in m and "reasoning_content" not in m):
+            out.append(m)
+            continue
+        reasoning = m.get("reasoning")
+        if reasoning is None and completion:
+            reasoning = m.get("reasoning_content")
+        msg = {k: v for k, v in m.items() if k not in ("reasoning", "reasoning_content")}
+        if m.get("role") == "assistant" and reasoning is not None:
+            msg["reasoning"] = msg["reasoning_content"] = reasoning
+        out.append(msg)
+    return out

@@ -168,7 +168,8 @@ class Tokenizer:
     ) -> str:
         """The built-in template; of the template arguments it reads ``documents`` (a block
         before the messages) and ``enable_thinking`` (false: an empty thinking block after the
-        generation prompt, as Qwen3's template writes)."""
+        generation prompt, as Qwen3's template writes); an assistant message's ``reasoning``
+        goes in a thinking block before its content."""
         kwargs = kwargs or {}
         if not isinstance(messages, list) or not messages:
             raise ChatTemplateError("'messages' must be a non-empty list")
@@ -186,6 +187,9 @@ class Tokenizer:
         for i, m in enumerate(messages):
             content = self._content(m)
             role = m["role"]
+            reasoning = m.get("reasoning")
+            if role == "assistant" and isinstance(reasoning, str) and reasoning:
+                content = f"<think>{reasoning}</think>{content}"
             close = not (continue_final_message and i == last)
             if self.template == "alt":
                 out.append(f"<|im_start|>{role}\n{content}" + ("<|im_end|>\n" if close else ""))

@@ -1,7 +1,9 @@
 """A chat's ``documents`` and ``reasoning_effort`` reach vLLM's chat template but not
 ``/tokenize``'s unless passed inside ``chat_template_kwargs``: the router passes them there
 (router/tokenize.py ``template_arguments``) and counts the tokens vLLM prefills, against
-simulated workers whose template reads them as vLLM 0.32 hands them over."""
+simulated workers whose template reads them as vLLM 0.32 hands them over. The same for an
+assistant turn's reasoning under the deprecated ``reasoning_content``, which the chat endpoint
+renames and ``/tokenize`` does not (``chat_messages``)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import httpx
 import pytest
 from test_router_support import config_for, serve_router, until, write_tokenizer
 
-from router.tokenize import PromptTokenizer, template_arguments
+from router.tokenize import PromptTokenizer, chat_messages, template_arguments
 from simulator.testing import running_fleet
 
 pytestmark = pytest.mark.timeout(120)
@@ -135,3 +137,84 @@ async def test_tools_are_rendered_in_the_clients_key_order(tmp_path: Path) -> No
             again = (await c.post(base + "/v1/chat/completions", json=chat)).json()
             cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert cached == plan["predicted_hit_tokens"] == whole > 200
+
+
+def test_reasoning_reaches_the_template_under_both_names_and_only_for_the_assistant() -> None:
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert chat_messages(plain) is plain  # nothing to rename: the same list, no copy
+    sent = [
+        {"role": "user", "content": "hi", "reasoning_content": "not rendered"},
+        {"role": "assistant", "content": "yo", "reasoning_content": "old name"},
+        {"role": "assistant", "content": "", "reasoning": "new", "reasoning_content": "lost"},
+        {"role": "assistant", "content": "x", "reasoning": None, "reasoning_content": "kept"},
+        {"role": "assistant", "content": "y", "reasoning": ""},
+    ]
+    assert chat_messages(sent) == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo", "reasoning": "old name",
+         "reasoning_content": "old name"},
+        {"role": "assistant", "content": "", "reasoning": "new", "reasoning_content": "new"},
+        {"role": "assistant", "content": "x", "reasoning": "kept", "reasoning_content": "kept"},
+        {"role": "assistant", "content": "y", "reasoning": "", "reasoning_content": ""},
+    ]  # fmt: skip
+    assert sent[1] == {"role": "assistant", "content": "yo", "reasoning_content": "old name"}
+    payload = PromptTokenizer.tokenize_payload({"messages": sent}, True)
+    assert isinstance(payload, dict) and payload["messages"] == chat_messages(sent)
+
+
+THINKING_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m['reasoning_content'] is defined and m['reasoning_content'] %}"
+    "<think>{{ m['reasoning_content'] }}</think>{% endif %}{{ m['content'] }}<|end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""Reads the reasoning as Qwen3's and DeepSeek-R1's templates do, as ``reasoning_content``."""
+
+
+@pytest.mark.parametrize("tokenizer", ["remote", "local"])
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+async def test_an_earlier_turns_reasoning_is_counted_as_the_chat_endpoint_renders_it(
+    tmp_path: Path, field: str, tokenizer: str
+) -> None:
+    """An agent's next request repeats the assistant turn with its reasoning, under either
+    field name; the worker's chat endpoint renders it (the built-in template, or one reading
+    ``reasoning_content``), and the router counts and matches the same tokens, asking the
+    worker's ``/tokenize`` or rendering the template itself."""
+    model = write_tokenizer(tmp_path / "model", template=THINKING_TEMPLATE)
+    fleet_args: dict[str, Any] = {"tokenizer": model} if tokenizer == "local" else {}
+    sections = {"tokenizer": {"mode": "local", "path": model}} if tokenizer == "local" else {}
+    thought = " ".join(f"t{i}" for i in range(80))
+    question = " ".join(f"q{i}" for i in range(60))
+    turn = {"role": "assistant", "content": "Let me check.", field: thought}
+    chat: dict[str, Any] = {
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": question}, turn,
+                     {"role": "user", "content": "and then?"}],
+        "max_tokens": 1,
+    }  # fmt: skip
+    bare = {**chat, "messages": [chat["messages"][0], {**turn, field: None}, chat["messages"][2]]}
+    with running_fleet(1, **fleet_args, **FAST) as ws:
+        async with (
+            serve_router(config_for(ws, **sections)) as (base, router),
+            httpx.AsyncClient(timeout=30) as c,
+        ):
+            await until(lambda: all(w.subscribed for w in router.registry.workers.values()), 20)
+            if tokenizer == "local":
+                assert router.tokenizer.local is not None  # agreed with the worker at start
+            first = await c.post(base + "/v1/chat/completions", json=chat)
+            assert first.status_code == 200, first.text
+            n = first.json()["usage"]["prompt_tokens"]
+            without = (await c.post(base + "/debug/route", json=bare)).json()
+            assert without["tokenization"] == tokenizer
+            assert n > without["prompt_tokens"] + 60  # the reasoning is in what was prefilled
+            whole = (n - 1) // 16 * 16
+
+            async def indexed() -> dict[str, Any] | None:
+                plan = (await c.post(base + "/debug/route", json=chat)).json()
+                return plan if plan["workers"][0]["gpu_hit_tokens"] >= whole else None
+
+            plan = await until(indexed, 20, "the chat's blocks under the router's keys")
+            assert plan["prompt_tokens"] == n
+            again = (await c.post(base + "/v1/chat/completions", json=chat)).json()
+            cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached == plan["predicted_hit_tokens"] == whole

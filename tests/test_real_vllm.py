@@ -812,8 +812,10 @@ async def test_request_fields_that_change_the_prefilled_prompt_on_real_vllm(
     prediction equal to vLLM's cached tokens for the window it kept; text with special tokens
     cut without an explicit side, where the tokenizer decides what stays, and ``-1`` served and
     never scored against the index), a chat's ``reasoning_effort`` and ``documents``, which
-    vLLM's chat template sees and ``/tokenize`` only inside ``chat_template_kwargs``, and a
-    completion batch (the last prompt's cached tokens reported: not scored)."""
+    vLLM's chat template sees and ``/tokenize`` only inside ``chat_template_kwargs``, an
+    earlier turn's reasoning under the deprecated ``reasoning_content``, which the chat
+    endpoint renames to ``reasoning`` and ``/tokenize`` does not, and a completion batch (the
+    last prompt's cached tokens reported: not scored)."""
     rng = random.Random(SEED + 5)
     head = [rng.randrange(FIRST_PLAIN_TOKEN, VOCAB) for _ in range(300)]
     with _served(vllm_python, KINDS["dense"], models, tmp_path) as (served, taps):
@@ -822,6 +824,11 @@ async def test_request_fields_that_change_the_prefilled_prompt_on_real_vllm(
             sender = ThroughRouter(base, taps)
             chat = {"messages": [{"role": "user", "content": "truncated " * 40}]}
             docs = [{"title": "manual", "text": "the pump starts when the valve opens"}]
+
+            def thought(field: str) -> dict[str, Any]:
+                turn = {"role": "assistant", "content": "checking", field: "think " * 60}
+                return {"messages": [{"role": "user", "content": "plan " * 30}, turn,
+                                     {"role": "user", "content": "go on"}]}  # fmt: skip
 
             def scenario() -> dict[str, int]:
                 plan: list[tuple[str, dict[str, Any], bool]] = [
@@ -840,6 +847,9 @@ async def test_request_fields_that_change_the_prefilled_prompt_on_real_vllm(
                     ("chat-no-thinking-again", {**chat, "reasoning_effort": "none"}, True),
                     ("chat-documents", {**chat, "documents": docs}, True),
                     ("chat-documents-again", {**chat, "documents": docs}, True),
+                    ("chat-reasoning-content", thought("reasoning_content"), True),
+                    ("chat-reasoning-content-again", thought("reasoning_content"), True),
+                    ("chat-reasoning", thought("reasoning"), True),
                 ]  # fmt: skip
                 for label, body, is_chat in plan:
                     sender.send(label, {**body, "max_tokens": 2}, is_chat)
@@ -886,6 +896,8 @@ async def test_request_fields_that_change_the_prefilled_prompt_on_real_vllm(
     assert (unscored["batch"], unscored["batch-cached"]) == (400, 0), unscored
     for label in ("chat-no-thinking-again", "chat-documents-again"):
         assert hits[label] > 0, hits
+    # vLLM's chat endpoint renders an earlier turn's reasoning under either name alike.
+    assert hits["chat-reasoning"] == hits["chat-reasoning-content-again"] > 60, hits
 
 
 async def test_an_engine_asleep_is_seen_and_its_cache_kept_at_level_0_on_real_vllm(
