@@ -12,7 +12,9 @@ tokenized once per request.
 Optional ``tokenizer.mode: local``: a ``tokenizers`` tokenizer from ``tokenizer.path``
 (``tokenizer.json``; chat template from ``tokenizer_config.json`` rendered with jinja2), checked
 against a worker's ``/tokenize`` at start-up (:meth:`PromptTokenizer.verify_local`); on any
-mismatch the router logs it and stays remote.
+mismatch the router logs it and stays remote. It renders the chats whose messages it can hand
+the template exactly as vLLM's parser does (:func:`local_conversation`: string content, no
+tool calls or tool results); any other chat goes to a worker's ``/tokenize``.
 
 A GPT-OSS fleet (``model.chat_format``): vLLM renders such a model's chats in the harmony format
 rather than with its template, and so does the router, in process (router/harmony.py); the
@@ -49,6 +51,7 @@ import xxhash
 
 from indexer.keys import chain_keys, tokens_to_bytes
 from indexer.native import ids_from_json, ids_to_json
+from router.anthropic import BILLING_HEADER
 from router.harmony import HarmonyChats, HarmonyError, HarmonyRenderer
 from router.truncation import prefilled_window
 
@@ -129,6 +132,47 @@ def chat_messages(messages: list[Any]) -> list[Any]:
         msg = {k: v for k, v in m.items() if k not in ("reasoning", "reasoning_content")}
         if m.get("role") == "assistant" and reasoning is not None:
             msg["reasoning"] = msg["reasoning_content"] = reasoning
+        out.append(msg)
+    return out
+
+
+_LOCAL_ROLES = frozenset({"system", "user", "assistant"})
+
+
+def local_conversation(messages: Any) -> list[dict[str, Any]]:
+    """The messages as vLLM 0.32's chat parser hands them to a string-format template, for the
+    shapes a local template renders exactly: roles system, user and assistant, content a
+    string (an assistant's may be absent: the template gets ""). The parser keeps only
+    ``role``, ``content``, a string ``name`` and an assistant's reasoning (under both names,
+    already set by :func:`chat_messages`) and drops a system message's leading
+    ``x-anthropic-billing-header`` line. Content parts, tool calls, tool results and developer
+    messages raise: vLLM joins parts by the template's content format, parses tool-call
+    arguments into objects and converts developer messages by what the template supports,
+    none of which a raw render does; the worker's ``/tokenize`` renders those."""
+    if not isinstance(messages, list):
+        raise TokenizeError("messages: a list")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict):
+            raise TokenizeError("each message an object")
+        role = m.get("role")
+        if role not in _LOCAL_ROLES:
+            raise TokenizeError(f"a {role!r} message: rendered by the worker")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise TokenizeError("content that is not a string: rendered by the worker")
+        if m.get("tool_calls"):
+            raise TokenizeError("tool calls: rendered by the worker")
+        if role == "system" and content.startswith(BILLING_HEADER):
+            content = content.partition("\n")[2]
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant" and m.get("reasoning") is not None:
+            msg["reasoning"] = msg["reasoning_content"] = m["reasoning"]
+        for key in ("name", "task"):
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
         out.append(msg)
     return out
 
@@ -327,7 +371,7 @@ class LocalTokenizer:
             raise TokenizeError("request-supplied chat_template: use the worker")
         kwargs = dict(req.get("chat_template_kwargs") or {})
         text = self.template.render(
-            messages=req["messages"],
+            messages=local_conversation(req["messages"]),
             tools=req.get("tools"),
             add_generation_prompt=req.get("add_generation_prompt", True)
             and not req.get("continue_final_message", False),

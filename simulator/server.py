@@ -585,22 +585,78 @@ class Worker:
 
 
 def template_messages(messages: Any, *, completion: bool) -> Any:
-    """The messages as vLLM 0.32 hands them to the chat template. A chat completion's request
-    model first renames the deprecated ``reasoning_content`` to ``reasoning``
-    (``ChatCompletionRequest``); ``/tokenize``'s does not. The message parser then gives an
-    assistant message its ``reasoning`` under both names and drops both from other roles."""
-    if not isinstance(messages, list):
+    """The messages as vLLM 0.32's chat parser hands them to a string-format template.
+
+    A chat completion's request model first renames the deprecated ``reasoning_content`` to
+    ``reasoning`` (``ChatCompletionRequest``); ``/tokenize``'s does not. The parser then keeps
+    ``role`` and ``content`` (absent: ""; text parts joined by newlines), an assistant's
+    ``tool_calls`` (arguments parsed into an object, ``{}`` when empty or not a JSON object; an
+    empty list dropped) and its reasoning under both names, a tool message's
+    ``tool_call_id``, and a string ``name``; everything else is dropped. A body this does not
+    read (not a list of objects, media parts) is passed on for the template to refuse."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         return messages
-    out = []
-    for m in messages:
-        if not isinstance(m, dict) or ("reasoning" not in m and "reasoning_content" not in m):
-            out.append(m)
-            continue
+    return [_template_message(m, completion) for m in messages]
+
+
+def _template_message(m: dict[str, Any], completion: bool) -> dict[str, Any]:
+    role = m.get("role")
+    content = m.get("content")
+    if role == "system":
+        content = _without_billing_line(content)
+    if content is None:
+        content = ""
+    elif isinstance(content, list) and all(
+        isinstance(p, str) or (isinstance(p, dict) and p.get("type") == "text") for p in content
+    ):
+        content = "\n".join(p if isinstance(p, str) else str(p.get("text", "")) for p in content)
+    msg: dict[str, Any] = {"role": role, "content": content}
+    if role == "assistant":
+        calls = m.get("tool_calls")
+        if isinstance(calls, list) and calls:
+            msg["tool_calls"] = [_parsed_call(c) for c in calls]
         reasoning = m.get("reasoning")
         if reasoning is None and completion:
             reasoning = m.get("reasoning_content")
-        msg = {k: v for k, v in m.items() if k not in ("reasoning", "reasoning_content")}
-        if m.get("role") == "assistant" and reasoning is not None:
+        if reasoning is not None:
             msg["reasoning"] = msg["reasoning_content"] = reasoning
-        out.append(msg)
+    elif role == "tool" and "tool_call_id" in m:
+        msg["tool_call_id"] = m["tool_call_id"]
+    if isinstance(m.get("name"), str):
+        msg["name"] = m["name"]
+    return msg
+
+
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def _without_billing_line(content: Any) -> Any:
+    """A system prompt without Claude Code's attribution line, whose value changes on every
+    request (vLLM drops it from a system message's text, and the part if nothing is left)."""
+    if isinstance(content, str):
+        return content.partition("\n")[2] if content.startswith(BILLING_HEADER) else content
+    if not isinstance(content, list):
+        return content
+    out = []
+    for p in content:
+        text = p if isinstance(p, str) else p.get("text") if isinstance(p, dict) else None
+        if not (isinstance(text, str) and text.startswith(BILLING_HEADER)):
+            out.append(p)
+        elif rest := text.partition("\n")[2]:
+            out.append(rest if isinstance(p, str) else {**p, "text": rest})
     return out
+
+
+def _parsed_call(call: Any) -> Any:
+    """A tool call's arguments as an object, as templates expect them."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    args = call["function"].get("arguments")
+    if isinstance(args, str) and args:
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            args = {}
+    if not isinstance(args, dict):
+        args = {}
+    return {**call, "function": {**call["function"], "arguments": args}}

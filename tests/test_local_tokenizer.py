@@ -96,3 +96,65 @@ async def test_local_tokenizer_that_differs_from_the_workers_is_not_used(tmp_pat
             assert router.tokenizer.local is None
             e = (await c.post(base + "/debug/route", json={"prompt": words(50, "x")})).json()
             assert e["tokenization"] == "remote"
+
+
+AGENT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{% if m['tool_calls'] is defined %}{% for c in m['tool_calls'] %}<call>"
+    "{{ c['function']['name'] }} {{ c['function']['arguments'] | tojson }}</call>{% endfor %}"
+    "{% endif %}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""Renders content and tool calls as agent models' templates do."""
+
+
+async def test_an_agents_chat_is_counted_as_the_worker_renders_it(tmp_path: Path):
+    """vLLM's parser hands the template an absent content as "", text parts joined, tool-call
+    arguments as objects, and a system prompt without Claude Code's billing line. The router
+    renders locally the shapes it hands over the same way and sends the others to a worker's
+    ``/tokenize``; either way it counts what the worker prefills and finds it cached."""
+    model = write_tokenizer(tmp_path / "model", template=AGENT_TEMPLATE)
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "ls", "arguments": '{"path": "/srv"}'}}  # fmt: skip
+    system = {"role": "system", "content": words(60, "agent")}
+    user = {"role": "user", "content": words(40, "ask")}
+    chats = {
+        "plain": ("local", [system, user]),
+        "billing line": (
+            "local",
+            [{"role": "system", "content": "x-anthropic-billing-header: cch=1;\n" + words(60, "b")},
+             user],
+        ),
+        "tool round trip": (
+            "remote",
+            [system, user, {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "c1", "content": "a b c"}],
+        ),
+        "text parts": (
+            "remote",
+            [system, {"role": "user", "content": [{"type": "text", "text": words(30, "p1")},
+                                                  {"type": "text", "text": words(30, "p2")}]}],
+        ),
+    }  # fmt: skip
+    with running_fleet(1, tokenizer=model, **FAST) as fleet:
+        cfg = config_for(fleet, tokenizer={"mode": "local", "path": model})
+        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
+            await until(lambda: c.get(base + "/ready"), 20)
+            assert router.tokenizer.local is not None
+            for label, (source, messages) in chats.items():
+                body = {"model": "sim-model", "messages": messages, "max_tokens": 1}
+                e = (await c.post(base + "/debug/route", json=body)).json()
+                assert e["tokenization"].split("+")[0] == source, label
+                r = await c.post(base + "/v1/chat/completions", json=body)
+                assert r.status_code == 200, (label, r.text)
+                n = r.json()["usage"]["prompt_tokens"]
+                assert e["prompt_tokens"] == n, label
+                whole = (n - 1) // 16 * 16
+
+                async def indexed(b: dict[str, Any] = body, w: int = whole) -> Any:
+                    e = (await c.post(base + "/debug/route", json=b)).json()
+                    return e if e["workers"][0]["gpu_hit_tokens"] >= w else None
+
+                e = await until(indexed, 20, f"{label}: its blocks under the router's keys")
+                again = (await c.post(base + "/v1/chat/completions", json=body)).json()
+                cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert cached == e["predicted_hit_tokens"] == whole, label

@@ -900,6 +900,66 @@ async def test_request_fields_that_change_the_prefilled_prompt_on_real_vllm(
     assert hits["chat-reasoning"] == hits["chat-reasoning-content-again"] > 60, hits
 
 
+async def test_a_local_tokenizer_counts_an_agents_chats_as_vllm_prefills_them_on_real_vllm(
+    vllm_python: Path, models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tokenizer.mode: local`` on the dense model: chats the router renders itself (plain
+    strings, a system prompt opening with Claude Code's billing line, which vLLM drops) and
+    chats it sends to the worker's ``/tokenize`` (an assistant turn with no content and a tool
+    call, whose arguments vLLM hands the template as an object; a tool result; text parts,
+    which vLLM joins), each twice: every prediction equals vLLM's cached tokens."""
+    rng = random.Random(SEED + 7)
+
+    def text(n: int) -> str:
+        return " ".join(f"w{rng.randrange(10**6)}" for _ in range(n))
+
+    system = {"role": "system", "content": text(120)}
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "ls", "arguments": '{"path": "/srv"}'}}  # fmt: skip
+    chats = {
+        "plain": [system, {"role": "user", "content": text(40)}],
+        "billing-line": [
+            {"role": "system", "content": "x-anthropic-billing-header: cch=7;\n" + text(120)},
+            {"role": "user", "content": text(40)},
+        ],
+        "tool-round-trip": [
+            system, {"role": "user", "content": text(40)},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": text(30)},
+        ],
+        "text-parts": [
+            system, {"role": "user", "content": [{"type": "text", "text": text(30)},
+                                                 {"type": "text", "text": text(30)}]},
+        ],
+    }  # fmt: skip
+    with _served(vllm_python, KINDS["dense"], models, tmp_path) as (served, taps):
+        cfg = _config(served)
+        cfg.tokenizer.mode, cfg.tokenizer.path = "local", str(models / KINDS["dense"].model)
+        async with serve_router(cfg) as (base, router):
+            await _router_ready(base)
+            assert router.tokenizer.local is not None  # agreed with vLLM's /tokenize at start
+            sender = ThroughRouter(base, taps)
+
+            def scenario() -> None:
+                for label, messages in chats.items():
+                    for again in ("", "-again"):
+                        sender.send(label + again, {"messages": messages, "max_tokens": 2}, True)
+
+            await asyncio.to_thread(scenario)
+            sender.client.close()
+    out = sender.outcomes
+    wrong = [f"{o.label}: {o.predicted} vs {o.cached}" for o in out if o.predicted != o.cached]
+    hits = {o.label: o.cached for o in out}
+    with capsys.disabled():
+        print(
+            f"\n[real vLLM {VLLM_VERSION} dense, local tokenizer: an agent's chats] "
+            f"{len(out) - len(wrong)}/{len(out)} predictions == cached_tokens; {hits}"
+        )
+    assert wrong == [], wrong
+    for label in chats:
+        assert hits[label + "-again"] > 100, hits
+
+
 async def test_an_engine_asleep_is_seen_and_its_cache_kept_at_level_0_on_real_vllm(
     vllm_python: Path, models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
