@@ -804,6 +804,22 @@ async def _first_of_two_waiting(
     return order if valid else None
 
 
+def _all_exact(
+    out: list[Outcome], title: str, capsys: pytest.CaptureFixture[str], more: str = ""
+) -> dict[str, int]:
+    """Prints the scenario's cached tokens per label and asserts every prediction equalled
+    them; returns them."""
+    wrong = [f"{o.label}: {o.predicted} vs {o.cached}" for o in out if o.predicted != o.cached]
+    hits = {o.label: o.cached for o in out}
+    with capsys.disabled():
+        print(
+            f"\n[real vLLM {VLLM_VERSION} {title}] {len(out) - len(wrong)}/{len(out)} "
+            f"predictions == cached_tokens; {hits}{more}"
+        )
+    assert wrong == [], wrong
+    return hits
+
+
 async def test_request_fields_that_change_the_prefilled_prompt_on_real_vllm(
     vllm_python: Path, models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -879,16 +895,12 @@ async def test_request_fields_that_change_the_prefilled_prompt_on_real_vllm(
 
             unscored = await asyncio.to_thread(scenario)
             sender.client.close()
-    out = sender.outcomes
-    wrong = [f"{o.label}: {o.predicted} vs {o.cached}" for o in out if o.predicted != o.cached]
-    hits = {o.label: o.cached for o in out}
-    with capsys.disabled():
-        print(
-            f"\n[real vLLM {VLLM_VERSION} dense: truncation, template arguments] "
-            f"{len(out) - len(wrong)}/{len(out)} predictions == cached_tokens; {hits}; "
-            f"unscored prompt_tokens {unscored}"
-        )
-    assert wrong == [], wrong
+    hits = _all_exact(
+        sender.outcomes,
+        "dense: truncation, template arguments",
+        capsys,
+        f"; unscored prompt_tokens {unscored}",
+    )
     assert hits["left-100"] == 0 and hits["left-100-again"] > 0, hits
     assert hits["right-150"] > 0 and hits["left-explicit-100"] == hits["left-100-again"], hits
     assert hits["fits-1000"] > 0 and hits["chat-left-80-again"] > 0, hits
@@ -947,15 +959,7 @@ async def test_a_local_tokenizer_counts_an_agents_chats_as_vllm_prefills_them_on
 
             await asyncio.to_thread(scenario)
             sender.client.close()
-    out = sender.outcomes
-    wrong = [f"{o.label}: {o.predicted} vs {o.cached}" for o in out if o.predicted != o.cached]
-    hits = {o.label: o.cached for o in out}
-    with capsys.disabled():
-        print(
-            f"\n[real vLLM {VLLM_VERSION} dense, local tokenizer: an agent's chats] "
-            f"{len(out) - len(wrong)}/{len(out)} predictions == cached_tokens; {hits}"
-        )
-    assert wrong == [], wrong
+    hits = _all_exact(sender.outcomes, "dense, local tokenizer: an agent's chats", capsys)
     for label in chats:
         assert hits[label + "-again"] > 100, hits
 
