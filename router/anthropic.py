@@ -114,7 +114,9 @@ def _check(m: Any) -> None:
     if not isinstance(content, list):
         raise _Unreadable
     for b in content:
-        if not isinstance(b, dict) or b.get("type") not in _BLOCKS:
+        if not isinstance(b, dict) or not isinstance(b.get("type"), str):
+            raise _Unreadable  # a list or object type would not even hash
+        if b["type"] not in _BLOCKS:
             raise _Unreadable
         if b["type"] in _TOOL_CHANGES and m["role"] != "system":
             raise _Unreadable  # vLLM: only allowed in messages with role "system"
@@ -141,7 +143,9 @@ def _system_parts(system: Any) -> list[str]:
         raise _Unreadable
     out = []
     for b in system:
-        if not isinstance(b, dict) or b.get("type") not in _BLOCKS:
+        if not isinstance(b, dict) or not isinstance(b.get("type"), str):
+            raise _Unreadable
+        if b["type"] not in _BLOCKS:
             raise _Unreadable
         text = _str_or_none(b.get("text"))
         if b["type"] == "text" and text and not text.startswith(BILLING_HEADER):

@@ -154,7 +154,8 @@ def _parts(content: Any) -> list[dict[str, str]]:
     for part in content:
         if (
             not isinstance(part, dict)
-            or part.get("type") not in _TEXT_PARTS
+            or not isinstance(part.get("type"), str)  # a list or object would not hash
+            or part["type"] not in _TEXT_PARTS
             or not isinstance(part.get("text"), str)
         ):
             raise _Unreadable
@@ -222,7 +223,7 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
             if t.get("description") is not None:
                 fn["description"] = t["description"]
             out.append({"type": "function", "function": fn})
-    return out or None
+    return out  # [] for built-in tools only: vLLM hands the template an empty list, not none
 
 
 def _function(t: dict[str, Any]) -> dict[str, Any]:

@@ -136,7 +136,7 @@ def chat_messages(messages: list[Any]) -> list[Any]:
     return out
 
 
-_LOCAL_ROLES = frozenset({"system", "user", "assistant"})
+_LOCAL_ROLES = ("system", "user", "assistant")  # a tuple: any role value compares
 
 
 def local_conversation(messages: Any) -> list[dict[str, Any]]:

@@ -356,6 +356,7 @@ RESPONSES: list[tuple[str, dict[str, Any]]] = [
             ],
         },
     ),
+    ("builtin-tools-only", {"input": "look it up", "tools": [{"type": "web_search"}]}),
 ]
 
 

@@ -87,6 +87,8 @@ def test_a_prompt_the_router_cannot_reproduce_is_routed_by_load() -> None:
         {"messages": []},
         {"messages": [user], "tools": [{"name": "t"}]},  # no input_schema
         {"messages": [user], "system": [{"type": "text", "text": 5}]},
+        {"messages": [{"role": "user", "content": [{"type": ["text"]}]}]},  # unhashable types
+        {"messages": [user], "system": [{"type": {}}]},
     ]
     for body in refused:
         assert chat_request(body, False) is None, body

@@ -54,7 +54,8 @@ def test_bodies_read_as_vllm_converts_them(case: dict[str, Any]) -> None:
 
 def test_the_fixture_covers_what_agents_send() -> None:
     labels = {c["label"] for c in CASES}
-    assert {"agent-turns", "parts", "encrypted-reasoning", "custom-and-namespaced-tools"} <= labels
+    assert {"agent-turns", "parts", "encrypted-reasoning", "custom-and-namespaced-tools",
+            "builtin-tools-only"} <= labels  # fmt: skip
     agent = next(c for c in CASES if c["label"] == "agent-turns")
     roles = [m["role"] for m in agent["messages"]]
     assert roles.count("tool") == 3 and any("tool_calls" in m for m in agent["messages"])
@@ -73,6 +74,7 @@ def test_a_prompt_the_router_cannot_reproduce_is_routed_by_load() -> None:
         {"input": []},
         {"input": 5},
         {"instructions": 5, "input": "x"},
+        {"input": [{"type": "message", "role": "user", "content": [{"type": ["x"], "text": "a"}]}]},
     ]
     for body in refused:
         assert chat_request(body) is None, body
