@@ -117,14 +117,9 @@ def chat_messages(messages: list[Any]) -> list[Any]:
     rename, so a client echoing ``reasoning_content`` made the worker tokenize a prompt
     without the reasoning its chat completion prefills. Messages without either field are
     passed as they are (no copy)."""
-    if not any(
-        isinstance(m, dict) and ("reasoning" in m or "reasoning_content" in m) for m in messages
-    ):
-        return messages
-    out = []
-    for m in messages:
+    out: list[Any] | None = None
+    for i, m in enumerate(messages):
         if not isinstance(m, dict) or ("reasoning" not in m and "reasoning_content" not in m):
-            out.append(m)
             continue
         reasoning = m.get("reasoning")
         if reasoning is None:
@@ -132,8 +127,10 @@ def chat_messages(messages: list[Any]) -> list[Any]:
         msg = {k: v for k, v in m.items() if k not in ("reasoning", "reasoning_content")}
         if m.get("role") == "assistant" and reasoning is not None:
             msg["reasoning"] = msg["reasoning_content"] = reasoning
-        out.append(msg)
-    return out
+        if out is None:
+            out = list(messages)
+        out[i] = msg
+    return messages if out is None else out
 
 
 _LOCAL_ROLES = ("system", "user", "assistant")  # a tuple: any role value compares
