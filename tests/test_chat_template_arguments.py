@@ -12,7 +12,13 @@ from typing import Any
 
 import httpx
 import pytest
-from test_router_support import config_for, serve_router, until, write_tokenizer
+from test_router_support import (
+    config_for,
+    serve_router,
+    served_again_as_predicted,
+    until,
+    write_tokenizer,
+)
 
 from router.tokenize import PromptTokenizer, chat_messages, template_arguments
 from simulator.testing import running_fleet
@@ -89,26 +95,6 @@ async def _hit(c: httpx.AsyncClient, base: str, body: dict[str, Any]) -> bool:
     return e["workers"][0]["gpu_hit_tokens"] > 0
 
 
-async def _served_again_as_predicted(
-    c: httpx.AsyncClient, base: str, chat: dict[str, Any], n: int
-) -> int:
-    """Once the router finds every block of the ``n``-token chat but the one holding its last
-    token under its own keys, the chat again: its cached tokens equal the prediction and those
-    blocks. Returns the cached tokens."""
-    whole = (n - 1) // 16 * 16
-
-    async def indexed() -> dict[str, Any] | None:
-        plan = (await c.post(base + "/debug/route", json=chat)).json()
-        return plan if plan["workers"][0]["gpu_hit_tokens"] >= whole else None
-
-    plan = await until(indexed, 20, "the chat's blocks under the router's keys")
-    assert plan["prompt_tokens"] == n
-    again = (await c.post(base + "/v1/chat/completions", json=chat)).json()
-    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached == plan["predicted_hit_tokens"] == whole
-    return cached
-
-
 TOOLS_TEMPLATE = (
     "{{ bos_token }}{% if tools %}<|system|>\n{{ tools | tojson(indent=2) }}<|end|>\n{% endif %}"
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -146,7 +132,7 @@ async def test_tools_are_rendered_in_the_clients_key_order(tmp_path: Path) -> No
             first = await c.post(base + "/v1/chat/completions", json=chat)
             assert first.status_code == 200, first.text
             n = first.json()["usage"]["prompt_tokens"]
-            assert await _served_again_as_predicted(c, base, chat, n) > 200
+            assert await served_again_as_predicted(c, base, chat, n) > 200
 
 
 def test_reasoning_reaches_the_template_under_both_names_and_only_for_the_assistant() -> None:
@@ -217,4 +203,4 @@ async def test_an_earlier_turns_reasoning_is_counted_as_the_chat_endpoint_render
             without = (await c.post(base + "/debug/route", json=bare)).json()
             assert without["tokenization"] == tokenizer
             assert n > without["prompt_tokens"] + 60  # the reasoning is in what was prefilled
-            assert await _served_again_as_predicted(c, base, chat, n) > 0
+            assert await served_again_as_predicted(c, base, chat, n) > 0

@@ -97,6 +97,24 @@ async def worker_load(client: Any, worker_url: str, field: str) -> float:
     return sum(engine.get(field, 0.0) for engine in parse_vllm_metrics(text).values())
 
 
+async def served_again_as_predicted(c: Any, base: str, chat: dict[str, Any], n: int) -> int:
+    """Once the router (one worker) finds every block of the ``n``-token chat but the one
+    holding its last token under its own keys, the chat again: its cached tokens equal the
+    prediction and those blocks. Returns the cached tokens."""
+    whole = (n - 1) // 16 * 16
+
+    async def indexed() -> dict[str, Any] | None:
+        plan = (await c.post(base + "/debug/route", json=chat)).json()
+        return plan if plan["workers"][0]["gpu_hit_tokens"] >= whole else None
+
+    plan = await until(indexed, 20, "the chat's blocks under the router's keys")
+    assert plan["prompt_tokens"] == n
+    again = (await c.post(base + "/v1/chat/completions", json=chat)).json()
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == plan["predicted_hit_tokens"] == whole
+    return cached
+
+
 def config_for(workers: list[Any], **sections: dict[str, Any]) -> Config:
     cfg = Config(
         workers=[
