@@ -110,9 +110,16 @@ def test_sigterm_drains_a_long_stream(tmp_path: Path) -> None:
         assert b"draining" in proc.stderr.read()  # type: ignore[union-attr]
 
 
+def _demo_port() -> int:
+    """A free port for the demo's router below the range its own fleet picks ports from
+    (20000 up): the fleet starts first and could otherwise take the port before the router
+    binds it (seen once: the router exited on 'address already in use')."""
+    return find_port_block(1, lo=10000, hi=19999)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_demo_serve_ends_its_fleet_on_a_signal(sig: signal.Signals, tmp_path: Path) -> None:
-    port = find_port_block(1)
+    port = _demo_port()
     # stderr to a file, with faulthandler on: if the demo outlives the signal, SIGABRT makes it
     # print every thread's stack there, and the failure shows where it was stuck.
     err_path = tmp_path / "demo.err"
@@ -201,7 +208,7 @@ def test_demo_serve_ends_on_sigterm_while_answering_requests(tmp_path: Path) -> 
     most often inside a request. The demo still ends (exit 143) and takes its fleet with it.
     Two rounds: a handler that raised where the signal landed hung about two runs in three."""
     for attempt in range(2):
-        port = find_port_block(1)
+        port = _demo_port()
         err_path = tmp_path / f"demo{attempt}.err"
         err = err_path.open("wb")
         proc = subprocess.Popen(
