@@ -110,6 +110,10 @@ class ModelConfig(_Section):
     the router renders them the same way: router/harmony.py), ``auto`` (harmony when a local
     tokenizer's ``config.json`` says ``model_type: gpt_oss``, else for the models whose workers
     the self-check finds rendering harmony)."""
+    exclude_tools_when_tool_choice_none: bool | None = None
+    """As the workers' ``--exclude-tools-when-tool-choice-none``: a chat with ``tool_choice:
+    "none"`` is rendered without its tools. None: learned per model by the self-check (a
+    one-token chat with a tool and ``tool_choice: "none"``)."""
     harmony_start_date: str | None = None
     """As the workers' ``VLLM_SYSTEM_START_DATE``: the date harmony's system message carries
     (null: today, as a worker without it renders)."""

@@ -36,6 +36,7 @@ from router.harmony import HarmonyChats
 from router.load import EngineLoad
 from router.lora import LoraPlacement
 from router.metrics import RouterMetrics, fleet_state
+from router.model_set import ModelSet
 from router.policy import Candidate, Decision, make_policy
 from router.popularity import PromptKeys
 from router.prefill_priority import engine_priority, prefill_class, with_prefill_priority
@@ -209,6 +210,11 @@ class Router:
             local_tokenizer=lambda: self.tokenizer.local,
             harmony=self.tokenizer.harmony,
             chat_format_probe=self.cfg.model.chat_format == "auto",
+            tools_dropped=(
+                self.tokenizer.tools_dropped
+                if self.cfg.model.exclude_tools_when_tool_choice_none is None
+                else None
+            ),
             sources=lambda url: self.subscriber_status().get(url, []),
             root=lambda model: self.namespace_root({"model": model})[1],
             block_size=self.block_size,
@@ -749,4 +755,13 @@ def _tokenizer(cfg: Config, unit: int) -> PromptTokenizer:
         cfg.tokenizer.cache_tokens,
         local=local,
         harmony=_harmony(cfg),
+        tools_dropped=_tools_dropped(cfg),
     )
+
+
+def _tools_dropped(cfg: Config) -> ModelSet | None:
+    """The models whose workers render a chat with ``tool_choice: "none"`` without its tools
+    (router/config.py ``exclude_tools_when_tool_choice_none``): every model, none (None), or
+    those the self-check finds doing so."""
+    flag = cfg.model.exclude_tools_when_tool_choice_none
+    return None if flag is False else ModelSet(everywhere=flag is True)

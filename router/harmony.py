@@ -41,6 +41,8 @@ from typing import Any
 
 import xxhash
 
+from router.model_set import ModelSet
+
 __all__ = ["HarmonyChats", "HarmonyError", "HarmonyRenderer", "available"]
 
 _EFFORTS = ("high", "medium", "low")
@@ -421,7 +423,7 @@ class HarmonyRenderer:
             i += len(header)
 
 
-class HarmonyChats:
+class HarmonyChats(ModelSet):
     """Which models' chats the workers render in harmony, and the renderer for them.
 
     ``everywhere``: every model's (``model.chat_format: harmony``, or a local GPT-OSS model
@@ -437,21 +439,12 @@ class HarmonyChats:
         everywhere: bool = False,
         today: Callable[[], str] | None = None,
     ) -> None:
-        self.everywhere = everywhere
-        self.models: set[str | None] = set()
-        """Models learned to render harmony (None: a body that names no model)."""
+        super().__init__(everywhere=everywhere)
         self._args = (start_date, system_instructions, today)
         self._renderer: HarmonyRenderer | None = None
 
     def renders(self, model: Any) -> bool:
-        return self.everywhere or (bool(self.models) and model in self.models)
-
-    def learn(self, names: list[Any], *, default: bool = False) -> None:
-        """The workers serving these model names render their chats in harmony; ``default``:
-        one of them is the model a body naming none is served."""
-        self.models.update(n for n in names if isinstance(n, str))
-        if default:
-            self.models.add(None)
+        return self.covers(model)
 
     @property
     def renderer(self) -> HarmonyRenderer:

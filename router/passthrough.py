@@ -111,7 +111,13 @@ def routing_body(
 def _anthropic_rendering(body: dict[str, Any], traits: TemplateTraits) -> dict[str, Any]:
     """An Anthropic request's reasoning as vLLM hands it to the template (0.32
     ``AnthropicServingMessages``): ``output_config.effort`` is ``reasoning_effort``, and
-    ``thinking: {"type": "disabled"}`` overrides it with the template's disabled effort."""
+    ``thinking: {"type": "disabled"}`` overrides it with the template's disabled effort;
+    ``tool_choice: {"type": "none"}`` is the chat's ``"none"`` (its tools then reach no
+    template on a worker excluding them)."""
+    out: dict[str, Any] = {}
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "none":
+        out["tool_choice"] = "none"
     effort = None
     output = body.get("output_config")
     if isinstance(output, dict) and output.get("effort") is not None:
@@ -119,16 +125,21 @@ def _anthropic_rendering(body: dict[str, Any], traits: TemplateTraits) -> dict[s
     thinking = body.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") == "disabled":
         effort = traits.disabled_thinking_effort
-    return {} if effort is None else {"reasoning_effort": effort}
+    if effort is not None:
+        out["reasoning_effort"] = effort
+    return out
 
 
 def _responses_rendering(body: dict[str, Any]) -> dict[str, Any]:
     """How vLLM renders a Responses request beyond its messages (0.32
     ``ResponsesRequest.build_chat_params``), as chat fields the router tokenizes by:
-    ``reasoning.effort`` is the template's ``reasoning_effort``; a last input item still in
+    ``reasoning.effort`` is the template's ``reasoning_effort``; ``tool_choice: "none"`` as a
+    chat's (router/tokenize.py ``drops_tools``); a last input item still in
     progress is continued, not answered; ``truncation: auto`` is ``truncate_prompt_tokens: -1``
     (router/truncation.py: cut only past the model's context)."""
     out: dict[str, Any] = {}
+    if body.get("tool_choice") == "none":
+        out["tool_choice"] = "none"
     reasoning = body.get("reasoning")
     if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
         out["reasoning_effort"] = reasoning["effort"]

@@ -25,6 +25,13 @@ Per worker, once it is healthy and its event discovery has had a chance to run:
    **groups**: what the events leave out of the KV-cache groups they declare: ``chunk_unknown``
    for a chunked-local-attention group with no ``model.attention_chunk_tokens`` (matched as full
    attention, so long prompts' hits are under-counted), else ``ok`` (``unknown``: no group seen).
+   **tools_with_choice_none** (with ``model.exclude_tools_when_tool_choice_none`` unset): the
+   fixed chat with one tool and ``tool_choice: "none"`` as a one-token chat completion; its
+   ``prompt_tokens`` against the chat rendered with and without the tool (the worker's
+   ``/tokenize``, or harmony for a GPT-OSS model): ``kept``, or ``dropped`` (vLLM's
+   ``--exclude-tools-when-tool-choice-none``: the router renders such chats without their
+   tools for this worker's models from then on); ``unchecked`` when the template renders no
+   tools, the probe fails, or the count is neither.
 4. **priority** (with ``policy.prefill_priority`` only): a one-token completion carrying
    ``priority: 1``. vLLM's V0 engine without ``--scheduling-policy priority`` answers it 400
    (``refused``): that worker gets no priority from the router (``Worker.priority_refused``), so
@@ -55,6 +62,7 @@ from indexer.index import EngineId, PrefixIndex
 from indexer.subscriber import SourceStatus
 from router.harmony import HarmonyChats, HarmonyError
 from router.messages import cached_tokens_of, prompt_tokens_of
+from router.model_set import ModelSet
 from router.tokenize import LocalTokenizer, decode_tokenize_response
 from router.workers import Worker, WorkerRegistry
 
@@ -67,6 +75,18 @@ _CHAT = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is 2+2?"},
 ]
+_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
 _dec = msgspec.json.Decoder()
 
 
@@ -85,6 +105,7 @@ class SelfCheck:
         local_tokenizer: Callable[[], LocalTokenizer | None],
         harmony: HarmonyChats | None = None,
         chat_format_probe: bool = False,
+        tools_dropped: ModelSet | None = None,
         sources: Callable[[str], list[SourceStatus]],
         root: Callable[[str | None], int],
         block_size: int = 16,
@@ -97,6 +118,10 @@ class SelfCheck:
         self.local_tokenizer = local_tokenizer
         self.harmony = harmony
         self.chat_format_probe = chat_format_probe
+        self.tools_dropped = tools_dropped
+        """Where to learn the models whose workers drop a ``tool_choice: "none"`` chat's
+        tools (None: configured, no probe)."""
+        self._tool_choice_seen: dict[str, set[str]] = {}
         self.sources = sources
         self.root = root
         self.block_size = block_size
@@ -240,6 +265,7 @@ class SelfCheck:
         self.fingerprints[w.url] = (tuple(prompt_ids), tuple(chat_ids))
         if self.chat_format_probe:
             res.update(await self._check_chat_format(w, model, len(chat_ids)))
+        res.update(await self._check_tool_choice_none(w, model, len(chat_ids)))
         local = self.local_tokenizer()
         if local is None:
             res["tokenizer"] = "remote"
@@ -313,6 +339,75 @@ class SelfCheck:
                 f"(GPT-OSS renders them in harmony: {fix})"
             ),
         }
+
+    async def _check_tool_choice_none(
+        self, w: Worker, model: str | None, template_tokens: int
+    ) -> dict[str, Any]:
+        """Does the worker render a chat with ``tool_choice: "none"`` with its tools? vLLM
+        drops them under ``--exclude-tools-when-tool-choice-none``; its ``/tokenize`` takes no
+        ``tool_choice`` and keeps them, so the router learns the flag here (the models of a
+        worker that drops them: ``self.tools_dropped``)."""
+        learned = self.tools_dropped
+        if learned is None:
+            return {}
+        h = self.harmony
+        try:
+            if h is not None and h.renders(model):
+                without = len(h.renderer.render({"messages": _CHAT}))
+                with_tools = len(h.renderer.render({"messages": _CHAT, "tools": [_TOOL]}))
+            else:
+                without = template_tokens
+                payload = {"messages": _CHAT, "tools": [_TOOL]}
+                with_tools = len(await self._tokenize(w, payload, model))
+        except Exception as exc:
+            why = f"the chat with a tool was not rendered: {exc}"
+            return {"tools_with_choice_none": "unchecked", "tools_with_choice_none_detail": why}
+        if with_tools == without:
+            why = "the chat template renders no tools"
+            return {"tools_with_choice_none": "unchecked", "tools_with_choice_none_detail": why}
+        body: dict[str, Any] = {
+            "messages": _CHAT,
+            "tools": [_TOOL],
+            "tool_choice": "none",
+            "max_tokens": 1,
+            "temperature": 0.0,
+        }
+        try:
+            resp = await self._ask(w, "/v1/chat/completions", body, model)
+        except Exception as exc:
+            why = f"the probe failed: {exc}"
+            return {"tools_with_choice_none": "unchecked", "tools_with_choice_none_detail": why}
+        n = None
+        if resp.status_code == 200:
+            w.saw_first_token(0)  # the router's own: it releases no buffered request there
+            with contextlib.suppress(msgspec.DecodeError):
+                n = prompt_tokens_of(_dec.decode(resp.content))
+        if n not in (with_tools, without):
+            why = (
+                f"the probe chat returned {resp.status_code} with {n} prompt tokens; "
+                f"{with_tools} with its tool, {without} without"
+            )
+            return {"tools_with_choice_none": "unchecked", "tools_with_choice_none_detail": why}
+        verdict = "kept" if n == with_tools else "dropped"
+        names = [m.get("id") for m in w.models if not m.get("parent")] or [model]
+        for name in names:
+            seen = self._tool_choice_seen.setdefault(str(name), set())
+            seen.add(verdict)
+            if len(seen) > 1:
+                log.warning(
+                    "workers of %s disagree on tools with tool_choice none (some run "
+                    "--exclude-tools-when-tool-choice-none): such chats are rendered without "
+                    "their tools for every worker of it; start them alike",
+                    name,
+                )
+        if verdict == "dropped":
+            learned.learn(names, default=self.registry.models.base in names)
+            log.info(
+                "%s renders a chat with tool_choice none without its tools "
+                "(--exclude-tools-when-tool-choice-none): the router does the same",
+                w.url,
+            )
+        return {"tools_with_choice_none": verdict}
 
     async def _check_priority(self, w: Worker, model: str | None) -> dict[str, Any]:
         """Does the worker take a request ``priority``? Sets ``w.priority_refused``."""

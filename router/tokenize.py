@@ -53,6 +53,7 @@ from indexer.keys import chain_keys, tokens_to_bytes
 from indexer.native import ids_from_json, ids_to_json
 from router.anthropic import BILLING_HEADER
 from router.harmony import HarmonyChats, HarmonyError, HarmonyRenderer
+from router.model_set import ModelSet
 from router.truncation import prefilled_window
 
 __all__ = [
@@ -412,10 +413,15 @@ class PromptTokenizer:
         max_cached_tokens: int = 32_000_000,
         local: LocalTokenizer | None = None,
         harmony: HarmonyChats | None = None,
+        tools_dropped: ModelSet | None = None,
     ) -> None:
         self.unit = unit
         self.harmony = harmony
         """The models whose chats are rendered in harmony (GPT-OSS): router/harmony.py."""
+        self.tools_dropped = tools_dropped
+        """The models whose workers run vLLM's ``--exclude-tools-when-tool-choice-none``: a
+        chat with ``tool_choice: "none"`` reaches their template without its tools, while
+        their ``/tokenize`` (which takes no ``tool_choice``) would render them."""
         self.cache_entries = cache_entries
         self.max_cached_tokens = max_cached_tokens
         self.local = local
@@ -427,8 +433,11 @@ class PromptTokenizer:
     # ---------------------------------------------------------------- request forms
 
     @staticmethod
-    def tokenize_payload(body: dict[str, Any], chat: bool) -> dict[str, Any] | list[int] | None:
-        """The worker ``/tokenize`` body for a request, or token ids when none is needed.
+    def tokenize_payload(
+        body: dict[str, Any], chat: bool, *, drop_tools: bool = False
+    ) -> dict[str, Any] | list[int] | None:
+        """The worker ``/tokenize`` body for a request, or token ids when none is needed;
+        ``drop_tools``: without the chat's tools (:meth:`drops_tools`).
 
         None: nothing to tokenize (no prompt).
         """
@@ -439,7 +448,7 @@ class PromptTokenizer:
                 return None
             payload: dict[str, Any] = {"messages": chat_messages(msgs)}
             for k in CHAT_FORWARD_KEYS:
-                if k in body:
+                if k in body and not (drop_tools and k == "tools"):
                     payload[k] = body[k]
             extra = template_arguments(body)
             if extra:
@@ -469,14 +478,24 @@ class PromptTokenizer:
         h = self.harmony
         return h.renderer if h is not None and h.renders(body.get("model")) else None
 
+    def drops_tools(self, body: dict[str, Any]) -> bool:
+        """Whether the workers hand this chat's template no tools: ``tool_choice: "none"`` on
+        a model whose workers run ``--exclude-tools-when-tool-choice-none`` (vLLM 0.32
+        ``OnlineRenderer``: chat completions, and the Anthropic and Responses APIs rendered
+        through it)."""
+        d = self.tools_dropped
+        return body.get("tool_choice") == "none" and d is not None and d.covers(body.get("model"))
+
     @staticmethod
-    def _harmony_payload(body: dict[str, Any], harmony: HarmonyRenderer) -> dict[str, Any] | None:
+    def _harmony_payload(
+        body: dict[str, Any], harmony: HarmonyRenderer, drop_tools: bool
+    ) -> dict[str, Any] | None:
         """What a harmony rendering depends on: its cache key and the renderer's input."""
         if not isinstance(body.get("messages"), list):
             return None
         payload = {"messages": body["messages"], "start_date": harmony.start_date()}
         for k in ("tools", "reasoning_effort", "model"):
-            if body.get(k) is not None:
+            if body.get(k) is not None and not (drop_tools and k == "tools"):
                 payload[k] = body[k]
         return payload
 
@@ -525,10 +544,11 @@ class PromptTokenizer:
         remote: RemoteCall | None,
     ) -> Tokenized:
         harmony = self.harmony_for(body) if chat else None
+        drop_tools = chat and self.drops_tools(body)
         payload = (
-            self.tokenize_payload(body, chat)
+            self.tokenize_payload(body, chat, drop_tools=drop_tools)
             if harmony is None
-            else self._harmony_payload(body, harmony)
+            else self._harmony_payload(body, harmony, drop_tools)
         )
         if payload is None:
             raise TokenizeError("request has no prompt or messages to tokenize")

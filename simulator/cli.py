@@ -192,6 +192,11 @@ def _add_event_args(a: Callable[..., Any]) -> None:
     )
     a("--no-prefix-caching", action="store_true", help="vLLM's --no-enable-prefix-caching")
     a(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help="vLLM's flag: a chat completion with tool_choice none is rendered without its tools",
+    )
+    a(
         "--event-clock-skew",
         type=float,
         default=0.0,
@@ -283,6 +288,7 @@ def settings_from_args(ns: argparse.Namespace, worker_idx: int) -> WorkerSetting
         lora=_lora_settings(ns),
         default_max_tokens=ns.default_max_tokens,
         prompt_tokens_details=not ns.no_prompt_tokens_details,
+        exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
     )
 
 

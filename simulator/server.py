@@ -65,6 +65,9 @@ class WorkerSettings:
     """Adapters by path, max_loras, runtime loading; ``loras`` are added with /sim/lora paths."""
     tokenizer_path: str | None = None  # a model dir with tokenizer.json: tokenize as vLLM would
     prompt_tokens_details: bool = True  # vLLM's --enable-prompt-tokens-details
+    exclude_tools_when_tool_choice_none: bool = False
+    """vLLM's flag of that name: a chat completion with ``tool_choice: "none"`` reaches the
+    template without its tools (``/tokenize`` takes no ``tool_choice`` and keeps them)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -308,13 +311,13 @@ class Worker:
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
 
-    @staticmethod
-    def template_kwargs(data: dict[str, Any], *, completion: bool) -> dict[str, Any]:
+    def template_kwargs(self, data: dict[str, Any], *, completion: bool) -> dict[str, Any]:
         """What the chat template sees beside the messages (vLLM 0.32 ``build_chat_params``):
         ``chat_template_kwargs`` and ``tools``; on a chat completion also ``documents`` and
         ``reasoning_effort``, which override them, and ``enable_thinking`` from
         ``reasoning_effort`` (``"none"``: off) unless the kwargs set it. ``/tokenize`` takes
-        none of the three."""
+        none of the three. A chat completion's ``tool_choice: "none"`` drops the tools when
+        the worker excludes them (``exclude_tools_when_tool_choice_none``)."""
         user = data.get("chat_template_kwargs")
         if user is not None and not isinstance(user, dict):
             raise ApiError(400, "chat_template_kwargs must be an object")
@@ -323,7 +326,9 @@ class Worker:
         if tools is not None:
             if not isinstance(tools, list):
                 raise ApiError(400, "tools must be a list", param="tools")
-            kwargs["tools"] = tools
+            excluded = completion and self.s.exclude_tools_when_tool_choice_none
+            if not (excluded and data.get("tool_choice") == "none"):
+                kwargs["tools"] = tools
         if completion:
             for k in ("documents", "reasoning_effort"):
                 if data.get(k) is not None:

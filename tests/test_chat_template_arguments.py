@@ -204,3 +204,53 @@ async def test_an_earlier_turns_reasoning_is_counted_as_the_chat_endpoint_render
             assert without["tokenization"] == tokenizer
             assert n > without["prompt_tokens"] + 60  # the reasoning is in what was prefilled
             assert await served_again_as_predicted(c, base, chat, n) > 0
+
+
+async def _selfcheck(c: httpx.AsyncClient, base: str) -> dict[str, Any]:
+    async def checked() -> Any:
+        d = (await c.get(base + "/debug/index")).json()["workers"][0]["selfcheck"] or {}
+        return d if d.get("events") not in (None, "pending") else None
+
+    return await until(checked, 30, "the self-check")
+
+
+@pytest.mark.parametrize("excluded", [False, True])
+async def test_a_chat_with_tool_choice_none_is_counted_as_the_worker_renders_it(
+    tmp_path: Path, excluded: bool
+) -> None:
+    """vLLM's ``--exclude-tools-when-tool-choice-none`` drops a ``tool_choice: "none"``
+    chat's tools from the chat endpoint's template, not from ``/tokenize``: the self-check
+    learns which the worker does (``dropped`` / ``kept``), and the chat is predicted as the
+    worker prefills it; the same chat with ``tool_choice`` unset keeps its tools either way."""
+    model = write_tokenizer(tmp_path / "model", template=TOOLS_TEMPLATE)
+    props = {f"arg{i}": {"type": "string", "description": f"argument {i}"} for i in range(12)}
+    tool = {"type": "function", "function": {"name": "run", "parameters": {
+        "type": "object", "properties": props}}}  # fmt: skip
+    question = " ".join(f"q{i}" for i in range(60))
+    chat = {
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": question}],
+        "tools": [tool],
+        "max_tokens": 1,
+    }
+    flags = {"exclude_tools_when_tool_choice_none": excluded}
+    with running_fleet(1, tokenizer=model, **flags, **FAST) as ws:
+        async with (
+            serve_router(config_for(ws)) as (base, router),
+            httpx.AsyncClient(timeout=30) as c,
+        ):
+            check = await _selfcheck(c, base)
+            assert check["tools_with_choice_none"] == ("dropped" if excluded else "kept"), check
+            assert router.tokenizer.tools_dropped.covers("sim-model") is excluded
+            plain = (await c.post(base + "/debug/route", json=chat)).json()["prompt_tokens"]
+            bare = {**chat, "tools": None}
+            without = (await c.post(base + "/debug/route", json=bare)).json()["prompt_tokens"]
+            assert without < plain - 100
+            none = {**chat, "tool_choice": "none"}
+            first = await c.post(base + "/v1/chat/completions", json=none)
+            assert first.status_code == 200, first.text
+            n = first.json()["usage"]["prompt_tokens"]
+            assert n == (without if excluded else plain)
+            assert await served_again_as_predicted(c, base, none, n) > 0
+            first = await c.post(base + "/v1/chat/completions", json=chat)
+            assert first.json()["usage"]["prompt_tokens"] == plain

@@ -20,7 +20,9 @@ from router.messages import (
     has_cache_usage,
     prompt_tokens_of,
 )
+from router.model_set import ModelSet
 from router.passthrough import chat_prompt, routing_body
+from router.tokenize import PromptTokenizer
 
 
 def chat_messages(path: str, body: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -178,6 +180,35 @@ def test_an_anthropic_request_carries_its_reasoning_effort_and_tools_to_the_temp
     assert routing_body(off, prompt)["reasoning_effort"] == "none"
     low = TemplateTraits(disabled_thinking_effort="low")  # a template that ignores "none"
     assert routing_body(off, prompt, low)["reasoning_effort"] == "low"
+
+
+def test_tool_choice_none_reaches_the_tokenizer_from_either_api() -> None:
+    """vLLM renders an Anthropic ``tool_choice: {"type": "none"}`` and a Responses
+    ``tool_choice: "none"`` as a chat's ``"none"``, whose tools a worker started with
+    ``--exclude-tools-when-tool-choice-none`` leaves out (router/tokenize.py ``drops_tools``);
+    any other choice renders them."""
+    tool = {"name": "Bash", "input_schema": {"type": "object"}}
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "a"}]}
+    for choice, routed in (({"type": "none"}, "none"), ({"type": "auto"}, None), ("none", None)):
+        sent = {**body, "tools": [tool], "tool_choice": choice}
+        got = routing_body(sent, chat_prompt("/v1/messages", sent))
+        assert got.get("tool_choice") == routed, choice
+    fn = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    for choice, routed in (("none", "none"), ("auto", None), ({"type": "none"}, None)):
+        sent = {"model": "m", "input": "a", "tools": [fn], "tool_choice": choice}
+        got = routing_body(sent, chat_prompt("/v1/responses", sent))
+        assert got.get("tool_choice") == routed, choice
+    tok = PromptTokenizer(16, tools_dropped=ModelSet(everywhere=True))
+    assert tok.drops_tools({"tool_choice": "none"}) and not tok.drops_tools({})
+    assert not PromptTokenizer(16).drops_tools({"tool_choice": "none"})
+    learned = PromptTokenizer(16, tools_dropped=ModelSet())
+    learned.tools_dropped.learn(["m"])  # type: ignore[union-attr]
+    assert learned.drops_tools({"model": "m", "tool_choice": "none"})
+    assert not learned.drops_tools({"model": "other", "tool_choice": "none"})
+    payload = PromptTokenizer.tokenize_payload(
+        {"messages": [], "tools": [fn], "tool_choice": "none"}, True, drop_tools=True
+    )
+    assert isinstance(payload, dict) and "tools" not in payload
 
 
 def test_cached_tokens_are_read_from_each_apis_usage() -> None:

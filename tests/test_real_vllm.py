@@ -1021,6 +1021,14 @@ _AGENT_TOOLS = [
 ]
 
 
+TOOLS_EXCLUDED = Kind(
+    "llama-tools-excluded", "dense", 40, extra=("--exclude-tools-when-tool-choice-none",)
+)
+"""The dense model on a vLLM that renders a ``tool_choice: "none"`` request without its
+tools (chat completions, and the Anthropic and Responses APIs rendered through the same
+path); its ``/tokenize`` keeps them."""
+
+
 def _agent_turns() -> list[tuple[str, dict[str, Any]]]:
     """A Claude Code session as it reaches vLLM: a billing header with a new hash each
     request, tools, a thinking block and a tool call answered by a tool result, a reminder as
@@ -1162,11 +1170,13 @@ def _usage_of(path: str, usage: dict[str, Any]) -> tuple[int, int]:
     return usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"]
 
 
-def _agent_session(sender: ThroughRouter, path: str) -> list[Row]:
-    """Each turn of the session on ``path``, the prediction taken once the router has every
-    event of the turns before; the second Anthropic and Responses turns streamed. The router's
-    verifier checks each answer: one sample per turn, its prediction the one ``/debug/route``
-    gave."""
+def _agent_session(
+    sender: ThroughRouter, path: str, extra: dict[str, Any] | None = None
+) -> list[Row]:
+    """Each turn of the session on ``path`` (with the fields ``extra``), the prediction taken
+    once the router has every event of the turns before; the second Anthropic and Responses
+    turns streamed. The router's verifier checks each answer: one sample per turn, its
+    prediction the one ``/debug/route`` gave."""
     turns = {
         "/v1/messages": _agent_turns,
         "/v1/responses": _responses_turns,
@@ -1174,7 +1184,7 @@ def _agent_session(sender: ThroughRouter, path: str) -> list[Row]:
     }[path]()
     rows = []
     for i, (label, turn) in enumerate(turns):
-        body = {**turn, "model": SERVED}
+        body = {**turn, **(extra or {}), "model": SERVED}
         sender.caught_up(label)
         before = _verified(sender.engines())
         query = "" if path == "/v1/chat/completions" else "?path=" + path
@@ -1211,28 +1221,46 @@ async def test_agent_sessions_over_messages_and_responses_on_real_vllm(
     """Agents' traffic through the router: Claude Code's ``/v1/messages`` on the dense model
     with a template that takes inline system messages and with one that wants the system
     message first, and a Responses API and a chat completions session with tools on the
-    first. The router tokenizes each
+    first; the three again on a vLLM started with ``--exclude-tools-when-tool-choice-none``
+    (every turn with ``tool_choice: "none"``), which the router's self-check learns. The
+    router tokenizes each
     turn as vLLM renders it (the same prompt length) and predicts exactly the cached tokens
     vLLM reports (``cache_read_input_tokens``, ``input_tokens_details.cached_tokens``), which
     its verifier reads from the answers, streamed or whole."""
     got: dict[str, list[Row]] = {}
-    for name, kind in (("inline-system", KINDS["dense"]), ("system-first", SYSTEM_FIRST)):
+    learned: dict[str, Any] = {}
+    every = ["/v1/messages", "/v1/responses", "/v1/chat/completions"]
+    for name, kind, paths in (
+        ("inline-system", KINDS["dense"], every),
+        ("system-first", SYSTEM_FIRST, ["/v1/messages"]),
+        ("tools-excluded", TOOLS_EXCLUDED, every),
+    ):
         (tmp_path / name).mkdir()
         with _served(vllm_python, kind, models, tmp_path / name) as (served, taps):
-            async with serve_router(_config(served)) as (base, _router):
+            async with serve_router(_config(served)) as (base, router):
                 await _router_ready(base)
                 sender = ThroughRouter(base, taps)
-                paths = ["/v1/messages"]
-                if name == "inline-system":
-                    paths += ["/v1/responses", "/v1/chat/completions"]
+                check = router.selfcheck.results[served.url]  # type: ignore[union-attr]
+                learned[name] = check.get("tools_with_choice_none")
                 for path in paths:
-                    got[f"{name} {path}"] = await asyncio.to_thread(_agent_session, sender, path)
+                    extra = {"tool_choice": "none"} if path == "/v1/responses" else {}
+                    got[f"{name} {path}"] = await asyncio.to_thread(
+                        _agent_session, sender, path, extra
+                    )
                 sender.client.close()
     with capsys.disabled():
         print(f"\n[real vLLM {VLLM_VERSION} dense: agent sessions] (label, router prompt, "
-              f"vLLM prompt, predicted, cached): {got}")  # fmt: skip
+              f"vLLM prompt, predicted, cached): {got}; tools with tool_choice none: "
+              f"{learned}")  # fmt: skip
+    assert learned == {"inline-system": "kept", "system-first": "kept",
+                       "tools-excluded": "dropped"}, learned  # fmt: skip
     for name, rows in got.items():
         wrong = [r for r in rows if r[1] != r[2] or r[3] != r[4]]
         assert wrong == [], (name, wrong)
         hits = [r[4] for r in rows]
-        assert hits[1] > 0 and hits[3] > hits[2] > 0, (name, hits)
+        assert hits[1] > 0 and hits[2] > 0, (name, hits)
+        # Without its tools a chat session renders as the Anthropic one before it, whose
+        # blocks it then finds whole: its last turn can hit no more than the one before.
+        assert hits[3] >= hits[2] if name.startswith("tools-excluded") else hits[3] > hits[2]
+    for path in every:  # the same first turn, rendered without its tools
+        assert got[f"tools-excluded {path}"][0][2] < got[f"inline-system {path}"][0][2], path
