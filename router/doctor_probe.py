@@ -33,24 +33,22 @@ from router import harmony
 from router.config import WorkerSpec
 from router.doctor_report import FAIL, FIX, OK, SKIP, WARN, WorkerReport
 from router.messages import cached_tokens_of, prompt_tokens_of
+from router.probe_inputs import CHAT, PROMPT, TOOL, tools_verdict
 from router.tokenize import decode_tokenize_response
 
 __all__ = ["Options", "WorkerProbe"]
 
-PROMPT = "Hello, world! The quick brown fox: 123 \u00fc \u2713"
-CHAT = [
-    {"role": "system", "content": "You are a helpful assistant."},
-    {"role": "user", "content": "What is 2+2?"},
-]
 _FULL_ATTENTION = (None, "full_attention")
 
 
 @functools.cache
-def _harmony_tokens() -> int | None:
-    """The fixed chat's length in harmony, or None without the harmony library."""
+def _harmony_tokens(tools: bool = False) -> int | None:
+    """The fixed chat's length in harmony (``tools``: with the fixed tool), or None without
+    the harmony library."""
     if not harmony.available():
         return None
-    return len(harmony.HarmonyRenderer().render({"messages": CHAT}))
+    chat: dict[str, Any] = {"messages": CHAT, "tools": [TOOL]} if tools else {"messages": CHAT}
+    return len(harmony.HarmonyRenderer().render(chat))
 
 
 class Options(msgspec.Struct, frozen=True):
@@ -221,16 +219,54 @@ class WorkerProbe:
             return
         if n == template_tokens:
             r.add("chat", OK, "chat completions render as /tokenize does (the chat template)")
+            await self._check_tools(template_tokens, None)
             return
         harmony_tokens = _harmony_tokens()
         if n == harmony_tokens:
             r.add(
                 "chat", OK, "chat completions are rendered in harmony (GPT-OSS), as the router does"
             )
+            await self._check_tools(harmony_tokens, _harmony_tokens(tools=True))
             return
         detail = f"chat completions count {n} prompt tokens, /tokenize renders {template_tokens}"
         fix = FIX["harmony"] if harmony_tokens is None else FIX["chat"]
         r.add("chat", WARN, detail, fix)
+
+    async def _check_tools(self, without: int, with_tools: int | None) -> None:
+        """Whether the worker renders a chat with ``tool_choice: "none"`` with its tools
+        (``with_tools``: the chat's length with the tool; None: ask ``/tokenize``)."""
+        r = self.report
+        try:
+            if with_tools is None:
+                with_tools = len(await self._tokenize({"messages": CHAT, "tools": [TOOL]}))
+            if with_tools == without:
+                return  # the template renders no tools: nothing to tell
+            body = {"model": self.model, "messages": CHAT, "tools": [TOOL],
+                    "tool_choice": "none", "max_tokens": 1, "temperature": 0.0}  # fmt: skip
+            resp = await self._post("/v1/chat/completions", body)
+            if resp.status_code != 200:
+                why = f"the probe chat with a tool answered {resp.status_code}"
+                r.add("tools", SKIP, f"{why}: {resp.text[:120]}")
+                return
+            doc = msgspec.json.decode(resp.content)
+        except (httpx.HTTPError, ValueError, RuntimeError) as exc:
+            r.add("tools", SKIP, f"the probe chat with a tool failed: {type(exc).__name__}")
+            return
+        n = prompt_tokens_of(doc) if isinstance(doc, dict) else None
+        verdict = tools_verdict(n, with_tools, without)
+        if verdict == "kept":
+            r.add("tools", OK, 'a chat with tool_choice "none" is rendered with its tools')
+        elif verdict == "dropped":
+            r.add(
+                "tools",
+                OK,
+                'a chat with tool_choice "none" is rendered without its tools '
+                "(--exclude-tools-when-tool-choice-none): the router's self-check learns it, "
+                "or set model.exclude_tools_when_tool_choice_none: true",
+            )
+        else:
+            why = f"the chat with a tool and tool_choice none counted {n} prompt tokens"
+            r.add("tools", WARN, f"{why}: {with_tools} with the tool, {without} without")
 
     async def _sources(self) -> tuple[list[str], list[str]] | None:
         """(events, replay) endpoints per DP rank, or None (with the events finding made)."""

@@ -63,6 +63,7 @@ from indexer.subscriber import SourceStatus
 from router.harmony import HarmonyChats, HarmonyError
 from router.messages import cached_tokens_of, prompt_tokens_of
 from router.model_set import ModelSet
+from router.probe_inputs import CHAT, PROMPT, TOOL, tools_verdict
 from router.tokenize import LocalTokenizer, decode_tokenize_response
 from router.workers import Worker, WorkerRegistry
 
@@ -70,23 +71,6 @@ __all__ = ["SelfCheck"]
 
 log = logging.getLogger("kvrouter.selfcheck")
 
-_PROMPT = "Hello, world! The quick brown fox: 123 \u00fc \u2713"
-_CHAT = [
-    {"role": "system", "content": "You are a helpful assistant."},
-    {"role": "user", "content": "What is 2+2?"},
-]
-_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
 _dec = msgspec.json.Decoder()
 
 
@@ -260,8 +244,8 @@ class SelfCheck:
         """The worker's /tokenize on a fixed prompt and chat, against the local tokenizer if
         there is one (else recorded as a fingerprint to compare with the rest of the fleet)."""
         res: dict[str, Any] = {}
-        prompt_ids = await self._tokenize(w, {"prompt": _PROMPT, "add_special_tokens": True}, model)
-        chat_ids = await self._tokenize(w, {"messages": _CHAT}, model)
+        prompt_ids = await self._tokenize(w, {"prompt": PROMPT, "add_special_tokens": True}, model)
+        chat_ids = await self._tokenize(w, {"messages": CHAT}, model)
         self.fingerprints[w.url] = (tuple(prompt_ids), tuple(chat_ids))
         if self.chat_format_probe:
             res.update(await self._check_chat_format(w, model, len(chat_ids)))
@@ -272,10 +256,10 @@ class SelfCheck:
             return res
         problems = []
         with contextlib.suppress(Exception):
-            if local.encode_prompt(_PROMPT, True) != prompt_ids:
+            if local.encode_prompt(PROMPT, True) != prompt_ids:
                 problems.append("prompt")
         try:
-            if local.encode_chat({"messages": _CHAT}) != chat_ids:
+            if local.encode_chat({"messages": CHAT}) != chat_ids:
                 problems.append("chat")
         except Exception as exc:
             problems.append(f"chat ({exc})")
@@ -300,7 +284,7 @@ class SelfCheck:
         its ``prompt_tokens`` against its own ``/tokenize`` (the template) and against harmony
         (vLLM renders a GPT-OSS model's chats so). ``harmony``: the router renders this model's
         chats in harmony from now on."""
-        body: dict[str, Any] = {"messages": _CHAT, "max_tokens": 1, "temperature": 0.0}
+        body: dict[str, Any] = {"messages": CHAT, "max_tokens": 1, "temperature": 0.0}
         try:
             resp = await self._ask(w, "/v1/chat/completions", body, model)
         except Exception as exc:
@@ -320,7 +304,7 @@ class SelfCheck:
         harmony_tokens = None
         if h is not None:
             with contextlib.suppress(HarmonyError):
-                harmony_tokens = len(h.renderer.render({"messages": _CHAT}))
+                harmony_tokens = len(h.renderer.render({"messages": CHAT}))
         if n == harmony_tokens and h is not None:
             names = [m.get("id") for m in w.models if not m.get("parent")]
             h.learn(names or [model], default=self.registry.models.base in (names or [model]))
@@ -353,21 +337,21 @@ class SelfCheck:
         h = self.harmony
         try:
             if h is not None and h.renders(model):
-                without = len(h.renderer.render({"messages": _CHAT}))
-                with_tools = len(h.renderer.render({"messages": _CHAT, "tools": [_TOOL]}))
+                without = len(h.renderer.render({"messages": CHAT}))
+                with_tools = len(h.renderer.render({"messages": CHAT, "tools": [TOOL]}))
             else:
                 without = template_tokens
-                payload = {"messages": _CHAT, "tools": [_TOOL]}
+                payload = {"messages": CHAT, "tools": [TOOL]}
                 with_tools = len(await self._tokenize(w, payload, model))
         except Exception as exc:
             why = f"the chat with a tool was not rendered: {exc}"
             return {"tools_with_choice_none": "unchecked", "tools_with_choice_none_detail": why}
-        if with_tools == without:
+        if with_tools == without:  # nothing to learn: no probe chat
             why = "the chat template renders no tools"
             return {"tools_with_choice_none": "unchecked", "tools_with_choice_none_detail": why}
         body: dict[str, Any] = {
-            "messages": _CHAT,
-            "tools": [_TOOL],
+            "messages": CHAT,
+            "tools": [TOOL],
             "tool_choice": "none",
             "max_tokens": 1,
             "temperature": 0.0,
@@ -382,13 +366,13 @@ class SelfCheck:
             w.saw_first_token(0)  # the router's own: it releases no buffered request there
             with contextlib.suppress(msgspec.DecodeError):
                 n = prompt_tokens_of(_dec.decode(resp.content))
-        if n not in (with_tools, without):
+        verdict = tools_verdict(n, with_tools, without)
+        if verdict is None:
             why = (
                 f"the probe chat returned {resp.status_code} with {n} prompt tokens; "
                 f"{with_tools} with its tool, {without} without"
             )
             return {"tools_with_choice_none": "unchecked", "tools_with_choice_none_detail": why}
-        verdict = "kept" if n == with_tools else "dropped"
         names = [m.get("id") for m in w.models if not m.get("parent")] or [model]
         for name in names:
             seen = self._tool_choice_seen.setdefault(str(name), set())
@@ -411,7 +395,7 @@ class SelfCheck:
 
     async def _check_priority(self, w: Worker, model: str | None) -> dict[str, Any]:
         """Does the worker take a request ``priority``? Sets ``w.priority_refused``."""
-        body: dict[str, Any] = {"prompt": _PROMPT, "max_tokens": 1, "priority": 1}
+        body: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 1, "priority": 1}
         try:
             resp = await self._ask(w, "/v1/completions", body, model)
         except Exception as exc:

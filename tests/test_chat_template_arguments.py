@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from test_router_support import (
+    TOOLS_TEMPLATE,
     config_for,
     serve_router,
     served_again_as_predicted,
@@ -93,14 +94,6 @@ async def test_a_thinking_switch_and_documents_are_counted_as_the_worker_renders
 async def _hit(c: httpx.AsyncClient, base: str, body: dict[str, Any]) -> bool:
     e = (await c.post(base + "/debug/route", json=body)).json()
     return e["workers"][0]["gpu_hit_tokens"] > 0
-
-
-TOOLS_TEMPLATE = (
-    "{{ bos_token }}{% if tools %}<|system|>\n{{ tools | tojson(indent=2) }}<|end|>\n{% endif %}"
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-"""Tools written as the template's JSON, as tool-calling models' templates write them."""
 
 
 async def test_tools_are_rendered_in_the_clients_key_order(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from test_router_support import TOOLS_TEMPLATE, write_tokenizer
 
 from router.doctor import Options, Report, diagnose, main
 from simulator.testing import find_port_block, running_fleet
@@ -133,6 +134,21 @@ def test_a_gpt_oss_worker_renders_chats_in_harmony(capsys: pytest.CaptureFixture
     with running_fleet(1, **SIM) as (w,):
         code, doc = run(capsys, w.url)
     assert "template" in check(doc, w.url, "chat")["detail"]
+
+
+def test_a_worker_dropping_tools_under_tool_choice_none_is_named(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A worker started with ``--exclude-tools-when-tool-choice-none`` renders the probe chat
+    with ``tool_choice: "none"`` without its tool; one without the flag renders it."""
+    model = write_tokenizer(tmp_path / "model", template=TOOLS_TEMPLATE)
+    for excluded in (True, False):
+        flags = {"exclude_tools_when_tool_choice_none": excluded}
+        with running_fleet(1, tokenizer=model, **flags, **SIM) as (w,):
+            code, doc = run(capsys, w.url)
+        tools = check(doc, w.url, "tools")
+        assert code == 0 and tools["status"] == "ok", doc
+        assert ("without its tools" in tools["detail"]) is excluded, tools
 
 
 def test_clock_skew_is_measured(capsys: pytest.CaptureFixture[str]) -> None:

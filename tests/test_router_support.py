@@ -139,6 +139,14 @@ CHAT_TEMPLATE = (
 )
 
 
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>\n{{ tools | tojson(indent=2) }}<|end|>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""Tools written as the template's JSON, as tool-calling models' templates write them."""
+
+
 def write_tokenizer(out: Any, vocab_size: int = 2048, template: str = CHAT_TEMPLATE) -> str:
     """A small byte-level BPE model directory (tokenizer.json + tokenizer_config.json with a
     chat template and a BOS added to prompts), trained here with ``tokenizers``: what a model
