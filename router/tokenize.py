@@ -66,6 +66,7 @@ __all__ = [
     "model_attention_chunk",
     "model_type",
     "template_arguments",
+    "template_tools",
 ]
 
 log = logging.getLogger("kvrouter.tokenize")
@@ -172,6 +173,46 @@ def local_conversation(messages: Any) -> list[dict[str, Any]]:
             if isinstance(m.get(key), str):
                 msg[key] = m[key]
         out.append(msg)
+    return out
+
+
+def template_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """A chat's ``tools`` as vLLM 0.32 hands them to the template: each read into its request
+    model (``ChatCompletionToolsParam``) and dumped, so the function's keys come in the model's
+    order (``name``, ``description``, ``parameters``, then ``strict`` and ``defer_loading`` when
+    set), ``description`` and ``parameters`` are null when absent, and keys the model does not
+    have are gone; a tool's own ``defer_loading`` is also its function's. ``/tokenize`` does
+    the same, so only a local template needs it. A value the request model would coerce or
+    refuse raises: the worker renders (or refuses) that chat."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise TokenizeError("tools: a list")
+    out = []
+    for t in tools:
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(f, dict) or t.get("type", "function") != "function":
+            raise TokenizeError("a tool that is not a function: rendered by the worker")
+        name, desc, params = f.get("name"), f.get("description"), f.get("parameters")
+        if not isinstance(name, str) or not isinstance(desc, str | None):
+            raise TokenizeError("a tool's name or description: rendered by the worker")
+        if not isinstance(params, dict | None):
+            raise TokenizeError("a tool's parameters: rendered by the worker")
+        fn: dict[str, Any] = {"name": name, "description": desc, "parameters": params}
+        defer = t.get("defer_loading")
+        for key, v in (("strict", f.get("strict")), ("defer_loading", f.get("defer_loading"))):
+            if key == "defer_loading" and v is None:
+                v = defer
+            if v is not None:
+                if not isinstance(v, bool):
+                    raise TokenizeError(f"a tool's {key}: rendered by the worker")
+                fn[key] = v
+        tool: dict[str, Any] = {"type": "function", "function": fn}
+        if defer is not None:
+            if not isinstance(defer, bool):
+                raise TokenizeError("a tool's defer_loading: rendered by the worker")
+            tool["defer_loading"] = defer
+        out.append(tool)
     return out
 
 
@@ -370,7 +411,7 @@ class LocalTokenizer:
         kwargs = dict(req.get("chat_template_kwargs") or {})
         text = self.template.render(
             messages=local_conversation(req["messages"]),
-            tools=req.get("tools"),
+            tools=template_tools(req.get("tools")),
             add_generation_prompt=req.get("add_generation_prompt", True)
             and not req.get("continue_final_message", False),
             **self.special,

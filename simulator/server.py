@@ -106,6 +106,39 @@ MAX_N = 16384
 """vLLM's ``VLLM_MAX_N_SEQUENCES`` default: the largest ``n``."""
 
 
+def dumped_tools(tools: Any) -> list[dict[str, Any]]:
+    """A chat's tools as vLLM 0.32 hands them to the template: read into its request model
+    (``ChatCompletionToolsParam``) and dumped: the function's keys in the model's order,
+    ``description`` and ``parameters`` null when absent, ``strict`` and ``defer_loading`` only
+    when set, other keys gone (a tool's ``defer_loading`` is also its function's). Values the
+    model refuses answer 400 (the simulator also refuses those pydantic would coerce)."""
+    if not isinstance(tools, list):
+        raise ApiError(400, "tools must be a list", param="tools")
+    out = []
+    for t in tools:
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(f, dict) or t.get("type", "function") != "function":
+            raise ApiError(400, "each tool must be a function tool", param="tools")
+        fn: dict[str, Any] = {}
+        for key, kind in (("name", str), ("description", str | None), ("parameters", dict | None)):
+            if not isinstance(f.get(key), kind):
+                raise ApiError(400, f"tools: function.{key} has the wrong type", param="tools")
+            fn[key] = f.get(key)
+        defer = t.get("defer_loading")
+        own = f.get("defer_loading")
+        flags = (("strict", f.get("strict")), ("defer_loading", defer if own is None else own))
+        for key, v in (*flags, ("", defer)):
+            if not isinstance(v, bool | None):
+                raise ApiError(400, f"tools: {key or 'defer_loading'} must be a boolean")
+            if key and v is not None:
+                fn[key] = v
+        tool: dict[str, Any] = {"type": "function", "function": fn}
+        if defer is not None:
+            tool["defer_loading"] = defer
+        out.append(tool)
+    return out
+
+
 class Worker:
     def __init__(self, settings: WorkerSettings) -> None:
         self.s = settings
@@ -324,8 +357,7 @@ class Worker:
         kwargs = dict(user or {})
         tools = data.get("tools")
         if tools is not None:
-            if not isinstance(tools, list):
-                raise ApiError(400, "tools must be a list", param="tools")
+            tools = dumped_tools(tools)
             excluded = completion and self.s.exclude_tools_when_tool_choice_none
             if not (excluded and data.get("tool_choice") == "none"):
                 kwargs["tools"] = tools

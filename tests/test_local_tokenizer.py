@@ -100,19 +100,22 @@ async def test_local_tokenizer_that_differs_from_the_workers_is_not_used(tmp_pat
 
 
 AGENT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{{ bos_token }}{% if tools %}<|system|>\n{{ tools | tojson }}<|end|>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
     "{% if m['tool_calls'] is defined %}{% for c in m['tool_calls'] %}<call>"
     "{{ c['function']['name'] }} {{ c['function']['arguments'] | tojson }}</call>{% endfor %}"
     "{% endif %}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-"""Renders content and tool calls as agent models' templates do."""
+"""Renders tools, content and tool calls as agent models' templates do."""
 
 
 async def test_an_agents_chat_is_counted_as_the_worker_renders_it(tmp_path: Path):
     """vLLM's parser hands the template an absent content as "", text parts joined, tool-call
-    arguments as objects, and a system prompt without Claude Code's billing line. The router
-    renders locally the shapes it hands over the same way and sends the others to a worker's
-    ``/tokenize``; either way it counts what the worker prefills and finds it cached."""
+    arguments as objects, and a system prompt without Claude Code's billing line; its request
+    model hands it tools as it dumps them (its own key order, absent fields null, unknown keys
+    gone). The router renders locally the shapes it hands over the same way and sends the
+    others to a worker's ``/tokenize``; either way it counts what the worker prefills and finds
+    it cached."""
     model = write_tokenizer(tmp_path / "model", template=AGENT_TEMPLATE)
     call = {"id": "c1", "type": "function",
             "function": {"name": "ls", "arguments": '{"path": "/srv"}'}}  # fmt: skip
@@ -135,7 +138,10 @@ async def test_an_agents_chat_is_counted_as_the_worker_renders_it(tmp_path: Path
             [system, {"role": "user", "content": [{"type": "text", "text": words(30, "p1")},
                                                   {"type": "text", "text": words(30, "p2")}]}],
         ),
+        "tools": ("local", [system, user]),
     }  # fmt: skip
+    tools = [{"type": "function", "function": {"parameters": {"type": "object"}, "name": "ls",
+                                               "x-origin": "mcp"}}]  # fmt: skip
     with running_fleet(1, tokenizer=model, **FAST) as fleet:
         cfg = config_for(fleet, tokenizer={"mode": "local", "path": model})
         async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
@@ -143,6 +149,8 @@ async def test_an_agents_chat_is_counted_as_the_worker_renders_it(tmp_path: Path
             assert router.tokenizer.local is not None
             for label, (source, messages) in chats.items():
                 body = {"model": "sim-model", "messages": messages, "max_tokens": 1}
+                if label == "tools":
+                    body |= {"tools": tools, "tool_choice": "none"}
                 e = (await c.post(base + "/debug/route", json=body)).json()
                 assert e["tokenization"].split("+")[0] == source, label
                 r = await c.post(base + "/v1/chat/completions", json=body)

@@ -919,7 +919,9 @@ async def test_a_local_tokenizer_counts_an_agents_chats_as_vllm_prefills_them_on
     strings, a system prompt opening with Claude Code's billing line, which vLLM drops) and
     chats it sends to the worker's ``/tokenize`` (an assistant turn with no content and a tool
     call, whose arguments vLLM hands the template as an object; a tool result; text parts,
-    which vLLM joins), each twice: every prediction equals vLLM's cached tokens."""
+    which vLLM joins) and a chat with tools as a client writes them (rendered by the router as
+    vLLM's request model dumps them), each twice: every prediction equals vLLM's cached
+    tokens."""
     rng = random.Random(SEED + 7)
 
     def text(n: int) -> str:
@@ -944,6 +946,13 @@ async def test_a_local_tokenizer_counts_an_agents_chats_as_vllm_prefills_them_on
                                                  {"type": "text", "text": text(30)}]},
         ],
     }  # fmt: skip
+    # Tools as a client writes them: the function's keys in its own order, no description, a
+    # key vLLM's request model does not have; vLLM hands the template its model's dump.
+    tools = [{"type": "function", "function": {
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        "name": "ls", "x-origin": "mcp"}}]  # fmt: skip
+    bodies = {label: {"messages": messages} for label, messages in chats.items()}
+    bodies["tools"] = {"messages": chats["plain"], "tools": tools, "tool_choice": "none"}
     with _served(vllm_python, KINDS["dense"], models, tmp_path) as (served, taps):
         cfg = _config(served)
         cfg.tokenizer.mode, cfg.tokenizer.path = "local", str(models / KINDS["dense"].model)
@@ -953,14 +962,14 @@ async def test_a_local_tokenizer_counts_an_agents_chats_as_vllm_prefills_them_on
             sender = ThroughRouter(base, taps)
 
             def scenario() -> None:
-                for label, messages in chats.items():
+                for label, body in bodies.items():
                     for again in ("", "-again"):
-                        sender.send(label + again, {"messages": messages, "max_tokens": 2}, True)
+                        sender.send(label + again, {**body, "max_tokens": 2}, True)
 
             await asyncio.to_thread(scenario)
             sender.client.close()
     hits = _all_exact(sender.outcomes, "dense, local tokenizer: an agent's chats", capsys)
-    for label in chats:
+    for label in bodies:
         assert hits[label + "-again"] > 100, hits
 
 
