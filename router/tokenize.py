@@ -35,6 +35,7 @@ since keys are chained, that is exact.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -373,6 +374,7 @@ class LocalTokenizer:
         file = _tokenizer_file(path)
         self.tok = Tokenizer.from_file(file)
         self.template: Any = None
+        self.source = ""
         self.special: dict[str, str] = {}
         cfg_path = os.path.join(os.path.dirname(file), "tokenizer_config.json")
         if os.path.exists(cfg_path):
@@ -388,17 +390,8 @@ class LocalTokenizer:
             if isinstance(tmpl, list):  # named templates: use "default"
                 tmpl = next((t["template"] for t in tmpl if t.get("name") == "default"), None)
             if isinstance(tmpl, str):
-                try:
-                    import jinja2
-                    from jinja2.sandbox import ImmutableSandboxedEnvironment
-                except ImportError:  # pragma: no cover - jinja2 ships with fastapi's extras
-                    log.warning("jinja2 not installed: local chat templating unavailable")
-                else:
-                    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-                    env.globals["raise_exception"] = _raise
-                    env.filters["tojson"] = _tojson
-                    self.template = env.from_string(tmpl)
-                    self._jinja_error = jinja2.TemplateError
+                self.source = tmpl
+                self.template = _compile_template(tmpl)
 
     def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(prompt, add_special_tokens=add_special_tokens).ids
@@ -409,15 +402,82 @@ class LocalTokenizer:
         if req.get("chat_template") is not None:
             raise TokenizeError("request-supplied chat_template: use the worker")
         kwargs = dict(req.get("chat_template_kwargs") or {})
+        messages = local_conversation(req["messages"])
+        agp = req.get("add_generation_prompt", True)
+        cfm = req.get("continue_final_message", False)
+        if cfm:
+            if agp:
+                raise TokenizeError("continue_final_message with add_generation_prompt")
+            if "content" not in self.source:
+                raise TokenizeError("continue_final_message: the template reads no content")
+            final = messages[-1]["content"]
+            messages[-1] = {**messages[-1], "content": final + _CONTINUE_TAG}
         text = self.template.render(
-            messages=local_conversation(req["messages"]),
+            messages=messages,
             tools=template_tools(req.get("tools")),
-            add_generation_prompt=req.get("add_generation_prompt", True)
-            and not req.get("continue_final_message", False),
+            documents=kwargs.pop("documents", None),
+            add_generation_prompt=bool(agp),
             **self.special,
             **kwargs,
         )
+        if cfm:
+            text = _continued(text, final)
         return self.encode_prompt(text, bool(req.get("add_special_tokens", False)))
+
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+"""What transformers appends to the message to continue, to find where it ends once rendered."""
+
+
+def _continued(text: str, final: str) -> str:
+    """The rendered chat cut where its final message ends, as transformers 5 cuts it for
+    ``continue_final_message`` (``render_jinja_template``): at the tag it appended to the
+    message, less the whitespace the template trimmed off the message's end."""
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in text or tag not in text:
+        raise TokenizeError("continue_final_message: the template drops the final message")
+    at = text.rindex(tag)
+    return text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+
+
+def _compile_template(source: str) -> Any:
+    """The chat template compiled as transformers compiles it (``_compile_jinja_template``):
+    a sandbox that trims blocks, ``{% break %}`` / ``{% continue %}``, ``{% generation %}``
+    blocks (rendered as their body), ``raise_exception``, ``strftime_now`` (the local time, as
+    on the worker) and a ``tojson`` that keeps key order and escapes no HTML. None, with a
+    warning, when jinja2 is missing or the template does not compile: chats then go to a
+    worker's ``/tokenize``."""
+    try:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:  # pragma: no cover - jinja2 ships with fastapi's extras
+        log.warning("jinja2 not installed: local chat templating unavailable")
+        return None
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body)
+            return call.set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    env.filters["tojson"] = _tojson
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as exc:
+        log.warning("the chat template does not compile here (%s): chats go to /tokenize", exc)
+        return None
 
 
 def _tojson(

@@ -23,7 +23,6 @@ from simulator.tokenizer import ChatTemplateError, Tokenizer
 class HFTokenizer:
     def __init__(self, path: str) -> None:
         from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
         from tokenizers import Tokenizer as _Tok
 
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
@@ -31,6 +30,7 @@ class HFTokenizer:
         self.vocab_size = self.tok.get_vocab_size()
         self.special: dict[str, str] = {}
         self.template: Any = None
+        self.source = ""
         self._template_error = TemplateError
         cfg_path = os.path.join(os.path.dirname(file), "tokenizer_config.json")
         if os.path.exists(cfg_path):
@@ -43,10 +43,8 @@ class HFTokenizer:
                     self.special[k] = v
             tmpl = cfg.get("chat_template")
             if isinstance(tmpl, str):
-                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-                env.globals["raise_exception"] = _raise
-                env.filters["tojson"] = _tojson
-                self.template = env.from_string(tmpl)
+                self.source = tmpl
+                self.template = _environment().from_string(tmpl)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -81,20 +79,39 @@ class HFTokenizer:
             raise ChatTemplateError("this model has no chat template")
         if not isinstance(messages, list) or not messages:
             raise ChatTemplateError("'messages' must be a non-empty list")
-        if continue_final_message:
-            raise ChatTemplateError("continue_final_message is not supported with --tokenizer")
         msgs = [{**m, "content": Tokenizer._content(m)} for m in messages]
+        final = ""
+        if continue_final_message:
+            # transformers 5 (render_jinja_template): a tag after the final message, cut
+            # there once rendered (less the whitespace the template trimmed before it).
+            if add_generation_prompt:
+                raise ChatTemplateError(
+                    "continue_final_message and add_generation_prompt are not compatible"
+                )
+            if "content" not in self.source:
+                raise ChatTemplateError("continue_final_message: the template reads no content")
+            final = msgs[-1]["content"]
+            msgs[-1] = {**msgs[-1], "content": final + _TAG}
+        kwargs = dict(kwargs or {})
         try:
             text: str = self.template.render(
                 **{
                     **self.special,
-                    **(kwargs or {}),
+                    "tools": kwargs.pop("tools", None),
+                    "documents": kwargs.pop("documents", None),
+                    **kwargs,
                     "messages": msgs,
                     "add_generation_prompt": add_generation_prompt,
                 }
             )
         except self._template_error as e:
             raise ChatTemplateError(str(e)) from None
+        if continue_final_message:
+            tag = _TAG.strip()
+            if final.strip() not in text or tag not in text:
+                raise ChatTemplateError("the final message does not appear in the chat")
+            at = text.rindex(tag)
+            text = text[:at] if text[at : at + len(_TAG)] == _TAG else text[:at].rstrip()
         return text
 
     def encode_chat(
@@ -106,6 +123,39 @@ class HFTokenizer:
     ) -> list[int]:
         text = self.render_chat(messages, add_generation_prompt, continue_final_message, kwargs)
         return self.encode(text, add_special_tokens=False)
+
+
+_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _environment() -> Any:
+    """transformers' chat-template environment (``_compile_jinja_template``): a sandbox that
+    trims blocks, loop controls, ``{% generation %}`` blocks (their body), ``raise_exception``,
+    ``strftime_now`` and its ``tojson``."""
+    import datetime
+
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body)
+            return call.set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    env.filters["tojson"] = _tojson
+    return env
 
 
 def _tojson(

@@ -7,6 +7,7 @@ would with that model. Real HTTP on loopback, real ZMQ events.
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from test_router_support import (
     write_tokenizer,
 )
 
+from router.tokenize import LocalTokenizer, TokenizeError
 from simulator.testing import running_fleet
 
 pytestmark = pytest.mark.timeout(120)
@@ -113,9 +115,9 @@ async def test_an_agents_chat_is_counted_as_the_worker_renders_it(tmp_path: Path
     """vLLM's parser hands the template an absent content as "", text parts joined, tool-call
     arguments as objects, and a system prompt without Claude Code's billing line; its request
     model hands it tools as it dumps them (its own key order, absent fields null, unknown keys
-    gone). The router renders locally the shapes it hands over the same way and sends the
-    others to a worker's ``/tokenize``; either way it counts what the worker prefills and finds
-    it cached."""
+    gone), and transformers cuts a continued final message where it ends. The router renders
+    locally the shapes it hands over the same way and sends the others to a worker's
+    ``/tokenize``; either way it counts what the worker prefills and finds it cached."""
     model = write_tokenizer(tmp_path / "model", template=AGENT_TEMPLATE)
     call = {"id": "c1", "type": "function",
             "function": {"name": "ls", "arguments": '{"path": "/srv"}'}}  # fmt: skip
@@ -139,6 +141,7 @@ async def test_an_agents_chat_is_counted_as_the_worker_renders_it(tmp_path: Path
                                                   {"type": "text", "text": words(30, "p2")}]}],
         ),
         "tools": ("local", [system, user]),
+        "continued": ("local", [system, user, {"role": "assistant", "content": "The files: "}]),
     }  # fmt: skip
     tools = [{"type": "function", "function": {"parameters": {"type": "object"}, "name": "ls",
                                                "x-origin": "mcp"}}]  # fmt: skip
@@ -151,6 +154,8 @@ async def test_an_agents_chat_is_counted_as_the_worker_renders_it(tmp_path: Path
                 body = {"model": "sim-model", "messages": messages, "max_tokens": 1}
                 if label == "tools":
                     body |= {"tools": tools, "tool_choice": "none"}
+                if label == "continued":
+                    body |= {"continue_final_message": True, "add_generation_prompt": False}
                 e = (await c.post(base + "/debug/route", json=body)).json()
                 assert e["tokenization"].split("+")[0] == source, label
                 r = await c.post(base + "/v1/chat/completions", json=body)
@@ -158,3 +163,43 @@ async def test_an_agents_chat_is_counted_as_the_worker_renders_it(tmp_path: Path
                 n = r.json()["usage"]["prompt_tokens"]
                 assert e["prompt_tokens"] == n, label
                 assert await served_again_as_predicted(c, base, body, n) > 0, label
+
+
+def test_templates_are_compiled_as_transformers_compiles_them(tmp_path: Path) -> None:
+    """Loop controls, ``{% generation %}`` blocks and ``strftime_now`` (templates of Llama 3
+    and of models trained with assistant masks) render locally; a template that does not
+    compile leaves chats to the workers instead of stopping the router."""
+    template = (
+        "{{ bos_token }}<|system|>\n{{ strftime_now('%Y') }}<|end|>\n"
+        "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+        "<|{{ m['role'] }}|>\n{% generation %}{{ m['content'] }}{% endgeneration %}<|end|>\n"
+        "{% endfor %}{% if documents is not none %}{{ documents | length }}{% endif %}"
+    )
+    local = LocalTokenizer(write_tokenizer(tmp_path / "ok", template=template))
+    msgs = [{"role": "user", "content": f"m{i}"} for i in range(4)]
+    year = str(datetime.date.today().year)
+    text = f"<s><|system|>\n{year}<|end|>\n<|user|>\nm0<|end|>\n<|user|>\nm1<|end|>\n"
+    assert local.encode_chat({"messages": msgs}) == local.encode_prompt(text, False)
+    broken = LocalTokenizer(write_tokenizer(tmp_path / "broken", template="{% if %}"))
+    assert broken.template is None
+    with pytest.raises(TokenizeError):
+        broken.encode_chat({"messages": msgs})
+
+
+def test_a_continued_final_message_is_cut_where_it_ends(tmp_path: Path) -> None:
+    """transformers renders a continued final message with a tag after it and cuts the chat
+    there: the end-of-turn after it is gone, and so is whitespace the template trims."""
+    plain = LocalTokenizer(write_tokenizer(tmp_path / "plain", template=CHAT_TEMPLATE))
+    trims = (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] | trim }}<|end|>\n{% endfor %}"
+    )
+    trimmed = LocalTokenizer(write_tokenizer(tmp_path / "trim", template=trims))
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The files: "}]
+    body = {"messages": msgs, "continue_final_message": True, "add_generation_prompt": False}
+    rendered = plain.template.render(messages=msgs, add_generation_prompt=False, **plain.special)
+    cut = rendered[: rendered.rindex("The files: ") + len("The files: ")]
+    assert plain.encode_chat(body) == plain.encode_prompt(cut, False)
+    text = "<|user|>\nhi<|end|>\n<|assistant|>\nThe files:"
+    assert trimmed.encode_chat(body) == trimmed.encode_prompt(text, False)
+    with pytest.raises(TokenizeError):  # vLLM refuses both
+        plain.encode_chat({**body, "add_generation_prompt": True})

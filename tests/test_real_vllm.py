@@ -919,9 +919,9 @@ async def test_a_local_tokenizer_counts_an_agents_chats_as_vllm_prefills_them_on
     strings, a system prompt opening with Claude Code's billing line, which vLLM drops) and
     chats it sends to the worker's ``/tokenize`` (an assistant turn with no content and a tool
     call, whose arguments vLLM hands the template as an object; a tool result; text parts,
-    which vLLM joins) and a chat with tools as a client writes them (rendered by the router as
-    vLLM's request model dumps them), each twice: every prediction equals vLLM's cached
-    tokens."""
+    which vLLM joins), a chat with tools as a client writes them (rendered by the router as
+    vLLM's request model dumps them) and one continuing its final message, each twice: every
+    prompt counted as vLLM counts it and every prediction equal to vLLM's cached tokens."""
     rng = random.Random(SEED + 7)
 
     def text(n: int) -> str:
@@ -953,6 +953,9 @@ async def test_a_local_tokenizer_counts_an_agents_chats_as_vllm_prefills_them_on
         "name": "ls", "x-origin": "mcp"}}]  # fmt: skip
     bodies = {label: {"messages": messages} for label, messages in chats.items()}
     bodies["tools"] = {"messages": chats["plain"], "tools": tools, "tool_choice": "none"}
+    started = {"role": "assistant", "content": "The files are " + text(30) + " "}
+    continued = {"continue_final_message": True, "add_generation_prompt": False}
+    bodies["continued"] = {"messages": [*chats["plain"], started], **continued}
     with _served(vllm_python, KINDS["dense"], models, tmp_path) as (served, taps):
         cfg = _config(served)
         cfg.tokenizer.mode, cfg.tokenizer.path = "local", str(models / KINDS["dense"].model)
@@ -961,14 +964,17 @@ async def test_a_local_tokenizer_counts_an_agents_chats_as_vllm_prefills_them_on
             assert router.tokenizer.local is not None  # agreed with vLLM's /tokenize at start
             sender = ThroughRouter(base, taps)
 
-            def scenario() -> None:
+            def scenario() -> int:
                 for label, body in bodies.items():
                     for again in ("", "-again"):
                         sender.send(label + again, {**body, "max_tokens": 2}, True)
+                return sum(e["verify"]["tokens_mismatches"] for e in sender.engines())
 
-            await asyncio.to_thread(scenario)
+            mismatches = await asyncio.to_thread(scenario)
             sender.client.close()
-    hits = _all_exact(sender.outcomes, "dense, local tokenizer: an agent's chats", capsys)
+    more = f"; prompts counted unlike vLLM's: {mismatches}"
+    hits = _all_exact(sender.outcomes, "dense, local tokenizer: an agent's chats", capsys, more)
+    assert mismatches == 0
     for label in bodies:
         assert hits[label + "-again"] > 100, hits
 
