@@ -402,6 +402,8 @@ class LocalTokenizer:
         if req.get("chat_template") is not None:
             raise TokenizeError("request-supplied chat_template: use the worker")
         kwargs = dict(req.get("chat_template_kwargs") or {})
+        if _CALL_ARGUMENTS & kwargs.keys():
+            raise TokenizeError("chat_template_kwargs naming transformers' own arguments")
         messages = local_conversation(req["messages"])
         agp = req.get("add_generation_prompt", True)
         cfm = req.get("continue_final_message", False)
@@ -424,6 +426,15 @@ class LocalTokenizer:
             text = _continued(text, final)
         return self.encode_prompt(text, bool(req.get("add_special_tokens", False)))
 
+
+_CALL_ARGUMENTS = frozenset(
+    ("conversation", "tools", "chat_template", "add_generation_prompt", "continue_final_message",
+     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+     "return_assistant_tokens_mask", "tokenizer_kwargs")
+)  # fmt: skip
+"""``apply_chat_template``'s own parameters besides ``documents``: vLLM passes
+``chat_template_kwargs`` naming them to the call, not the template (``truncation`` and
+``max_length`` cut the ids); a worker renders such chats."""
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 """What transformers appends to the message to continue, to find where it ends once rendered."""

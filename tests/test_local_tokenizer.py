@@ -167,8 +167,9 @@ async def test_an_agents_chat_is_counted_as_the_worker_renders_it(tmp_path: Path
 
 def test_templates_are_compiled_as_transformers_compiles_them(tmp_path: Path) -> None:
     """Loop controls, ``{% generation %}`` blocks and ``strftime_now`` (templates of Llama 3
-    and of models trained with assistant masks) render locally; a template that does not
-    compile leaves chats to the workers instead of stopping the router."""
+    and of models trained with assistant masks) render locally; kwargs naming transformers'
+    own arguments, and every chat of a template that does not compile, are left to the
+    workers instead of being counted wrong or stopping the router."""
     template = (
         "{{ bos_token }}<|system|>\n{{ strftime_now('%Y') }}<|end|>\n"
         "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
@@ -180,6 +181,8 @@ def test_templates_are_compiled_as_transformers_compiles_them(tmp_path: Path) ->
     year = str(datetime.date.today().year)
     text = f"<s><|system|>\n{year}<|end|>\n<|user|>\nm0<|end|>\n<|user|>\nm1<|end|>\n"
     assert local.encode_chat({"messages": msgs}) == local.encode_prompt(text, False)
+    with pytest.raises(TokenizeError):  # vLLM passes these to the call: they cut the ids
+        local.encode_chat({"messages": msgs, "chat_template_kwargs": {"max_length": 8}})
     broken = LocalTokenizer(write_tokenizer(tmp_path / "broken", template="{% if %}"))
     assert broken.template is None
     with pytest.raises(TokenizeError):
