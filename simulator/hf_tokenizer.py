@@ -79,7 +79,10 @@ class HFTokenizer:
             raise ChatTemplateError("this model has no chat template")
         if not isinstance(messages, list) or not messages:
             raise ChatTemplateError("'messages' must be a non-empty list")
-        msgs = [{**m, "content": Tokenizer._content(m)} for m in messages]
+        msgs = []
+        for m in messages:
+            content = Tokenizer._content(m)  # refuses a message that is not an object: a 400
+            msgs.append({**m, "content": content})
         final = ""
         if continue_final_message:
             # transformers 5 (render_jinja_template): a tag after the final message, cut

@@ -206,3 +206,17 @@ def test_a_continued_final_message_is_cut_where_it_ends(tmp_path: Path) -> None:
     assert trimmed.encode_chat(body) == trimmed.encode_prompt(text, False)
     with pytest.raises(TokenizeError):  # vLLM refuses both
         plain.encode_chat({**body, "add_generation_prompt": True})
+
+
+def test_a_worker_with_a_model_folder_refuses_a_message_that_is_not_an_object(
+    tmp_path: Path,
+) -> None:
+    """As vLLM: a 400 naming the message, and the worker keeps serving."""
+    model = write_tokenizer(tmp_path / "model", template=CHAT_TEMPLATE)
+    with running_fleet(1, tokenizer=model, **FAST) as (w,), httpx.Client(timeout=10) as c:
+        for path in ("/v1/chat/completions", "/tokenize"):
+            r = c.post(w.url + path, json={"messages": [[1, 2]], "max_tokens": 1})
+            assert r.status_code == 400 and "role" in r.json()["error"]["message"], r.text
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        ok = c.post(w.url + "/v1/chat/completions", json=chat)
+        assert ok.status_code == 200, ok.text
