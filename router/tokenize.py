@@ -676,7 +676,7 @@ class PromptTokenizer:
         except (TypeError, msgspec.EncodeError) as exc:
             raise TokenizeError(f"request not encodable: {exc}") from None
         rootb = root.to_bytes(8, "little")
-        ckey = _h128(rootb, enc)
+        ckey = _h128(rootb, enc, self._day(chat))
         hit = self._cache.get(ckey)
         if hit is not None:
             self._cache.move_to_end(ckey)
@@ -728,6 +728,15 @@ class PromptTokenizer:
         karr = keys if isinstance(keys, array) else array("Q", keys)
         self._store(ckey, _Entry(data, karr, root), conv_hashes[-1] if conv_hashes else None)
         return Tokenized(n, data, karr, root, source, reused, ids_json)
+
+    def _day(self, chat: bool) -> bytes:
+        """Today's date when a local template reads the clock (``strftime_now``: Llama 3's
+        writes the date), so that a cached rendering holds for its day only (a template
+        printing the time of day is still cached for the day); else nothing."""
+        local = self.local
+        if chat and local is not None and "strftime_now" in local.source:
+            return datetime.date.today().isoformat().encode()
+        return b""
 
     # ---------------------------------------------------------------- upstream body
 

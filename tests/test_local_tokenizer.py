@@ -23,7 +23,7 @@ from test_router_support import (
     write_tokenizer,
 )
 
-from router.tokenize import LocalTokenizer, TokenizeError
+from router.tokenize import LocalTokenizer, PromptTokenizer, TokenizeError
 from simulator.testing import running_fleet
 
 pytestmark = pytest.mark.timeout(120)
@@ -220,3 +220,33 @@ def test_a_worker_with_a_model_folder_refuses_a_message_that_is_not_an_object(
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         ok = c.post(w.url + "/v1/chat/completions", json=chat)
         assert ok.status_code == 200, ok.text
+
+
+async def test_a_template_reading_the_clock_is_cached_for_the_day(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Llama 3's template writes today's date: a chat rendered yesterday is rendered again
+    today (the worker renders today's date), not served from the tokenization cache."""
+    template = "<|system|>\n{{ strftime_now('%d %b %Y') }}<|end|>\n" + CHAT_TEMPLATE
+    local = LocalTokenizer(write_tokenizer(tmp_path / "m", template=template))
+    tok = PromptTokenizer(16, local=local)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    first = await tok.tokenize(chat, True, 0, None)
+    assert (first.source, (await tok.tokenize(chat, True, 0, None)).source) == ("local", "cache")
+
+    class Tomorrow(datetime.datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:
+            return datetime.datetime.now(tz) + datetime.timedelta(days=1)
+
+    class Dates(datetime.date):
+        @classmethod
+        def today(cls) -> Any:
+            return datetime.date.today() + datetime.timedelta(days=1)
+
+    clock = type("clock", (), {"datetime": Tomorrow, "date": Dates})
+    monkeypatch.setattr("router.tokenize.datetime", clock)
+    later = await tok.tokenize(chat, True, 0, None)
+    assert later.source == "local" and later.data != first.data
+    plain = PromptTokenizer(16, local=LocalTokenizer(write_tokenizer(tmp_path / "p")))
+    assert plain._day(True) == b""
