@@ -219,25 +219,28 @@ class WorkerProbe:
             return
         if n == template_tokens:
             r.add("chat", OK, "chat completions render as /tokenize does (the chat template)")
-            await self._check_tools(template_tokens, None)
+            await self._check_tools(template_tokens, harmony_format=False)
             return
         harmony_tokens = _harmony_tokens()
         if n == harmony_tokens:
             r.add(
                 "chat", OK, "chat completions are rendered in harmony (GPT-OSS), as the router does"
             )
-            await self._check_tools(harmony_tokens, _harmony_tokens(tools=True))
+            await self._check_tools(harmony_tokens, harmony_format=True)
             return
         detail = f"chat completions count {n} prompt tokens, /tokenize renders {template_tokens}"
         fix = FIX["harmony"] if harmony_tokens is None else FIX["chat"]
         r.add("chat", WARN, detail, fix)
 
-    async def _check_tools(self, without: int, with_tools: int | None) -> None:
+    async def _check_tools(self, without: int, *, harmony_format: bool) -> None:
         """Whether the worker renders a chat with ``tool_choice: "none"`` with its tools
-        (``with_tools``: the chat's length with the tool; None: ask ``/tokenize``)."""
+        (``without``: the chat's length without them; ``harmony_format``: the worker renders
+        chats in harmony, else with the template its ``/tokenize`` applies)."""
         r = self.report
         try:
-            if with_tools is None:
+            if harmony_format:
+                with_tools = _harmony_tokens(tools=True)
+            else:
                 with_tools = len(await self._tokenize({"messages": CHAT, "tools": [TOOL]}))
             if with_tools == without:
                 return  # the template renders no tools: nothing to tell
@@ -249,7 +252,7 @@ class WorkerProbe:
                 r.add("tools", SKIP, f"{why}: {resp.text[:120]}")
                 return
             doc = msgspec.json.decode(resp.content)
-        except (httpx.HTTPError, ValueError, RuntimeError) as exc:
+        except (httpx.HTTPError, ValueError, RuntimeError) as exc:  # HarmonyError: a ValueError
             r.add("tools", SKIP, f"the probe chat with a tool failed: {type(exc).__name__}")
             return
         n = prompt_tokens_of(doc) if isinstance(doc, dict) else None
