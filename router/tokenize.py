@@ -200,10 +200,9 @@ def template_tools(tools: Any) -> list[dict[str, Any]] | None:
         if not isinstance(params, dict | None):
             raise TokenizeError("a tool's parameters: rendered by the worker")
         fn: dict[str, Any] = {"name": name, "description": desc, "parameters": params}
-        defer = t.get("defer_loading")
-        for key, v in (("strict", f.get("strict")), ("defer_loading", f.get("defer_loading"))):
-            if key == "defer_loading" and v is None:
-                v = defer
+        defer, own = t.get("defer_loading"), f.get("defer_loading")
+        flags = (("strict", f.get("strict")), ("defer_loading", defer if own is None else own))
+        for key, v in flags:
             if v is not None:
                 if not isinstance(v, bool):
                     raise TokenizeError(f"a tool's {key}: rendered by the worker")
@@ -375,6 +374,8 @@ class LocalTokenizer:
         self.tok = Tokenizer.from_file(file)
         self.template: Any = None
         self.source = ""
+        self.reads_clock = False
+        """The template calls ``strftime_now``: what it renders depends on the day."""
         self.special: dict[str, str] = {}
         cfg_path = os.path.join(os.path.dirname(file), "tokenizer_config.json")
         if os.path.exists(cfg_path):
@@ -391,6 +392,7 @@ class LocalTokenizer:
                 tmpl = next((t["template"] for t in tmpl if t.get("name") == "default"), None)
             if isinstance(tmpl, str):
                 self.source = tmpl
+                self.reads_clock = "strftime_now" in tmpl
                 self.template = _compile_template(tmpl)
 
     def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -734,7 +736,7 @@ class PromptTokenizer:
         writes the date), so that a cached rendering holds for its day only (a template
         printing the time of day is still cached for the day); else nothing."""
         local = self.local
-        if chat and local is not None and "strftime_now" in local.source:
+        if chat and local is not None and local.reads_clock:
             return datetime.date.today().isoformat().encode()
         return b""
 
