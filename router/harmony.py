@@ -43,7 +43,7 @@ import xxhash
 
 from router.model_set import ModelSet
 
-__all__ = ["HarmonyChats", "HarmonyError", "HarmonyRenderer", "available"]
+__all__ = ["HarmonyChats", "HarmonyError", "HarmonyRenderer", "available", "flatten_text"]
 
 _EFFORTS = ("high", "medium", "low")
 MESSAGE_CACHE_TOKENS = 1 << 21
@@ -70,7 +70,7 @@ def available() -> bool:
     return True
 
 
-def _text(content: Any) -> str | None:
+def flatten_text(content: Any) -> str | None:
     """vLLM's ``flatten_input_text_content``: a string as it is, a list's text parts joined."""
     if content is None or isinstance(content, str):
         return content
@@ -138,6 +138,11 @@ class HarmonyRenderer:
         self._start, self._channel = special("<|start|>"), special("<|channel|>")
         self._constrain, self._message = special("<|constrain|>"), special("<|message|>")
 
+    @property
+    def library(self) -> Any:
+        """The harmony library (``openai_harmony``), for building messages."""
+        return self._h
+
     def _special(self, token: str) -> int:
         ids: list[int] = self._enc.encode(token, allowed_special="all")
         return ids[0]
@@ -152,18 +157,19 @@ class HarmonyRenderer:
         """The prompt ids of a chat completion body (``messages``, ``tools``,
         ``reasoning_effort``), its system message dated ``start_date`` (default:
         :meth:`start_date`). HarmonyError where vLLM refuses the body."""
-        steps = self._steps(body, start_date)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+        return _run(self._steps(self.chat_messages(body, start_date)))
 
     async def render_async(self, body: dict[str, Any], start_date: str | None = None) -> list[int]:
-        """:meth:`render`, giving the event loop a turn between messages once ``RENDER_SLICE_S``
-        of rendering has passed: the library holds the GIL while it renders, so a conversation
-        seen for the first time would otherwise hold the loop for its whole render."""
-        steps = self._steps(body, start_date)
+        """:meth:`render`, giving the event loop turns (:meth:`render_messages_async`)."""
+        return await self.render_messages_async(self.chat_messages(body, start_date))
+
+    async def render_messages_async(self, messages: list[Any]) -> list[int]:
+        """The prompt ids of a conversation of harmony messages (vLLM's
+        ``render_for_completion``), giving the event loop a turn between messages once
+        ``RENDER_SLICE_S`` of rendering has passed: the library holds the GIL while it renders,
+        so a conversation seen for the first time would otherwise hold the loop for its whole
+        render."""
+        steps = self._steps(messages)
         began = time.perf_counter()
         while True:
             try:
@@ -174,30 +180,37 @@ class HarmonyRenderer:
                 await asyncio.sleep(0)
                 began = time.perf_counter()
 
-    def _steps(
-        self, body: dict[str, Any], start_date: str | None
-    ) -> Generator[None, None, list[int]]:
-        """The rendering of ``body``, one step per message; returns the ids."""
-        h = self._h
+    def render_messages(self, messages: list[Any]) -> list[int]:
+        """:meth:`render_messages_async` in one call."""
+        return _run(self._steps(messages))
+
+    def chat_messages(self, body: dict[str, Any], start_date: str | None = None) -> list[Any]:
+        """A chat completion body as the harmony messages vLLM renders it in (its
+        ``_make_request_with_harmony``). HarmonyError where vLLM refuses the body."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise HarmonyError("messages: a list of message objects")
         effort = body.get("reasoning_effort")
-        if effort is not None and effort not in _EFFORTS:
-            raise HarmonyError(f"harmony does not support reasoning_effort={effort!r}")
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise HarmonyError("tools: a list")
         date = start_date or self.start_date()
         try:  # the library's message models validate what the body left unchecked
             instructions, rest = self._instructions(messages)
-            out = self._preamble(instructions, tools, effort, date)
-            out += self._conversation(rest, date)
-            harmony_messages = self._drop_analysis(out)
-            declared = any(_declares_functions(c) for m in harmony_messages for c in m.content)
-            options = h.RenderOptions(conversation_has_function_tools=declared)
+            out = self.preamble(instructions, self._chat_functions(tools), effort, date)
+            return out + self._conversation(rest, date)
         except HarmonyError:
             raise
+        except self._library_errors as exc:
+            raise _refused(exc) from None
+
+    def _steps(self, messages: list[Any]) -> Generator[None, None, list[int]]:
+        """The rendering of ``messages``, one step per message; returns the ids."""
+        h = self._h
+        try:
+            harmony_messages = self._drop_analysis(messages)
+            declared = any(_declares_functions(c) for m in harmony_messages for c in m.content)
+            options = h.RenderOptions(conversation_has_function_tools=declared)
         except self._library_errors as exc:
             raise _refused(exc) from None
         ids: list[int] = []
@@ -230,22 +243,26 @@ class HarmonyRenderer:
     def _instructions(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
         """A leading system or developer message's text, and the messages after it."""
         if messages and messages[0].get("role") in ("system", "developer"):
-            return _text(messages[0].get("content")), messages[1:]
+            return flatten_text(messages[0].get("content")), messages[1:]
         return None, messages
 
-    def _preamble(
-        self, instructions: str | None, tools: list[Any] | None, effort: str | None, date: str
+    def preamble(
+        self, instructions: str | None, functions: list[Any], effort: Any, date: str
     ) -> list[Any]:
         """The system message, and the developer message when there are instructions or
-        tools (vLLM's ``build_harmony_preamble``)."""
+        function tools (vLLM's ``build_harmony_preamble``)."""
+        if effort is not None and effort not in _EFFORTS:
+            raise HarmonyError(f"harmony does not support reasoning_effort={effort!r}")
         to_system = self._system_instructions
-        out = [self._system(instructions if to_system else None, effort, date)]
+        out = [self.system(instructions if to_system else None, effort, date)]
         developer = None if to_system else instructions
-        if developer or tools:
-            out.append(self._developer(developer, tools))
+        if developer or functions:
+            out.append(self.developer(developer, functions))
         return out
 
-    def _system(self, instructions: str | None, effort: str | None, date: str) -> Any:
+    def system(self, instructions: str | None, effort: str | None, date: str) -> Any:
+        """vLLM's ``get_system_message``: instructions reach it only with
+        ``model.harmony_system_instructions``."""
         h = self._h
         content = h.SystemContent.new()
         if instructions is not None:
@@ -258,11 +275,37 @@ class HarmonyRenderer:
         content = content.with_conversation_start_date(date)
         return h.Message.from_role_and_content(h.Role.SYSTEM, content)
 
-    def _developer(self, instructions: str | None, tools: list[Any] | None) -> Any:
+    def developer(self, instructions: str | None, functions: list[Any] | None = None) -> Any:
+        """vLLM's ``get_developer_message``: ``functions`` are ``ToolDescription`` objects
+        (:meth:`function`)."""
         h = self._h
         content = h.DeveloperContent.new()
         if instructions is not None and not self._system_instructions:
             content = content.with_instructions(instructions)
+        if functions:
+            content = content.with_function_tools(functions)
+        return h.Message.from_role_and_content(h.Role.DEVELOPER, content)
+
+    def system_or_developer(self, role: str, instructions: str, date: str) -> Any:
+        """A later system or developer message (vLLM's ``get_system_or_developer_message``)."""
+        if role == "system" and self._system_instructions:
+            return self.system(instructions, None, date)
+        return self.developer(instructions)
+
+    def function(self, name: Any, description: Any, parameters: Any) -> Any:
+        """One function tool as the developer message declares it."""
+        if not isinstance(name, str):
+            raise HarmonyError("tools: a function tool needs a name")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise HarmonyError("tools: a function's parameters must be an object")
+        if description is not None and not isinstance(description, str):
+            raise HarmonyError("tools: a function's description must be a string")
+        return self._h.ToolDescription.new(
+            name=name, description=description or "", parameters=parameters
+        )
+
+    def _chat_functions(self, tools: list[Any] | None) -> list[Any]:
+        """A chat completion's ``tools`` as function tool descriptions."""
         functions = []
         for tool in tools or ():
             if not isinstance(tool, dict):
@@ -273,17 +316,8 @@ class HarmonyRenderer:
             fn = tool.get("function")
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise HarmonyError("tools: a function tool needs function.name")
-            params = fn.get("parameters")
-            if params is not None and not isinstance(params, dict):
-                raise HarmonyError("tools: function.parameters must be an object")
-            functions.append(
-                h.ToolDescription.new(
-                    name=fn["name"], description=fn.get("description") or "", parameters=params
-                )
-            )
-        if functions:
-            content = content.with_function_tools(functions)
-        return h.Message.from_role_and_content(h.Role.DEVELOPER, content)
+            functions.append(self.function(fn["name"], fn.get("description"), fn.get("parameters")))
+        return functions
 
     # ------------------------------------------------------------------ the turns
 
@@ -320,7 +354,7 @@ class HarmonyRenderer:
             raise HarmonyError("reasoning: a string")
         out = []
         if role == "assistant" and calls:
-            content = _text(m.get("content"))
+            content = flatten_text(m.get("content"))
             if content:
                 out.append(
                     Msg.from_role_and_content(Role.ASSISTANT, content).with_channel("commentary")
@@ -342,7 +376,7 @@ class HarmonyRenderer:
             return out
         if role == "tool":
             name = names.get(m.get("tool_call_id", ""), "")
-            content = _text(m.get("content")) or ""
+            content = flatten_text(m.get("content")) or ""
             author = h.Author.new(Role.TOOL, f"functions.{name}")
             msg = Msg.from_author_and_content(author, content)
             return [msg.with_channel("commentary").with_recipient("assistant")]
@@ -360,12 +394,9 @@ class HarmonyRenderer:
         if role == "assistant" and contents and contents[0].text:
             out.append(Msg.from_role_and_contents(role, contents).with_channel("final"))
         elif role in ("system", "developer"):
-            instructions = _text(m.get("content"))
+            instructions = flatten_text(m.get("content"))
             if instructions is not None:
-                if role == "system" and self._system_instructions:
-                    out.append(self._system(instructions, None, date))
-                else:
-                    out.append(self._developer(instructions, None))
+                out.append(self.system_or_developer(role, instructions, date))
         elif role != "assistant":
             if not isinstance(role, str):
                 raise HarmonyError("message role: a string")
@@ -421,6 +452,15 @@ class HarmonyRenderer:
             header += [*enc.encode(f"{channel} {ctype}"), message]
             out[i : end + 1] = header
             i += len(header)
+
+
+def _run(steps: Generator[None, None, list[int]]) -> list[int]:
+    """A rendering's steps run to the end."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
 
 
 class HarmonyChats(ModelSet):
