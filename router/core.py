@@ -24,7 +24,7 @@ from starlette.types import Receive
 
 from indexer.index import EngineId, PrefixIndex, PrefixMatch
 from indexer.subscriber import SourceStatus, Subscriber
-from router import anthropic, harmony, passthrough, proxy
+from router import anthropic, harmony, harmony_responses, passthrough, proxy
 from router.admission import Admission, make_admission
 from router.anthropic import TemplateTraits
 from router.cache_read import reads_prefix_cache, sequences
@@ -368,7 +368,7 @@ class Router:
         if body is None or path not in passthrough.BY_CACHE:
             return None, traits
         if path == "/v1/responses" and self.tokenizer.harmony_for(body) is not None:
-            return None, traits  # vLLM renders these in harmony from its own item conversion
+            return harmony_responses.prompt(body), traits
         if path == "/v1/messages":
             known = await self.template_traits(body)
             if known is None:

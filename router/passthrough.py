@@ -25,6 +25,7 @@ import msgspec
 
 from router import anthropic, responses_input
 from router.anthropic import TemplateTraits
+from router.harmony_responses import INPUT as HARMONY_INPUT
 
 __all__ = ["BY_CACHE", "DEFAULT_TRAITS", "PATHS", "chat_prompt", "describe", "routing_body"]
 
@@ -93,7 +94,8 @@ def routing_body(
 ) -> dict:
     """What the router routes such a request by: its model and, when it has them, its prompt
     as chat fields with what changes their tokens (``cache_salt``, template arguments, the
-    reasoning effort, and for a Responses request its continuation and truncation)."""
+    reasoning effort, and for a Responses request its continuation and truncation), or for a
+    Responses request to a GPT-OSS model its input as router/harmony_responses.py reads it."""
     model = body.get("model") if body is not None else None
     routed: dict[str, Any] = {"model": model} if model is not None else {}
     if prompt is not None and body is not None:
@@ -101,7 +103,10 @@ def routing_body(
         for k in ("cache_salt", "chat_template_kwargs"):
             if k in body:
                 routed[k] = body[k]
-        if "input" in body:
+        if HARMONY_INPUT in prompt:
+            if body.get("truncation", "disabled") not in (None, "disabled"):
+                routed["truncate_prompt_tokens"] = -1
+        elif "input" in body:
             routed |= _responses_rendering(body)
         elif "messages" in body:
             routed |= _anthropic_rendering(body, traits)
@@ -154,6 +159,8 @@ def _responses_rendering(body: dict[str, Any]) -> dict[str, Any]:
 
 def describe(path: str, prompt: dict[str, Any] | None) -> str:
     """What ``/debug/route`` says of how a request on ``path`` is routed."""
+    if prompt is not None and HARMONY_INPUT in prompt:
+        return f"by cache: the {path} prompt rendered in harmony from its input items"
     if prompt is not None:
         tools = f" and {len(prompt['tools'])} tools" if prompt.get("tools") else ""
         return f"by cache: the {path} prompt read as {len(prompt['messages'])} chat messages{tools}"

@@ -17,8 +17,9 @@ the template exactly as vLLM's parser does (:func:`local_conversation`: string c
 tool calls or tool results); any other chat goes to a worker's ``/tokenize``.
 
 A GPT-OSS fleet (``model.chat_format``): vLLM renders such a model's chats in the harmony format
-rather than with its template, and so does the router, in process (router/harmony.py); the
-date in the system message is part of the cache key.
+rather than with its template, and so does the router, in process (router/harmony.py; a
+Responses API request from its input items, router/harmony_responses.py); the date in the
+system message is part of the cache key.
 
 Caching (bounded LRU, ``tokenizer.cache_entries`` entries and a token budget): results are keyed
 by a 128-bit hash of the namespace plus the JSON of the tokenize request, and hold the tokens
@@ -52,8 +53,10 @@ import xxhash
 
 from indexer.keys import chain_keys, tokens_to_bytes
 from indexer.native import ids_from_json, ids_to_json
+from router import harmony_responses
 from router.anthropic import BILLING_HEADER
 from router.harmony import HarmonyChats, HarmonyError, HarmonyRenderer
+from router.harmony_responses import INPUT as HARMONY_INPUT
 from router.model_set import ModelSet
 from router.truncation import prefilled_window
 
@@ -605,6 +608,10 @@ class PromptTokenizer:
         body: dict[str, Any], harmony: HarmonyRenderer, drop_tools: bool
     ) -> dict[str, Any] | None:
         """What a harmony rendering depends on: its cache key and the renderer's input."""
+        if HARMONY_INPUT in body:
+            payload = {HARMONY_INPUT: body[HARMONY_INPUT], "start_date": harmony.start_date()}
+            keys: tuple[str, ...] = ("instructions", "tools", "reasoning_effort", "model")
+            return payload | {k: body[k] for k in keys if body.get(k) is not None}
         if not isinstance(body.get("messages"), list):
             return None
         payload = {"messages": body["messages"], "start_date": harmony.start_date()}
@@ -690,7 +697,11 @@ class PromptTokenizer:
         source = "remote"
         if harmony is not None:
             try:
-                tokens = await harmony.render_async(payload, payload["start_date"])
+                if HARMONY_INPUT in payload:
+                    msgs = harmony_responses.messages(harmony, payload, payload["start_date"])
+                    tokens = await harmony.render_messages_async(msgs)
+                else:
+                    tokens = await harmony.render_async(payload, payload["start_date"])
             except HarmonyError as exc:
                 raise TokenizeError(str(exc)) from None
             source = "harmony"

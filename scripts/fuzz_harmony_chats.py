@@ -9,8 +9,12 @@ harmony method (the Python of a vLLM install), the router's renderer compares (t
     python scripts/fuzz_harmony_chats.py check /tmp/harmony-fuzz.json
 
 ``--odd`` adds one malformed value per body (odd types under the known keys), where vLLM's
-request validation, not its renderer, decides. ``check`` prints a JSON summary and, for the
-first few disagreements, where the ids part.
+request validation, not its renderer, decides. ``--api responses`` makes Responses API bodies
+instead (``fuzz_request_conversions.py``'s, half of them kept to what harmony takes: function
+tools, and messages, function calls and outputs, and reasoning items), rendered by vLLM's
+``_render_responses_with_harmony`` (``record_harmony_responses.py``) and by
+``router/harmony_responses.py``. ``check`` prints a JSON summary and, for the first few
+disagreements, where the ids part.
 """
 
 from __future__ import annotations
@@ -152,13 +156,46 @@ def odd(r: random.Random, b: dict[str, Any]) -> dict[str, Any]:
     return b
 
 
-def render(args: argparse.Namespace) -> None:
-    import record_harmony_chats as recorded  # vLLM's own path, as the fixture records it
+_HARMONY_ITEMS = frozenset({"message", "function_call", "function_call_output", "reasoning"})
 
-    r = random.Random(args.seed)
-    bodies = [odd(r, body(r)) if args.odd else body(r) for _ in range(args.n)]
+
+def _harmony_only(b: dict[str, Any]) -> dict[str, Any]:
+    """A Responses body kept to the tools and items vLLM renders in harmony."""
+    if b.get("tools"):
+        b["tools"] = [t for t in b["tools"] if t.get("type") == "function"]
+    if isinstance(b.get("input"), list):
+        b["input"] = [i for i in b["input"] if i.get("type", "message") in _HARMONY_ITEMS]
+    return b
+
+
+def _responses_bodies(r: random.Random, n: int, spoil: bool) -> list[dict[str, Any]]:
+    import fuzz_request_conversions as conv
+
+    out = []
+    for _ in range(n):
+        b = conv.responses_body(r)
+        if r.random() < 0.5:
+            b = _harmony_only(b)
+        out.append(conv.responses_odd(r, b) if spoil else b)
+    return out
+
+
+def render(args: argparse.Namespace) -> None:
+    import logging
+
+    if args.api == "responses":
+        import record_harmony_responses as recorded  # vLLM's own path, as the fixture records it
+
+        logging.disable(logging.WARNING)
+        r = random.Random(args.seed)
+        bodies = _responses_bodies(r, args.n, args.odd)
+    else:
+        import record_harmony_chats as recorded  # type: ignore[no-redef]
+
+        r = random.Random(args.seed)
+        bodies = [odd(r, body(r)) if args.odd else body(r) for _ in range(args.n)]
     os.environ["VLLM_SYSTEM_START_DATE"] = recorded.START_DATE
-    out: dict[str, Any] = {"start_date": recorded.START_DATE, "bodies": bodies}
+    out: dict[str, Any] = {"api": args.api, "start_date": recorded.START_DATE, "bodies": bodies}
     for si in (False, True):
         if si:
             os.environ["VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS"] = "1"
@@ -167,6 +204,21 @@ def render(args: argparse.Namespace) -> None:
         out[f"system_instructions={si}"] = [recorded.render(b) for b in bodies]
     Path(args.out).write_text(json.dumps(out, ensure_ascii=False))
     print(f"{len(bodies)} bodies x 2 -> {args.out}")
+
+
+class _ByLoad(Exception):
+    """The router leaves the body's prompt to the worker (router/harmony_responses.py)."""
+
+
+def _router_render(renderer: Any, doc: dict[str, Any], b: dict[str, Any]) -> list[int]:
+    if doc.get("api", "chat") == "chat":
+        return renderer.render(b)  # type: ignore[no-any-return]
+    from router import harmony_responses
+
+    got = harmony_responses.prompt(b)
+    if got is None:
+        raise _ByLoad
+    return renderer.render_messages(harmony_responses.messages(renderer, got, doc["start_date"]))  # type: ignore[no-any-return]
 
 
 def check(args: argparse.Namespace) -> None:
@@ -180,9 +232,12 @@ def check(args: argparse.Namespace) -> None:
         want_all = doc[f"system_instructions={si}"]
         for i, (b, want) in enumerate(zip(doc["bodies"], want_all, strict=True)):
             try:
-                got: dict[str, Any] = {"prompt_token_ids": renderer.render(b)}
+                got: dict[str, Any] = {"prompt_token_ids": _router_render(renderer, doc, b)}
             except HarmonyError as exc:
                 got = {"error": str(exc)}
+            except _ByLoad:
+                outcomes["router routes by load"] += 1
+                continue
             if "error" in got and "error" in want:
                 outcome = "both refuse"
             elif "error" in got:
@@ -209,6 +264,7 @@ def main() -> None:
     rp.add_argument("--seed", type=int, default=1)
     rp.add_argument("--n", type=int, default=500)
     rp.add_argument("--odd", action="store_true")
+    rp.add_argument("--api", choices=("chat", "responses"), default="chat")
     rp.add_argument("--out", required=True)
     cp = sub.add_parser("check", help="with the repository's Python")
     cp.add_argument("file")

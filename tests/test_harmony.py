@@ -276,11 +276,12 @@ async def test_the_self_check_finds_harmony_workers_and_chats_are_predicted_exac
     """Default configuration (``chat_format: auto``, tokenizing through the workers) in front of
     simulated GPT-OSS workers, which render chat completions in harmony and ``/tokenize`` with
     the template, as vLLM does: the self-check's probe chat finds it, the router renders the
-    model's chats in harmony, and a conversation's next turn is credited what the worker finds.
-    A Responses body, which vLLM renders from its own item conversion, goes by load."""
+    model's chats in harmony, and a conversation's next turn is credited what the worker finds,
+    whether it comes as a chat or as a Responses request (rendered from its items as vLLM
+    renders them, to the same messages)."""
     with running_fleet(2, chat_format="harmony", **FAST) as fleet:
         cfg = config_for(fleet)
-        async with serve_router(cfg) as (base, router), httpx.AsyncClient(timeout=30) as c:
+        async with serve_router(cfg) as (base, _router), httpx.AsyncClient(timeout=30) as c:
             await until(lambda: c.get(base + "/ready"), 20)
             assert (await _selfcheck(c, base))["chat_format"] == "harmony"
             system = {"role": "system", "content": " ".join(f"rule {i}." for i in range(60))}
@@ -306,10 +307,20 @@ async def test_the_self_check_finds_harmony_workers_and_chats_are_predicted_exac
             assert r.headers["x-kvrouter-worker"] == first
             assert usage["prompt_tokens"] == e["prompt_tokens"]
             assert usage["prompt_tokens_details"]["cached_tokens"] == e["predicted_hit_tokens"]
-            prompt, _ = await router.read_prompt(
-                "/v1/responses", {"model": "sim-model", "input": "hi"}
-            )
-            assert prompt is None
+            # The same conversation continued through the Responses API, which vLLM renders
+            # from its items to the same harmony messages: credited on the same worker.
+            items = [
+                {"role": "user", "content": "Tell me about rain."},
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": "And snow?"},
+            ]
+            resp = {"model": "sim-model", "instructions": system["content"], "input": items}
+            e2 = (await c.post(base + "/debug/route?path=/v1/responses", json=resp)).json()
+            assert e2["tokenization"] in ("harmony", "cache"), e2
+            assert e2["routing"].startswith("by cache") and "harmony" in e2["routing"], e2
+            now = (await c.post(base + "/debug/route", json=body)).json()
+            assert e2["chosen"] == first and e2["prompt_tokens"] == now["prompt_tokens"]
+            assert e2["predicted_hit_tokens"] == now["predicted_hit_tokens"] > 256
 
 
 async def test_a_template_fleet_never_loads_harmony():

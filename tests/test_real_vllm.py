@@ -1185,18 +1185,61 @@ def _usage_of(path: str, usage: dict[str, Any]) -> tuple[int, int]:
     return usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"]
 
 
+def _harmony_responses_turns() -> list[tuple[str, dict[str, Any]]]:
+    """An agent on the Responses API in front of a GPT-OSS model, which vLLM renders in harmony
+    from the items: instructions, function tools (the only kind harmony takes besides built-in
+    ones), a reasoning item, two calls and their outputs, an answer, a user turn in two text
+    parts, and a developer message late in the conversation."""
+    tools = [
+        {"type": "function", "name": "shell", "description": "Run a command",
+         "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}},
+        {"type": "function", "name": "read", "parameters": None},
+    ]  # fmt: skip
+    user = {"role": "user", "content": "list the files " * 8}
+    calls = [
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "run ls"}]},
+        {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": '{"cmd":"ls"}'},
+        {"type": "function_call", "call_id": "c2", "name": "read", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "a.py b.py " * 8},
+        {"type": "function_call_output", "call_id": "c2", "output": "ok"},
+    ]  # fmt: skip
+    said = [{"type": "output_text", "text": "Two files.", "annotations": []}]
+    answer = {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+              "content": said}  # fmt: skip
+    more = [
+        {"role": "developer", "content": "Answer in one word."},
+        {"role": "user", "content": [{"type": "input_text", "text": "which is larger"},
+                                     {"type": "input_text", "text": " and why"}]},
+    ]  # fmt: skip
+    base = {"instructions": _AGENT_SYSTEM, "tools": tools, "max_output_tokens": 2}
+    return [
+        ("first", {**base, "input": [user]}),
+        ("tool-output", {**base, "input": [user, *calls]}),
+        ("answered", {**base, "input": [user, *calls, answer, *more]}),
+        ("answered-again", {**base, "reasoning": {"effort": "medium"},
+                            "input": [user, *calls, answer, *more]}),
+    ]  # fmt: skip
+
+
 def _agent_session(
-    sender: ThroughRouter, path: str, extra: dict[str, Any] | None = None
+    sender: ThroughRouter,
+    path: str,
+    extra: dict[str, Any] | None = None,
+    session: Callable[[], list[tuple[str, dict[str, Any]]]] | None = None,
 ) -> list[Row]:
-    """Each turn of the session on ``path`` (with the fields ``extra``), the prediction taken
-    once the router has every event of the turns before; the second Anthropic and Responses
-    turns streamed. The router's verifier checks each answer: one sample per turn, its
-    prediction the one ``/debug/route`` gave."""
-    turns = {
-        "/v1/messages": _agent_turns,
-        "/v1/responses": _responses_turns,
-        "/v1/chat/completions": _chat_turns,
-    }[path]()
+    """Each turn of the session on ``path`` (with the fields ``extra``; ``session``: other
+    turns than the path's own), the prediction taken once the router has every event of the
+    turns before; the second Anthropic and Responses turns streamed. The router's verifier
+    checks each answer: one sample per turn, its prediction the one ``/debug/route`` gave."""
+    turns = (
+        session
+        or {
+            "/v1/messages": _agent_turns,
+            "/v1/responses": _responses_turns,
+            "/v1/chat/completions": _chat_turns,
+        }[path]
+    )()
     rows = []
     for i, (label, turn) in enumerate(turns):
         body = {**turn, **(extra or {}), "model": SERVED}
@@ -1279,3 +1322,28 @@ async def test_agent_sessions_over_messages_and_responses_on_real_vllm(
         assert hits[3] >= hits[2] if name.startswith("tools-excluded") else hits[3] > hits[2]
     for path in every:  # the same first turn, rendered without its tools
         assert got[f"tools-excluded {path}"][0][2] < got[f"inline-system {path}"][0][2], path
+
+
+async def test_gpt_oss_responses_sessions_on_real_vllm(
+    vllm_python: Path, models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Responses API agent in front of a GPT-OSS model, which vLLM renders in harmony from
+    the request's items rather than through a chat: the router, told nothing (its self-check
+    finds the harmony chats), renders each turn to vLLM's prompt length and predicts exactly
+    the cached tokens vLLM reports, streamed or whole."""
+    with _served(vllm_python, KINDS["sinks-remote"], models, tmp_path) as (served, taps):
+        async with serve_router(_config(served)) as (base, router):
+            await _router_ready(base)
+            assert router.tokenizer.harmony.renders(SERVED)  # type: ignore[union-attr]
+            sender = ThroughRouter(base, taps)
+            rows = await asyncio.to_thread(
+                _agent_session, sender, "/v1/responses", None, _harmony_responses_turns
+            )
+            sender.client.close()
+    with capsys.disabled():
+        print(f"\n[real vLLM {VLLM_VERSION} gpt-oss: Responses session] (label, router prompt, "
+              f"vLLM prompt, predicted, cached): {rows}")  # fmt: skip
+    wrong = [r for r in rows if r[1] != r[2] or r[3] != r[4]]
+    assert wrong == [], wrong
+    hits = [r[4] for r in rows]
+    assert hits[1] > 0 and hits[2] > 0 and hits[3] > hits[2], hits
