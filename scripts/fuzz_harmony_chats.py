@@ -194,8 +194,10 @@ def render(args: argparse.Namespace) -> None:
 
         r = random.Random(args.seed)
         bodies = [odd(r, body(r)) if args.odd else body(r) for _ in range(args.n)]
-    os.environ["VLLM_SYSTEM_START_DATE"] = recorded.START_DATE
-    out: dict[str, Any] = {"api": args.api, "start_date": recorded.START_DATE, "bodies": bodies}
+    from record_harmony_chats import START_DATE
+
+    os.environ["VLLM_SYSTEM_START_DATE"] = START_DATE
+    out: dict[str, Any] = {"api": args.api, "start_date": START_DATE, "bodies": bodies}
     for si in (False, True):
         if si:
             os.environ["VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS"] = "1"

@@ -20,6 +20,7 @@ import argparse
 import copy
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -318,10 +319,11 @@ def render(body: dict[str, Any]) -> dict[str, Any]:
     return {"prompt_token_ids": list(inputs[0]["prompt_token_ids"])}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(FIXTURES / "harmony-chats.json"))
-    args = ap.parse_args()
+def record(
+    out: str, bodies: list[tuple[str, dict[str, Any]]], render: Callable[[dict[str, Any]], Any]
+) -> None:
+    """Each body rendered by ``render`` under both settings of system instructions, the date
+    pinned, written to ``out`` as the fixtures' JSON."""
     import vllm
 
     os.environ["VLLM_SYSTEM_START_DATE"] = START_DATE
@@ -331,14 +333,20 @@ def main() -> None:
             os.environ["VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS"] = "1"
         else:
             os.environ.pop("VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS", None)
-        for name, body in CHATS:
+        for name, body in bodies:
             got = render(body)
             cases.append(
                 {"name": name, "system_instructions": system_instructions, "body": body, **got}
             )
     doc = {"vllm_version": vllm.__version__, "start_date": START_DATE, "cases": cases}
-    Path(args.out).write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n")
-    print(f"{len(cases)} cases -> {args.out}")
+    Path(out).write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n")
+    print(f"{len(cases)} cases -> {out}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(FIXTURES / "harmony-chats.json"))
+    record(ap.parse_args().out, CHATS, render)
 
 
 if __name__ == "__main__":

@@ -18,14 +18,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-FIXTURES = Path(__file__).resolve().parent.parent / "tests/fixtures/vllm-captures"
-START_DATE = "2026-03-14"
+from record_harmony_chats import FIXTURES, record
 
 _FN = {
     "type": "function",
@@ -366,24 +362,7 @@ def render(body: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(FIXTURES / "harmony-responses.json"))
-    args = ap.parse_args()
-    import vllm
-
-    os.environ["VLLM_SYSTEM_START_DATE"] = START_DATE
-    cases = []
-    for system_instructions in (False, True):
-        if system_instructions:
-            os.environ["VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS"] = "1"
-        else:
-            os.environ.pop("VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS", None)
-        for name, body in RESPONSES:
-            got = render(body)
-            cases.append(
-                {"name": name, "system_instructions": system_instructions, "body": body, **got}
-            )
-    doc = {"vllm_version": vllm.__version__, "start_date": START_DATE, "cases": cases}
-    Path(args.out).write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n")
-    print(f"{len(cases)} cases -> {args.out}")
+    record(ap.parse_args().out, RESPONSES, render)
 
 
 if __name__ == "__main__":
