@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -393,7 +394,12 @@ class Router:
             payload = PromptTokenizer.tokenize_payload(as_base, chat=True)
             return await self._remote_tokenize(payload or {}, among=workers)
 
-        return await self.templates.traits(model, tokenize)
+        traits = await self.templates.traits(model, tokenize)
+        if traits is not None and self.tokenizer.harmony_for(body) is not None:
+            # vLLM renders its effort probe as it renders the model's chats: in harmony, which
+            # refuses "none", so thinking disabled is "low" whatever the template does with it.
+            traits = dataclasses.replace(traits, disabled_thinking_effort="low")
+        return traits
 
     def record_sent(self, engine: EngineId, res: RouteResult, now: float) -> None:
         """The speculative entry for a prompt just sent to ``engine``: siblings routed before

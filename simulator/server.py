@@ -149,7 +149,11 @@ class Worker:
             self.tokenizer = HFTokenizer(settings.tokenizer_path)
             settings.engine.vocab_size = self.tokenizer.vocab_size
         else:
-            self.tokenizer = Tokenizer(settings.engine.vocab_size, settings.chat_template)
+            self.tokenizer = Tokenizer(
+                settings.engine.vocab_size,
+                settings.chat_template,
+                writes_effort=settings.chat_format == "harmony",
+            )
         self.harmony = HarmonyChat() if settings.chat_format == "harmony" else None
         self.runners: list[EngineRunner] = []
         modules = {name: f"/sim/lora/{name}" for name in settings.loras}

@@ -48,13 +48,17 @@ class ChatTemplateError(ValueError):
 
 
 class Tokenizer:
-    def __init__(self, vocab_size: int = 32000, template: str = "default") -> None:
+    def __init__(
+        self, vocab_size: int = 32000, template: str = "default", writes_effort: bool = False
+    ) -> None:
         if template not in ("default", "alt"):
             raise ValueError("chat template must be 'default' or 'alt'")
         if vocab_size <= FIRST_REGULAR_ID + 1:
             raise ValueError("vocab too small")
         self.vocab_size = vocab_size
         self.template = template
+        self.writes_effort = writes_effort
+        """The template writes the ``reasoning_effort`` argument first, as GPT-OSS's does."""
         self._id_to_piece: dict[int, str] = {v: k for k, v in SPECIALS.items()}
         self._cache: dict[str, int] = {}
 
@@ -167,9 +171,10 @@ class Tokenizer:
         kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The built-in template; of the template arguments it reads ``documents`` (a block
-        before the messages) and ``enable_thinking`` (false: an empty thinking block after the
-        generation prompt, as Qwen3's template writes); an assistant message's ``reasoning``
-        goes in a thinking block before its content."""
+        before the messages), ``enable_thinking`` (false: an empty thinking block after the
+        generation prompt, as Qwen3's template writes) and, with ``writes_effort``,
+        ``reasoning_effort``; an assistant message's ``reasoning`` goes in a thinking block
+        before its content."""
         kwargs = kwargs or {}
         if not isinstance(messages, list) or not messages:
             raise ChatTemplateError("'messages' must be a non-empty list")
@@ -178,6 +183,9 @@ class Tokenizer:
                 "cannot set both add_generation_prompt and continue_final_message"
             )
         out = [] if self.template == "alt" else ["<s>"]
+        effort = kwargs.get("reasoning_effort")
+        if self.writes_effort and isinstance(effort, str):
+            out.append(f"Reasoning: {effort}\n")
         docs = kwargs.get("documents")
         if isinstance(docs, list) and docs:
             body = "\n".join(f"{d.get('title', '')}: {d.get('text', '')}" for d in docs

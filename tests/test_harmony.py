@@ -278,7 +278,8 @@ async def test_the_self_check_finds_harmony_workers_and_chats_are_predicted_exac
     the template, as vLLM does: the self-check's probe chat finds it, the router renders the
     model's chats in harmony, and a conversation's next turn is credited what the worker finds,
     whether it comes as a chat or as a Responses request (rendered from its items as vLLM
-    renders them, to the same messages)."""
+    renders them, to the same messages). An Anthropic request with thinking disabled gets the
+    effort vLLM's harmony probe gives it ("low"), whatever the template writes for "none"."""
     with running_fleet(2, chat_format="harmony", **FAST) as fleet:
         cfg = config_for(fleet)
         async with serve_router(cfg) as (base, _router), httpx.AsyncClient(timeout=30) as c:
@@ -321,6 +322,25 @@ async def test_the_self_check_finds_harmony_workers_and_chats_are_predicted_exac
             now = (await c.post(base + "/debug/route", json=body)).json()
             assert e2["chosen"] == first and e2["prompt_tokens"] == now["prompt_tokens"]
             assert e2["predicted_hit_tokens"] == now["predicted_hit_tokens"] > 256
+            # Anthropic's thinking disabled: vLLM probes the effort it becomes by rendering in
+            # harmony, which refuses "none" (the worker's template writes it): "low". Its
+            # prompt is the chat's at effort "low", whose blocks are credited.
+            low = {"model": "sim-model", "messages": turns[:2], "reasoning_effort": "low"}
+            r = await c.post(base + "/v1/chat/completions", json={**low, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            holder = r.headers["x-kvrouter-worker"]
+            off = {"model": "sim-model", "max_tokens": 8, "system": system["content"],
+                   "messages": [turns[1]], "thinking": {"type": "disabled"}}  # fmt: skip
+
+            async def low_credited() -> Any:
+                q = "/debug/route?path=/v1/messages"
+                e = (await c.post(base + q, json=off)).json()
+                return e if e["chosen"] == holder and e["predicted_hit_tokens"] > 256 else None
+
+            e3 = await until(low_credited, 20, "the effort-low chat's blocks credited")
+            assert e3["routing"].startswith("by cache"), e3
+            assert e3["tokenization"] in ("harmony", "cache"), e3
+            assert e3["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
 
 
 async def test_a_template_fleet_never_loads_harmony():
