@@ -483,9 +483,6 @@ class HarmonyChats(ModelSet):
         self._args = (start_date, system_instructions, today)
         self._renderer: HarmonyRenderer | None = None
 
-    def renders(self, model: Any) -> bool:
-        return self.covers(model)
-
     @property
     def renderer(self) -> HarmonyRenderer:
         if self._renderer is None:

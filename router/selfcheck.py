@@ -336,7 +336,7 @@ class SelfCheck:
             return {}
         h = self.harmony
         try:
-            if h is not None and h.renders(model):
+            if h is not None and h.covers(model):
                 without = len(h.renderer.render({"messages": CHAT}))
                 with_tools = len(h.renderer.render({"messages": CHAT, "tools": [TOOL]}))
             else:

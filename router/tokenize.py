@@ -593,7 +593,7 @@ class PromptTokenizer:
     def harmony_for(self, body: dict[str, Any]) -> HarmonyRenderer | None:
         """The harmony renderer when the workers render this body's chat in harmony."""
         h = self.harmony
-        return h.renderer if h is not None and h.renders(body.get("model")) else None
+        return h.renderer if h is not None and h.covers(body.get("model")) else None
 
     def drops_tools(self, body: dict[str, Any]) -> bool:
         """Whether the workers hand this chat's template no tools: ``tool_choice: "none"`` on

@@ -252,9 +252,9 @@ def test_chat_format_is_checked_and_auto_reads_the_model_folder(tmp_path: Path):
     (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
     local.model.chat_format = "auto"
     auto = _harmony(local)
-    assert auto is not None and not auto.everywhere and not auto.renders("sim-model")
+    assert auto is not None and not auto.everywhere and not auto.covers("sim-model")
     auto.learn(["gpt-oss", "oss-alias"], default=True)
-    assert auto.renders("oss-alias") and auto.renders(None) and not auto.renders("llama")
+    assert auto.covers("oss-alias") and auto.covers(None) and not auto.covers("llama")
     remote = Config()
     assert not _harmony(remote).everywhere  # type: ignore[union-attr]  # the self-check learns
     remote.model.chat_format, remote.model.harmony_start_date = "harmony", DATE
@@ -365,4 +365,4 @@ async def test_a_worker_rendering_chats_otherwise_is_named():
             check = await _selfcheck(c, base)
             assert check["chat_format"] == "mismatch", check
             assert "harmony" in check["chat_format_detail"]
-            assert not router.tokenizer.harmony.renders("sim-model")  # type: ignore[union-attr]
+            assert not router.tokenizer.harmony.covers("sim-model")  # type: ignore[union-attr]

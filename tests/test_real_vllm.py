@@ -1342,7 +1342,7 @@ async def test_gpt_oss_agent_sessions_on_real_vllm(
     with _served(vllm_python, KINDS["sinks-remote"], models, tmp_path) as (served, taps):
         async with serve_router(_config(served)) as (base, router):
             await _router_ready(base)
-            assert router.tokenizer.harmony.renders(SERVED)  # type: ignore[union-attr]
+            assert router.tokenizer.harmony.covers(SERVED)  # type: ignore[union-attr]
             sender = ThroughRouter(base, taps)
             for path, session in sessions.items():
                 got[path] = await asyncio.to_thread(_agent_session, sender, path, None, session)
