@@ -126,7 +126,13 @@ class HarmonyRenderer:
         self._start_date = start_date
         self._system_instructions = system_instructions
         self._today = today or (lambda: datetime.datetime.now().strftime("%Y-%m-%d"))
-        self._library_errors = (h.HarmonyError, ValueError, TypeError, AttributeError)
+        self.library_errors: tuple[type[Exception], ...] = (
+            h.HarmonyError,
+            ValueError,
+            TypeError,
+            AttributeError,
+        )
+        """What the library raises for a message it does not take."""
         self._messages: OrderedDict[bytes, array] = OrderedDict()
         """Rendered messages by :meth:`_message_ids`' key; ``_cached_tokens`` is what they are
         charged against ``MESSAGE_CACHE_TOKENS``."""
@@ -201,7 +207,7 @@ class HarmonyRenderer:
             return out + self._conversation(rest, date)
         except HarmonyError:
             raise
-        except self._library_errors as exc:
+        except self.library_errors as exc:
             raise _refused(exc) from None
 
     def _steps(self, messages: list[Any]) -> Generator[None, None, list[int]]:
@@ -211,13 +217,13 @@ class HarmonyRenderer:
             harmony_messages = self._drop_analysis(messages)
             declared = any(_declares_functions(c) for m in harmony_messages for c in m.content)
             options = h.RenderOptions(conversation_has_function_tools=declared)
-        except self._library_errors as exc:
+        except self.library_errors as exc:
             raise _refused(exc) from None
         ids: list[int] = []
         for m in harmony_messages:
             try:
                 ids.extend(self._message_ids(m, declared, options))
-            except self._library_errors as exc:
+            except self.library_errors as exc:
                 raise _refused(exc) from None
             yield
         ids.extend(self._suffix)
