@@ -17,11 +17,14 @@ parts from a chat completion's harmony rendering (router/harmony.py):
   ``call_id`` named; no such call, or an output that is not a string: refused;
 * other item types (custom tool calls, item references, ...) are refused.
 
+Earlier turns the client sends as ``previous_input_messages`` (vLLM's extension: chat or
+harmony messages) come after the preamble, their system and developer messages left out; a
+chat assistant message there has no channel, its tool calls no text.
+
 :func:`prompt` answers None, and the request is routed by load, where the prompt is not the
-router's to know: ``previous_response_id`` and ``previous_input_messages`` (earlier turns held
-by a worker, or in a form vLLM converts further), and built-in tools (web search, code
-interpreter, container, and MCP servers allowed to stand for them), whose descriptions come from
-the worker's tool server.
+router's to know: ``previous_response_id`` (earlier turns held by the worker that answered
+them), and built-in tools (web search, code interpreter, container, and MCP servers allowed to
+stand for them), whose descriptions come from the worker's tool server.
 """
 
 from __future__ import annotations
@@ -33,8 +36,11 @@ from router.harmony import HarmonyError, HarmonyRenderer, flatten_text
 __all__ = ["INPUT", "messages", "prompt"]
 
 INPUT = "responses_input"
-"""The routing body's key for a harmony Responses prompt (with ``instructions``, ``tools`` and
-``reasoning_effort``), in place of a chat's ``messages``."""
+"""The routing body's key for a harmony Responses prompt (with ``instructions``, ``tools``,
+``reasoning_effort`` and :data:`HISTORY`), in place of a chat's ``messages``."""
+HISTORY = "previous_input_messages"
+"""Earlier turns the client sends itself, as chat messages or as harmony messages (a vLLM
+extension of the Responses API)."""
 
 _BUILT_IN = frozenset({"code_interpreter", "web_search_preview", "container"})
 """vLLM's ``BUILTIN_TOOL_TO_MCP_SERVER_LABEL`` values: tool types, and MCP server labels that
@@ -43,7 +49,10 @@ stand for them, described by the worker's tool server."""
 
 def prompt(body: dict[str, Any]) -> dict[str, Any] | None:
     """What a harmony Responses request's prompt depends on, or None to route it by load."""
-    if body.get("previous_response_id") is not None or body.get("previous_input_messages"):
+    if body.get("previous_response_id") is not None:
+        return None
+    history = body.get("previous_input_messages")
+    if history and not isinstance(history, list):
         return None
     items = body.get("input")
     if not isinstance(items, (str, list)):
@@ -60,6 +69,8 @@ def prompt(body: dict[str, Any]) -> dict[str, Any] | None:
         if kind in _BUILT_IN or (kind == "mcp" and isinstance(label, str) and label in _BUILT_IN):
             return None
     out: dict[str, Any] = {INPUT: items}
+    if history:
+        out[HISTORY] = history
     if body.get("instructions") is not None:
         out["instructions"] = body["instructions"]
     if tools:
@@ -77,7 +88,7 @@ def messages(renderer: HarmonyRenderer, payload: dict[str, Any], date: str) -> l
         return _messages(renderer, payload, date)
     except HarmonyError:
         raise
-    except (ValueError, TypeError, AttributeError, KeyError) as exc:
+    except (*renderer.library_errors, KeyError) as exc:
         raise HarmonyError(f"harmony render: {type(exc).__name__}: {exc}") from None
 
 
@@ -96,8 +107,11 @@ def _messages(renderer: HarmonyRenderer, payload: dict[str, Any], date: str) -> 
         payload.get("reasoning_effort"),
         date,
     )
+    history = payload.get(HISTORY)
+    if history:
+        out += _history(renderer, history)
     if isinstance(items, str):
-        return [*out, _message(renderer, "user", items)]
+        return [*out, _message(renderer, "user", items)] if items or not history else out
     calls: list[dict[str, Any]] = []
     for item in items:
         if not isinstance(item, dict):
@@ -170,6 +184,75 @@ def _item(
         msg = h.Message.from_role_and_content(h.Role.ASSISTANT, args).with_channel("commentary")
         return msg.with_recipient(f"functions.{name}").with_content_type("json")
     raise HarmonyError(f"Unknown input type: {kind}")
+
+
+def _history(renderer: HarmonyRenderer, history: list[Any]) -> list[Any]:
+    """vLLM's ``construct_harmony_previous_input_messages``: each earlier message in harmony's
+    form (``author``, ``content``, ``channel``, ``recipient``, ``content_type``) or a chat's,
+    system and developer messages left out (the request's own instructions stand)."""
+    h = renderer.library
+    out = []
+    for m in history:
+        if not isinstance(m, dict):
+            raise HarmonyError("previous_input_messages: each message an object")
+        got = _harmony_form(h, m) if isinstance(m.get("author"), dict) else _chat_form(h, m)
+        out += [x for x in got if x.author.role not in (h.Role.SYSTEM, h.Role.DEVELOPER)]
+    return out
+
+
+def _harmony_form(h: Any, m: dict[str, Any]) -> list[Any]:
+    """vLLM's ``_parse_harmony_format_message``."""
+    author = m["author"]
+    raw = m.get("content", "")
+    if isinstance(raw, list):
+        contents = [h.TextContent(text=_string(c.get("text", ""))) for c in raw]
+    else:
+        contents = [h.TextContent(text=raw if isinstance(raw, str) else "")]
+    role, name = h.Role(author.get("role")), author.get("name")
+    if name:
+        msg = h.Message(author=h.Author.new(role, name), content=contents)
+    else:
+        msg = h.Message.from_role_and_contents(role, contents)
+    if m.get("channel"):
+        msg = msg.with_channel(m["channel"])
+    if m.get("recipient"):
+        msg = msg.with_recipient(m["recipient"])
+    if m.get("content_type"):
+        msg = msg.with_content_type(m["content_type"])
+    return [msg]
+
+
+def _chat_form(h: Any, m: dict[str, Any]) -> list[Any]:
+    """vLLM's ``_parse_chat_format_message``: an assistant's tool calls (its text dropped), a
+    tool's output under its ``name``, a user's or assistant's text with no channel."""
+    role = m.get("role")
+    if role is None:
+        raise HarmonyError("previous_input_messages: a message has no role")
+    calls = m.get("tool_calls")
+    if role == "assistant" and calls:
+        out = []
+        for call in calls:
+            fn = call.get("function", {})
+            args = fn.get("arguments", "") or ""
+            msg = h.Message.from_role_and_content(h.Role.ASSISTANT, _string(args))
+            msg = msg.with_channel("commentary").with_recipient(f"functions.{fn.get('name', '')}")
+            out.append(msg.with_content_type("json"))
+        return out
+    if role == "tool":
+        name = m.get("name", "")
+        if name and not name.startswith("functions."):
+            name = f"functions.{name}"
+        text = flatten_text(m.get("content")) or ""
+        msg = h.Message.from_author_and_content(h.Author.new(h.Role.TOOL, name), text)
+        return [msg.with_channel("commentary").with_recipient("assistant")]
+    if role in ("system", "developer"):
+        return []
+    content = m.get("content", "")
+    if isinstance(content, str):
+        contents = [h.TextContent(text=content)]
+    else:
+        contents = [h.TextContent(text=_string(c.get("text", ""))) for c in content]
+    return [h.Message.from_role_and_contents(role, contents)]
 
 
 def _message(renderer: HarmonyRenderer, role: str, content: Any) -> Any:

@@ -610,7 +610,13 @@ class PromptTokenizer:
         """What a harmony rendering depends on: its cache key and the renderer's input."""
         if HARMONY_INPUT in body:
             payload = {HARMONY_INPUT: body[HARMONY_INPUT], "start_date": harmony.start_date()}
-            keys: tuple[str, ...] = ("instructions", "tools", "reasoning_effort", "model")
+            keys: tuple[str, ...] = (
+                "instructions",
+                "tools",
+                "reasoning_effort",
+                harmony_responses.HISTORY,
+                "model",
+            )
             return payload | {k: body[k] for k in keys if body.get(k) is not None}
         if not isinstance(body.get("messages"), list):
             return None

@@ -324,6 +324,63 @@ RESPONSES: list[tuple[str, dict[str, Any]]] = [
             ]
         },
     ),
+    (
+        "previous-chat-form",
+        {
+            "instructions": "Be brief.",
+            "input": "And now?",
+            "previous_input_messages": [
+                {"role": "system", "content": "Dropped."},
+                {"role": "user", "content": "Weather?"},
+                {
+                    "role": "assistant",
+                    "content": "Checking.",
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "P"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "name": "get_weather", "content": "21 C"},
+                {"role": "assistant", "content": [{"type": "text", "text": "21 C."}]},
+                {"role": "developer", "content": "Dropped too."},
+            ],
+        },
+    ),
+    (
+        "previous-harmony-form",
+        {
+            "input": [_user("More.")],
+            "previous_input_messages": [
+                {"author": {"role": "user"}, "content": [{"type": "text", "text": "Hi"}]},
+                {"author": {"role": "assistant"}, "content": "Thinking.", "channel": "analysis"},
+                {
+                    "author": {"role": "assistant"},
+                    "content": '{"q": 1}',
+                    "channel": "commentary",
+                    "recipient": "functions.lookup",
+                    "content_type": "json",
+                },
+                {
+                    "author": {"role": "tool", "name": "functions.lookup"},
+                    "content": [{"type": "text", "text": "found"}],
+                    "channel": "commentary",
+                    "recipient": "assistant",
+                },
+                {"author": {"role": "assistant"}, "content": "Done.", "channel": "final"},
+                {"author": {"role": "developer"}, "content": "Dropped."},
+            ],
+        },
+    ),
+    ("previous-empty-input", {"input": "", "previous_input_messages": [_user("Only this.")]}),
+    ("previous-empty-list", {"input": "", "previous_input_messages": []}),
+    ("previous-no-role", {"input": "x", "previous_input_messages": [{"content": "who?"}]}),
+    (
+        "previous-bad-role",
+        {"input": "x", "previous_input_messages": [{"author": {"role": "robot"}, "content": "x"}]},
+    ),
 ]
 
 

@@ -28,9 +28,9 @@ FIXTURE = Path(__file__).parent / "fixtures/vllm-captures/harmony-responses.json
 DOC = json.loads(FIXTURE.read_text())
 CASES = DOC["cases"]
 DATE = DOC["start_date"]
-BY_LOAD = {"builtin-tool", "builtin-and-function", "previous-input-messages"}
-"""Bodies whose prompt depends on what the router does not see (the worker's tool server, a
-history vLLM converts further): routed by load."""
+BY_LOAD = {"builtin-tool", "builtin-and-function"}
+"""Bodies whose prompt depends on what the router does not see (the worker's tool server):
+routed by load."""
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +49,9 @@ def test_the_fixture_covers_what_it_claims():
     assert DOC["vllm_version"] == "0.32.0"
     names = {c["name"] for c in CASES}
     assert {"tool-round-trip", "reasoning-item", "leading-system-item", "later-developer"} <= names
+    assert {"previous-chat-form", "previous-harmony-form"} <= names
     assert {c["system_instructions"] for c in CASES} == {False, True}
-    assert sum("error" in c for c in CASES) == 16  # eight refusals, both modes
+    assert sum("error" in c for c in CASES) == 20  # ten refusals, both modes
     assert names >= BY_LOAD
 
 
@@ -83,13 +84,14 @@ async def test_the_tokenizer_renders_the_routing_body_and_caches_it():
         asked.append(payload)
         raise TokenizeError("no worker here")
 
-    case = _case("tool-round-trip")
-    body = {"model": "gpt-oss", **case["body"]}
-    routed = passthrough.routing_body(body, harmony_responses.prompt(body))
-    got = await tok.tokenize(routed, True, 0, remote)
-    assert got.source == "harmony" and got.n_tokens == len(case["prompt_token_ids"])
-    assert got.data == b"".join(i.to_bytes(4, "little") for i in case["prompt_token_ids"])
-    assert (await tok.tokenize(routed, True, 0, remote)).source == "cache"
+    for name in ("tool-round-trip", "previous-chat-form", "previous-harmony-form"):
+        case = _case(name)
+        body = {"model": "gpt-oss", **case["body"]}
+        routed = passthrough.routing_body(body, harmony_responses.prompt(body))
+        got = await tok.tokenize(routed, True, 0, remote)
+        assert got.source == "harmony" and got.n_tokens == len(case["prompt_token_ids"]), name
+        assert got.data == b"".join(i.to_bytes(4, "little") for i in case["prompt_token_ids"])
+        assert (await tok.tokenize(routed, True, 0, remote)).source == "cache"
     assert not asked
 
     salted = {"model": "gpt-oss", **_case("truncation-salt")["body"]}
@@ -155,6 +157,30 @@ _ITEM = st.one_of(
     _TEXT,
     st.none(),
 )
+_HISTORY = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "author": st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "assistant", "tool", "developer", "x", 1])},
+                optional={"name": st.one_of(_TEXT, st.integers())},
+            ),
+            "content": _CONTENT,
+        },
+        optional={"channel": st.one_of(_TEXT, st.integers()), "recipient": _TEXT},
+    ),
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["assistant", "tool", "user"]),
+            "tool_calls": st.lists(
+                st.fixed_dictionaries(
+                    {"function": st.fixed_dictionaries({"name": _TEXT, "arguments": _CONTENT})}
+                ),
+                max_size=2,
+            ),
+        },
+        optional={"name": st.one_of(_TEXT, st.integers()), "content": _CONTENT},
+    ),
+)
 _TOOL = st.one_of(
     st.fixed_dictionaries(
         {
@@ -182,10 +208,11 @@ _TOOL = st.one_of(
     tools=st.one_of(st.none(), st.lists(_TOOL, max_size=3), _TEXT),
     instructions=st.one_of(st.none(), _TEXT, st.integers()),
     effort=st.sampled_from([None, "low", "high", "minimal", 5]),
+    history=st.one_of(st.none(), _TEXT, st.lists(st.one_of(_HISTORY, _ITEM), max_size=4)),
 )
-def test_any_body_renders_or_is_refused(items, tools, instructions, effort, renderers):
+def test_any_body_renders_or_is_refused(items, tools, instructions, effort, history, renderers):
     body: dict[str, Any] = {"input": items, "tools": tools, "instructions": instructions}
-    body["reasoning"] = {"effort": effort}
+    body |= {"reasoning": {"effort": effort}, "previous_input_messages": history}
     try:
         ids = _render(renderers[False], body)
     except HarmonyError:
