@@ -1222,6 +1222,29 @@ def _harmony_responses_turns() -> list[tuple[str, dict[str, Any]]]:
     ]  # fmt: skip
 
 
+def _harmony_history_turns() -> list[tuple[str, dict[str, Any]]]:
+    """A client keeping the conversation itself, as vLLM's ``previous_input_messages`` (chat
+    messages and harmony messages mixed), each turn sending the history so far."""
+    said = [
+        {"role": "user", "content": "summarise the log " * 10},
+        {"author": {"role": "assistant"}, "content": "Reading it.", "channel": "analysis"},
+        {"author": {"role": "assistant"}, "content": "It is short.", "channel": "final"},
+    ]
+    more = [
+        {"role": "user", "content": "and the errors?"},
+        {"role": "assistant", "content": "None."},
+    ]
+    base = {"instructions": _AGENT_SYSTEM, "max_output_tokens": 2}
+    return [
+        ("first", {**base, "input": "go on", "previous_input_messages": said}),
+        ("more", {**base, "input": "go on", "previous_input_messages": said + more}),
+        ("more-items", {**base, "input": [{"role": "user", "content": "thanks"}],
+                        "previous_input_messages": said + more}),
+        ("more-again", {**base, "input": [{"role": "user", "content": "thanks"}],
+                        "previous_input_messages": said + more}),
+    ]  # fmt: skip
+
+
 def _agent_session(
     sender: ThroughRouter,
     path: str,
@@ -1328,24 +1351,26 @@ async def test_gpt_oss_agent_sessions_on_real_vllm(
     vllm_python: Path, models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Agents in front of a GPT-OSS model, whose requests vLLM renders in harmony: a Responses
-    API session (rendered from the request's items, not through a chat), and the Anthropic
+    API session (rendered from the request's items, not through a chat), one whose client
+    sends the earlier turns as ``previous_input_messages``, and the Anthropic
     and chat completions sessions of the dense test (thinking switched off, which vLLM makes
     effort "low" for harmony whatever the template says). The router, told nothing (its
     self-check finds the harmony chats), renders each turn to vLLM's prompt length and predicts
     exactly the cached tokens vLLM reports, streamed or whole."""
     got: dict[str, list[Row]] = {}
-    sessions: dict[str, Callable[[], list[tuple[str, dict[str, Any]]]] | None] = {
-        "/v1/responses": _harmony_responses_turns,
-        "/v1/messages": None,
-        "/v1/chat/completions": None,
+    sessions: dict[str, tuple[str, Callable[[], list[tuple[str, dict[str, Any]]]] | None]] = {
+        "responses": ("/v1/responses", _harmony_responses_turns),
+        "responses history": ("/v1/responses", _harmony_history_turns),
+        "messages": ("/v1/messages", None),
+        "chat": ("/v1/chat/completions", None),
     }
     with _served(vllm_python, KINDS["sinks-remote"], models, tmp_path) as (served, taps):
         async with serve_router(_config(served)) as (base, router):
             await _router_ready(base)
             assert router.tokenizer.harmony.covers(SERVED)  # type: ignore[union-attr]
             sender = ThroughRouter(base, taps)
-            for path, session in sessions.items():
-                got[path] = await asyncio.to_thread(_agent_session, sender, path, None, session)
+            for name, (path, session) in sessions.items():
+                got[name] = await asyncio.to_thread(_agent_session, sender, path, None, session)
             sender.client.close()
     with capsys.disabled():
         print(f"\n[real vLLM {VLLM_VERSION} gpt-oss: agent sessions] (label, router prompt, "
