@@ -163,11 +163,11 @@ class HarmonyRenderer:
         """The prompt ids of a chat completion body (``messages``, ``tools``,
         ``reasoning_effort``), its system message dated ``start_date`` (default:
         :meth:`start_date`). HarmonyError where vLLM refuses the body."""
-        return _run(self._steps(self.chat_messages(body, start_date)))
+        return _run(self._steps(self._chat_messages(body, start_date)))
 
     async def render_async(self, body: dict[str, Any], start_date: str | None = None) -> list[int]:
         """:meth:`render`, giving the event loop turns (:meth:`render_messages_async`)."""
-        return await self.render_messages_async(self.chat_messages(body, start_date))
+        return await self.render_messages_async(self._chat_messages(body, start_date))
 
     async def render_messages_async(self, messages: list[Any]) -> list[int]:
         """The prompt ids of a conversation of harmony messages (vLLM's
@@ -190,7 +190,7 @@ class HarmonyRenderer:
         """:meth:`render_messages_async` in one call."""
         return _run(self._steps(messages))
 
-    def chat_messages(self, body: dict[str, Any], start_date: str | None = None) -> list[Any]:
+    def _chat_messages(self, body: dict[str, Any], start_date: str | None = None) -> list[Any]:
         """A chat completion body as the harmony messages vLLM renders it in (its
         ``_make_request_with_harmony``). HarmonyError where vLLM refuses the body."""
         messages = body.get("messages")
@@ -310,6 +310,21 @@ class HarmonyRenderer:
             name=name, description=description or "", parameters=parameters
         )
 
+    def function_call(self, name: Any, arguments: str) -> Any:
+        """An assistant's call of a function: its JSON ``arguments`` to ``functions.<name>`` on
+        the commentary channel."""
+        h = self._h
+        msg = h.Message.from_role_and_content(h.Role.ASSISTANT, arguments)
+        msg = msg.with_channel("commentary").with_recipient(f"functions.{name}")
+        return msg.with_content_type("json")
+
+    def function_output(self, author: str, text: str) -> Any:
+        """A function's output, from ``author`` (``functions.<name>``) back to the assistant on
+        the commentary channel."""
+        h = self._h
+        msg = h.Message.from_author_and_content(h.Author.new(h.Role.TOOL, author), text)
+        return msg.with_channel("commentary").with_recipient("assistant")
+
     def _chat_functions(self, tools: list[Any] | None) -> list[Any]:
         """A chat completion's ``tools`` as function tool descriptions."""
         functions = []
@@ -375,17 +390,11 @@ class HarmonyRenderer:
                 args = fn.get("arguments", "") or ""
                 if not isinstance(args, str):
                     raise HarmonyError("tool_calls: function.arguments must be a string")
-                msg = Msg.from_role_and_content(Role.ASSISTANT, args).with_channel("commentary")
-                out.append(
-                    msg.with_recipient(f"functions.{fn.get('name', '')}").with_content_type("json")
-                )
+                out.append(self.function_call(fn.get("name", ""), args))
             return out
         if role == "tool":
             name = names.get(m.get("tool_call_id", ""), "")
-            content = flatten_text(m.get("content")) or ""
-            author = h.Author.new(Role.TOOL, f"functions.{name}")
-            msg = Msg.from_author_and_content(author, content)
-            return [msg.with_channel("commentary").with_recipient("assistant")]
+            return [self.function_output(f"functions.{name}", flatten_text(m.get("content")) or "")]
         if role == "assistant" and reasoning:
             out.append(
                 Msg.from_role_and_content(Role.ASSISTANT, reasoning).with_channel("analysis")

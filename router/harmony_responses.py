@@ -33,7 +33,7 @@ from typing import Any
 
 from router.harmony import HarmonyError, HarmonyRenderer, flatten_text
 
-__all__ = ["INPUT", "messages", "prompt"]
+__all__ = ["FIELDS", "HISTORY", "INPUT", "messages", "prompt"]
 
 INPUT = "responses_input"
 """The routing body's key for a harmony Responses prompt (with ``instructions``, ``tools``,
@@ -41,6 +41,9 @@ INPUT = "responses_input"
 HISTORY = "previous_input_messages"
 """Earlier turns the client sends itself, as chat messages or as harmony messages (a vLLM
 extension of the Responses API)."""
+
+FIELDS = (INPUT, "instructions", "tools", "reasoning_effort", HISTORY)
+"""Every field of a :func:`prompt`: what its rendering depends on besides the date."""
 
 _BUILT_IN = frozenset({"code_interpreter", "web_search_preview", "container"})
 """vLLM's ``BUILTIN_TOOL_TO_MCP_SERVER_LABEL`` values: tool types, and MCP server labels that
@@ -111,7 +114,7 @@ def _messages(renderer: HarmonyRenderer, payload: dict[str, Any], date: str) -> 
     if history:
         out += _history(renderer, history)
     if isinstance(items, str):
-        return [*out, _message(renderer, "user", items)] if items or not history else out
+        return [*out, _message(renderer.library, "user", items)] if items or not history else out
     calls: list[dict[str, Any]] = []
     for item in items:
         if not isinstance(item, dict):
@@ -158,7 +161,7 @@ def _item(
         if role in ("system", "developer"):
             text = flatten_text(content)
             return renderer.system_or_developer(role, text, date) if text else None
-        msg = _message(renderer, role, content)
+        msg = _message(h, role, content)
         return msg.with_channel("final") if role == "assistant" else msg
     if kind == "function_call_output":
         call_id = item.get("call_id")
@@ -168,9 +171,7 @@ def _item(
         output = item.get("output")
         if not isinstance(output, str):
             raise HarmonyError("input: a function call's output must be a string")
-        author = h.Author.new(h.Role.TOOL, f"functions.{_string(call.get('name'))}")
-        msg = h.Message.from_author_and_content(author, output)
-        return msg.with_channel("commentary").with_recipient("assistant")
+        return renderer.function_output(f"functions.{_string(call.get('name'))}", output)
     if kind == "reasoning":
         content = item.get("content")
         if not content:
@@ -180,9 +181,7 @@ def _item(
         text = "\n".join(_string(part["text"]) for part in content)
         return h.Message.from_role_and_content(h.Role.ASSISTANT, text).with_channel("analysis")
     if kind == "function_call":
-        args, name = _string(item.get("arguments")), _string(item.get("name"))
-        msg = h.Message.from_role_and_content(h.Role.ASSISTANT, args).with_channel("commentary")
-        return msg.with_recipient(f"functions.{name}").with_content_type("json")
+        return renderer.function_call(_string(item.get("name")), _string(item.get("arguments")))
     raise HarmonyError(f"Unknown input type: {kind}")
 
 
@@ -195,7 +194,7 @@ def _history(renderer: HarmonyRenderer, history: list[Any]) -> list[Any]:
     for m in history:
         if not isinstance(m, dict):
             raise HarmonyError("previous_input_messages: each message an object")
-        got = _harmony_form(h, m) if isinstance(m.get("author"), dict) else _chat_form(h, m)
+        got = _harmony_form(h, m) if isinstance(m.get("author"), dict) else _chat_form(renderer, m)
         out += [x for x in got if x.author.role not in (h.Role.SYSTEM, h.Role.DEVELOPER)]
     return out
 
@@ -205,7 +204,7 @@ def _harmony_form(h: Any, m: dict[str, Any]) -> list[Any]:
     author = m["author"]
     raw = m.get("content", "")
     if isinstance(raw, list):
-        contents = [h.TextContent(text=_string(c.get("text", ""))) for c in raw]
+        contents = _texts(h, raw)
     else:
         contents = [h.TextContent(text=raw if isinstance(raw, str) else "")]
     role, name = h.Role(author.get("role")), author.get("name")
@@ -222,7 +221,7 @@ def _harmony_form(h: Any, m: dict[str, Any]) -> list[Any]:
     return [msg]
 
 
-def _chat_form(h: Any, m: dict[str, Any]) -> list[Any]:
+def _chat_form(renderer: HarmonyRenderer, m: dict[str, Any]) -> list[Any]:
     """vLLM's ``_parse_chat_format_message``: an assistant's tool calls (its text dropped), a
     tool's output under its ``name``, a user's or assistant's text with no channel."""
     role = m.get("role")
@@ -233,37 +232,31 @@ def _chat_form(h: Any, m: dict[str, Any]) -> list[Any]:
         out = []
         for call in calls:
             fn = call.get("function", {})
-            args = fn.get("arguments", "") or ""
-            msg = h.Message.from_role_and_content(h.Role.ASSISTANT, _string(args))
-            msg = msg.with_channel("commentary").with_recipient(f"functions.{fn.get('name', '')}")
-            out.append(msg.with_content_type("json"))
+            args = _string(fn.get("arguments", "") or "")
+            out.append(renderer.function_call(fn.get("name", ""), args))
         return out
     if role == "tool":
         name = m.get("name", "")
         if name and not name.startswith("functions."):
             name = f"functions.{name}"
-        text = flatten_text(m.get("content")) or ""
-        msg = h.Message.from_author_and_content(h.Author.new(h.Role.TOOL, name), text)
-        return [msg.with_channel("commentary").with_recipient("assistant")]
+        return [renderer.function_output(name, flatten_text(m.get("content")) or "")]
     if role in ("system", "developer"):
         return []
-    content = m.get("content", "")
-    if isinstance(content, str):
-        contents = [h.TextContent(text=content)]
-    else:
-        contents = [h.TextContent(text=_string(c.get("text", ""))) for c in content]
-    return [h.Message.from_role_and_contents(role, contents)]
+    return [_message(renderer.library, role, m.get("content", ""))]
 
 
-def _message(renderer: HarmonyRenderer, role: str, content: Any) -> Any:
+def _message(h: Any, role: str, content: Any) -> Any:
     """A user or assistant message: a string as one text, a list's parts each one."""
-    h = renderer.library
     if isinstance(content, str):
         return h.Message.from_role_and_content(role, content)
     if not isinstance(content, list) or not all(isinstance(c, dict) for c in content):
         raise HarmonyError("input: a message's content must be a string or a list of parts")
-    texts = [h.TextContent(text=_string(c.get("text", ""))) for c in content]
-    return h.Message.from_role_and_contents(role, texts)
+    return h.Message.from_role_and_contents(role, _texts(h, content))
+
+
+def _texts(h: Any, parts: list[Any]) -> list[Any]:
+    """Each part its own text; a part with no text (an image, a file) an empty one."""
+    return [h.TextContent(text=_string(c.get("text", ""))) for c in parts]
 
 
 def _string(value: Any) -> str:

@@ -608,16 +608,10 @@ class PromptTokenizer:
         body: dict[str, Any], harmony: HarmonyRenderer, drop_tools: bool
     ) -> dict[str, Any] | None:
         """What a harmony rendering depends on: its cache key and the renderer's input."""
-        if HARMONY_INPUT in body:
-            payload = {HARMONY_INPUT: body[HARMONY_INPUT], "start_date": harmony.start_date()}
-            keys: tuple[str, ...] = (
-                "instructions",
-                "tools",
-                "reasoning_effort",
-                harmony_responses.HISTORY,
-                "model",
-            )
-            return payload | {k: body[k] for k in keys if body.get(k) is not None}
+        if HARMONY_INPUT in body:  # a Responses request: router/harmony_responses.py
+            keys = (*harmony_responses.FIELDS, "model")
+            payload = {k: body[k] for k in keys if body.get(k) is not None}
+            return payload | {"start_date": harmony.start_date()}
         if not isinstance(body.get("messages"), list):
             return None
         payload = {"messages": body["messages"], "start_date": harmony.start_date()}
