@@ -104,8 +104,7 @@ def routing_body(
             if k in body:
                 routed[k] = body[k]
         if HARMONY_INPUT in prompt:
-            if body.get("truncation", "disabled") not in (None, "disabled"):
-                routed["truncate_prompt_tokens"] = -1
+            routed |= _responses_truncation(body)
         elif "input" in body:
             routed |= _responses_rendering(body)
         elif "messages" in body:
@@ -152,9 +151,15 @@ def _responses_rendering(body: dict[str, Any]) -> dict[str, Any]:
     last = items[-1] if isinstance(items, list) and items else None
     if isinstance(last, dict) and last.get("status") in ("in_progress", "incomplete"):
         out |= {"continue_final_message": True, "add_generation_prompt": False}
+    return out | _responses_truncation(body)
+
+
+def _responses_truncation(body: dict[str, Any]) -> dict[str, Any]:
+    """``truncation: auto`` as ``truncate_prompt_tokens: -1`` (vLLM's ``build_tok_params``:
+    cut only past the model's context), whichever way the request is rendered."""
     if body.get("truncation", "disabled") not in (None, "disabled"):
-        out["truncate_prompt_tokens"] = -1
-    return out
+        return {"truncate_prompt_tokens": -1}
+    return {}
 
 
 def describe(path: str, prompt: dict[str, Any] | None) -> str:
