@@ -183,16 +183,15 @@ def _responses_bodies(r: random.Random, n: int, spoil: bool) -> list[dict[str, A
 def render(args: argparse.Namespace) -> None:
     import logging
 
+    r = random.Random(args.seed)
     if args.api == "responses":
         import record_harmony_responses as recorded  # vLLM's own path, as the fixture records it
 
         logging.disable(logging.WARNING)
-        r = random.Random(args.seed)
         bodies = _responses_bodies(r, args.n, args.odd)
     else:
         import record_harmony_chats as recorded  # type: ignore[no-redef]
 
-        r = random.Random(args.seed)
         bodies = [odd(r, body(r)) if args.odd else body(r) for _ in range(args.n)]
     from record_harmony_chats import START_DATE
 
