@@ -131,8 +131,10 @@ class HarmonyRenderer:
             ValueError,
             TypeError,
             AttributeError,
+            RuntimeError,
         )
-        """What the library raises for a message it does not take."""
+        """What the library raises for a message it does not take (its encoder's own refusals,
+        a tool message with no name for one, come as RuntimeError)."""
         self._messages: OrderedDict[bytes, array] = OrderedDict()
         """Rendered messages by :meth:`_message_ids`' key; ``_cached_tokens`` is what they are
         charged against ``MESSAGE_CACHE_TOKENS``."""

@@ -376,6 +376,10 @@ RESPONSES: list[tuple[str, dict[str, Any]]] = [
     ),
     ("previous-empty-input", {"input": "", "previous_input_messages": [_user("Only this.")]}),
     ("previous-empty-list", {"input": "", "previous_input_messages": []}),
+    (
+        "previous-nameless-tool",
+        {"input": "x", "previous_input_messages": [{"author": {"role": "tool"}, "content": "x"}]},
+    ),
     ("previous-no-role", {"input": "x", "previous_input_messages": [{"content": "who?"}]}),
     (
         "previous-bad-role",

@@ -51,7 +51,7 @@ def test_the_fixture_covers_what_it_claims():
     assert {"tool-round-trip", "reasoning-item", "leading-system-item", "later-developer"} <= names
     assert {"previous-chat-form", "previous-harmony-form"} <= names
     assert {c["system_instructions"] for c in CASES} == {False, True}
-    assert sum("error" in c for c in CASES) == 20  # ten refusals, both modes
+    assert sum("error" in c for c in CASES) == 22  # eleven refusals, both modes
     assert names >= BY_LOAD
 
 
