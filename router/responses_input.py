@@ -7,7 +7,9 @@ What vLLM does, and the router with it:
 * ``instructions`` is the leading system message; a string ``input`` is one user message.
 * A message item (user, system, developer) goes to the template as it is; its text parts
   (``input_text``, ``output_text``) are text parts here, which ``/tokenize`` takes and vLLM's
-  renderer reads the same way (joined by newlines where the template wants a string).
+  renderer reads the same way (joined by newlines where the template wants a string). Of its
+  other keys the chat parser keeps a string ``name`` and ``task`` and a developer message's
+  ``tools``, and so does the router; the rest (``id``, ``status``) it drops.
 * An assistant message is its first part's text.
 * ``function_call`` and ``custom_tool_call`` items are tool calls and ``reasoning`` items the
   turn's ``reasoning``, each joined to the assistant turn before it when that has none yet;
@@ -116,8 +118,11 @@ def _add(item: Any, out: list[Message]) -> None:
             "role": item["role"],
             "content": content if isinstance(content, str) else _parts(content),
         }
-        if isinstance(item.get("name"), str):
-            msg["name"] = item["name"]
+        for key in ("name", "task"):  # the chat parser keeps these when they are strings
+            if isinstance(item.get(key), str):
+                msg[key] = item[key]
+        if item["role"] == "developer" and item.get("tools") is not None:
+            msg["tools"] = item["tools"]  # the parser hands a developer message's tools on
         out.append(msg)
     else:
         raise _Unreadable  # item references, built-in tool calls, ...

@@ -357,6 +357,21 @@ RESPONSES: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     ("builtin-tools-only", {"input": "look it up", "tools": [{"type": "web_search"}]}),
+    (
+        "item-keys",
+        {
+            "input": [
+                {"type": "message", "role": "user", "content": "hi", "id": "m1", "task": "t"},
+                {
+                    "role": "developer",
+                    "content": "rules",
+                    "status": "completed",
+                    "tools": [{"type": "function", "name": "shell"}],
+                },
+                {"role": "system", "content": "late", "task": 3},
+            ]
+        },
+    ),
 ]
 
 

@@ -1103,9 +1103,10 @@ Row = tuple[str, int, int, int, int]
 
 def _responses_turns() -> list[tuple[str, dict[str, Any]]]:
     """A coding agent on the Responses API: instructions, a function tool, a built-in one vLLM
-    does not show the model, a free-form custom tool and a namespace, a reasoning item, calls
-    of each kind and their outputs (one as text parts), an answer, and a user turn in two
-    text parts."""
+    does not show the model, a free-form custom tool and a namespace, a developer item with its
+    own tools, a reasoning item, calls of each kind and their outputs (one as text parts), an
+    answer, and a user turn in two text parts with keys the chat parser keeps (``task``) and
+    drops (``id``, ``status``)."""
     tools = [
         {"type": "function", "name": "shell", "parameters": {"type": "object"}, "strict": False},
         {"type": "web_search"},
@@ -1133,13 +1134,16 @@ def _responses_turns() -> list[tuple[str, dict[str, Any]]]:
     answer = {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
               "content": said}  # fmt: skip
     more = {"role": "user", "content": [{"type": "input_text", "text": "which is larger"},
-                                        {"type": "input_text", "text": "and why"}]}  # fmt: skip
+                                        {"type": "input_text", "text": "and why"}],
+            "id": "msg_2", "status": "completed", "task": "review"}  # fmt: skip
+    rules = {"role": "developer", "content": "cite sizes",
+             "tools": [{"type": "function", "name": "stat"}]}  # fmt: skip
     base = {"instructions": "You are a coding agent.", "tools": tools, "max_output_tokens": 2}
     return [
-        ("first", {**base, "input": [user]}),
-        ("tool-output", {**base, "input": [user, *calls]}),
-        ("answered", {**base, "input": [user, *calls, answer, more]}),
-        ("answered-again", {**base, "input": [user, *calls, answer, more]}),
+        ("first", {**base, "input": [rules, user]}),
+        ("tool-output", {**base, "input": [rules, user, *calls]}),
+        ("answered", {**base, "input": [rules, user, *calls, answer, more]}),
+        ("answered-again", {**base, "input": [rules, user, *calls, answer, more]}),
     ]
 
 

@@ -23,9 +23,17 @@ CASES = json.loads(FIXTURE.read_text())["cases"]
 
 
 def _as_rendered(msg: dict[str, Any]) -> dict[str, Any]:
-    """A message as vLLM's renderer reads it: the item's ``type`` ignored, every text part a
-    ``text`` part."""
-    out = {k: v for k, v in msg.items() if k != "type"}
+    """A message as vLLM 0.32's chat parser (``_parse_chat_message_content``) hands it on: its
+    role and content, every text part a ``text`` part, an assistant's tool calls and
+    reasoning, a tool message's call id, a string ``name`` and ``task``, a developer message's
+    ``tools``; other keys (an item's ``type``, ``id``, ``status``) dropped."""
+    role = msg.get("role")
+    kept = {"role", "content"}
+    kept |= {"tool_calls", "reasoning"} if role == "assistant" else set()
+    kept |= {"tool_call_id"} if role == "tool" else set()
+    kept |= {"tools"} if role == "developer" else set()
+    out = {k: v for k, v in msg.items() if k in kept and (v is not None or k == "content")}
+    out |= {k: msg[k] for k in ("name", "task") if isinstance(msg.get(k), str)}
     if isinstance(out.get("content"), list):
         out["content"] = [{"type": "text", "text": p["text"]} for p in out["content"]]
     return out
