@@ -197,6 +197,13 @@ def _add_event_args(a: Callable[..., Any]) -> None:
         help="vLLM's flag: a chat completion with tool_choice none is rendered without its tools",
     )
     a(
+        "--tokenizer-mode",
+        choices=("auto", "mistral"),
+        default="auto",
+        help="vLLM's flag; mistral: tool-call ids cut to 9 characters by chat completions and "
+        "refused otherwise, as on vLLM's Mistral tokenizer",
+    )
+    a(
         "--event-clock-skew",
         type=float,
         default=0.0,
@@ -289,6 +296,7 @@ def settings_from_args(ns: argparse.Namespace, worker_idx: int) -> WorkerSetting
         default_max_tokens=ns.default_max_tokens,
         prompt_tokens_details=not ns.no_prompt_tokens_details,
         exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
+        tokenizer_mode=ns.tokenizer_mode,
     )
 
 

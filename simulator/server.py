@@ -11,6 +11,7 @@ import contextlib
 import functools
 import itertools
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -68,6 +69,10 @@ class WorkerSettings:
     exclude_tools_when_tool_choice_none: bool = False
     """vLLM's flag of that name: a chat completion with ``tool_choice: "none"`` reaches the
     template without its tools (``/tokenize`` takes no ``tool_choice`` and keeps them)."""
+    tokenizer_mode: str = "auto"
+    """``mistral``: tool-call ids as under vLLM's ``--tokenizer-mode mistral``: a chat
+    completion cuts each to its last 9 characters, then every render (``/tokenize`` too)
+    refuses one that is not 9 letters or digits, as mistral-common does."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -342,7 +347,10 @@ class Worker:
             except HarmonyChatError as e:
                 raise ApiError(400, str(e), param="messages") from None
         kwargs = self.template_kwargs(data, completion=completion)
-        messages = template_messages(data.get("messages"), completion=completion)
+        messages = data.get("messages")
+        if self.s.tokenizer_mode == "mistral":
+            messages = mistral_tool_call_ids(messages, cut=completion)
+        messages = template_messages(messages, completion=completion)
         try:
             return self.tokenizer.encode_chat(messages, agp, cfm, kwargs)
         except ChatTemplateError as e:
@@ -623,6 +631,46 @@ class Worker:
             "tokenize_calls": self.tokenize_calls,
             "lora": self.loras.state(),
         }
+
+
+MISTRAL_TOOL_CALL_ID = re.compile(r"^[a-zA-Z0-9]{9}$")
+
+
+def mistral_tool_call_ids(messages: Any, *, cut: bool) -> Any:
+    """The messages' tool-call ids as vLLM 0.32 takes them on its Mistral tokenizer: ``cut``
+    (a chat completion: ``truncate_tool_call_ids``) keeps the last 9 characters of a longer
+    one; then mistral-common's validator refuses any id that is not 9 letters or digits, on
+    an assistant's tool call or a tool message."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for m in messages:
+        if not isinstance(m, dict):
+            out.append(m)
+            continue
+        m = dict(m)
+        ids: list[Any] = []
+        if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
+            calls = [dict(c) if isinstance(c, dict) else c for c in m["tool_calls"]]
+            for c in calls:
+                if isinstance(c, dict):
+                    if cut and isinstance(c.get("id"), str) and len(c["id"]) > 9:
+                        c["id"] = c["id"][-9:]
+                    ids.append(c.get("id"))
+            m["tool_calls"] = calls
+        elif m.get("role") == "tool":
+            if cut and isinstance(m.get("tool_call_id"), str) and len(m["tool_call_id"]) > 9:
+                m["tool_call_id"] = m["tool_call_id"][-9:]
+            ids.append(m.get("tool_call_id"))
+        for i in ids:
+            if not isinstance(i, str) or not MISTRAL_TOOL_CALL_ID.match(i):
+                raise ApiError(
+                    400,
+                    f"Tool call id was {i} but must be a-z, A-Z, 0-9, with a length of 9.",
+                    param="messages",
+                )
+        out.append(m)
+    return out
 
 
 def template_messages(messages: Any, *, completion: bool) -> Any:
