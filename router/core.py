@@ -62,6 +62,7 @@ from router.tokenize import (
     decode_tokenize_response,
     model_attention_chunk,
     model_type,
+    refusal_message,
 )
 from router.tracing import RequestTrace, make_tracer
 from router.verify import Verifier, VerifyCollector, VerifyParams
@@ -355,8 +356,8 @@ class Router:
             if r.status_code == 200:
                 return decode_tokenize_response(r.content)
             last = f"{w.url}/tokenize returned {r.status_code}"
-            if 400 <= r.status_code < 500:
-                raise TokenizeRefused(last)  # another worker would say the same
+            if 400 <= r.status_code < 500:  # another worker would say the same
+                raise TokenizeRefused(f"{last}: {refusal_message(r.content)}")
         raise TokenizeError(last)
 
     async def read_prompt(

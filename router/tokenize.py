@@ -69,6 +69,8 @@ __all__ = [
     "Tokenized",
     "model_attention_chunk",
     "model_type",
+    "refusal_message",
+    "short_tool_call_ids",
     "template_arguments",
     "template_tools",
 ]
@@ -91,6 +93,62 @@ class TokenizeError(Exception):
 
 class TokenizeRefused(TokenizeError):
     """A worker refused the tokenize request itself (4xx): another would refuse it too."""
+
+
+REFUSAL_CHARS = 300
+"""A worker's refusal is quoted up to this many characters."""
+
+
+def refusal_message(body: bytes) -> str:
+    """What a worker's 4xx answer says: vLLM's ``error.message`` (or a top-level ``message``
+    or ``detail``), else the start of the body, at most :data:`REFUSAL_CHARS` characters."""
+    try:
+        doc = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return body[:REFUSAL_CHARS].decode("utf-8", "replace")
+    found: Any = None
+    if isinstance(doc, dict):
+        err = doc.get("error")
+        found = err.get("message") if isinstance(err, dict) else None
+        found = found if found is not None else doc.get("message", doc.get("detail"))
+    return (found if isinstance(found, str) else str(doc))[:REFUSAL_CHARS]
+
+
+MISTRAL_ID_REFUSAL = "but must be a-z, A-Z, 0-9, with a length of 9"
+"""How mistral-common refuses a tool-call id (vLLM's ``--tokenizer-mode mistral``)."""
+
+
+def short_tool_call_ids(messages: Any) -> list[Any] | None:
+    """The messages with each tool-call id longer than 9 characters cut to its last 9, as
+    vLLM 0.32's chat endpoint cuts them for a model on its Mistral tokenizer
+    (``truncate_tool_call_ids``: an assistant's tool calls and a tool message's
+    ``tool_call_id``) before rendering; its ``/tokenize`` does not cut them and refuses the
+    chat. None when no id is that long."""
+    if not isinstance(messages, list):
+        return None
+    out: list[Any] | None = None
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            continue
+        msg = m
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        if isinstance(calls, list) and any(
+            _long_id(c.get("id")) for c in calls if isinstance(c, dict)
+        ):
+            msg = {**m, "tool_calls": [
+                {**c, "id": c["id"][-9:]} if isinstance(c, dict) and _long_id(c.get("id")) else c
+                for c in calls
+            ]}  # fmt: skip
+        elif m.get("role") == "tool" and _long_id(m.get("tool_call_id")):
+            msg = {**m, "tool_call_id": m["tool_call_id"][-9:]}
+        if msg is not m:
+            out = list(messages) if out is None else out
+            out[i] = msg
+    return out
+
+
+def _long_id(value: Any) -> bool:
+    return isinstance(value, str) and len(value) > 9
 
 
 def template_arguments(body: dict[str, Any]) -> dict[str, Any]:
@@ -539,6 +597,10 @@ class PromptTokenizer:
         """The models whose workers run vLLM's ``--exclude-tools-when-tool-choice-none``: a
         chat with ``tool_choice: "none"`` reaches their template without its tools, while
         their ``/tokenize`` (which takes no ``tool_choice``) would render them."""
+        self.short_tool_call_ids = ModelSet()
+        """The models whose workers run vLLM's Mistral tokenizer: their chat endpoint cuts
+        tool-call ids to 9 characters (:func:`short_tool_call_ids`) and their ``/tokenize``
+        refuses longer ones. Learned from that refusal; their chats are then cut here."""
         self.cache_entries = cache_entries
         self.max_cached_tokens = max_cached_tokens
         self.local = local
@@ -666,6 +728,7 @@ class PromptTokenizer:
     ) -> Tokenized:
         harmony = self.harmony_for(body) if chat else None
         drop_tools = chat and self.drops_tools(body)
+        model = body.get("model")
         payload = (
             self.tokenize_payload(body, chat, drop_tools=drop_tools)
             if harmony is None
@@ -673,6 +736,10 @@ class PromptTokenizer:
         )
         if payload is None:
             raise TokenizeError("request has no prompt or messages to tokenize")
+        learned = self.short_tool_call_ids
+        if chat and harmony is None and isinstance(payload, dict) and learned.covers(model):
+            cut = short_tool_call_ids(payload["messages"])
+            payload = payload if cut is None else {**payload, "messages": cut}
         if isinstance(payload, list):
             try:
                 data = tokens_to_bytes(payload)
@@ -723,7 +790,7 @@ class PromptTokenizer:
         else:
             if remote is None:
                 raise TokenizeError("no worker available for /tokenize")
-            got = await remote(enc)  # the cache key's bytes are the request body too
+            got = await self._remote(remote, enc, payload if chat else None)
             data, ids_json = got.data, got.json
         n = len(data) // 4
         reused = 0
@@ -741,6 +808,22 @@ class PromptTokenizer:
         karr = keys if isinstance(keys, array) else array("Q", keys)
         self._store(ckey, _Entry(data, karr, root), conv_hashes[-1] if conv_hashes else None)
         return Tokenized(n, data, karr, root, source, reused, ids_json)
+
+    async def _remote(
+        self, remote: RemoteCall, enc: bytes, chat: dict[str, Any] | None
+    ) -> TokenIds:
+        """A worker's ``/tokenize`` of ``enc`` (the cache key's bytes are the request body
+        too). A chat refused for its tool-call ids is asked again with them cut as the chat
+        endpoint of a worker on vLLM's Mistral tokenizer cuts them, and its model learned."""
+        try:
+            return await remote(enc)
+        except TokenizeRefused as exc:
+            cut = short_tool_call_ids(chat["messages"]) if chat is not None else None
+            if cut is None or MISTRAL_ID_REFUSAL not in str(exc):
+                raise
+            got = await remote(_enc.encode({**chat, "messages": cut}))
+            self.short_tool_call_ids.learn([chat.get("model")])
+            return got
 
     def _day(self, chat: bool) -> bytes:
         """Today's date when a local template reads the clock (``strftime_now``: Llama 3's

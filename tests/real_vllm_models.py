@@ -10,7 +10,7 @@ docs/vllm-captures.md explain the choices. Nothing here is imported by kvrouter 
   all-sliding-window (Mistral-style, also hashed with ``sha256_cbor``), dense / hybrid with
   CPU offloading, mamba hybrid (Qwen3-Next: gated delta net + full attention) and Llama 4's
   chunked local attention + full attention (the router told the chunk by the model folder, and
-  not told it); the
+  not told it), and a Mistral model on mistral-common's own tokenizer (``tekken``); the
   Gemma-3 and mamba hybrids also with a ``--prefix-match-unit`` finer than their blocks; the
   dense model with two data-parallel ranks, and with a LoRA adapter (:func:`write_adapter`);
   the dense, Gemma-3 and mamba models with a small token budget per step (chunked prefill);
@@ -164,6 +164,7 @@ MODEL_GROUPS: dict[str, dict[str, tuple[str, int, int | None]]] = {
     "mamba": {"0": ("mamba", 96, None), "1": ("full_attention", 96, None)},
     "llama4": {"0": ("chunked_local_attention", BLOCK, None), "1": ("full_attention", BLOCK, None)},
     "sinks": {"0": ("sliding_window", BLOCK, 64), "1": ("full_attention", BLOCK, None)},
+    "tekken": {"0": ("full_attention", BLOCK, None)},
 }
 
 
@@ -240,6 +241,15 @@ _MODEL_SCRIPT = textwrap.dedent(
                            num_local_experts=4, num_experts_per_tok=2, sliding_window=64,
                            layer_types=["sliding_attention", "full_attention"], pad_token_id=1)
         arch = "GptOssForCausalLM"
+    elif kind == "tekken":
+        # Mistral's own tokenizer (tekken.json, as mistral-common ships it), for a vLLM started
+        # with --tokenizer-mode mistral: it renders chats with mistral-common, not a template.
+        from transformers import MistralConfig
+        cfg = MistralConfig(**{**common, "vocab_size": 131072}, head_dim=32, sliding_window=None)
+        arch = "MistralForCausalLM"
+        import mistral_common, os, shutil
+        data = os.path.join(os.path.dirname(mistral_common.__file__), "data")
+        shutil.copy(os.path.join(data, "tekken_240911.json"), out + "/tekken.json")
     elif kind == "llama4":
         # Llama 4's layout: chunked local attention (RoPE layers) and a full-attention (NoPE)
         # layer, every layer a mixture of experts.

@@ -1036,6 +1036,74 @@ _AGENT_TOOLS = [
 ]
 
 
+TEKKEN = Kind("mistral-tekken", "tekken", 40, extra=("--tokenizer-mode", "mistral"))
+"""A Mistral model on vLLM's Mistral tokenizer: mistral-common renders its chats, the chat
+endpoint cuts tool-call ids to their last 9 characters and ``/tokenize`` refuses longer ones."""
+
+
+def _mistral_turns() -> list[tuple[str, dict[str, Any]]]:
+    """An agent on chat completions with the tool-call ids OpenAI's clients write (``call_``
+    and 24 characters), which a Mistral-tokenizer worker cuts."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "Bash",
+                "description": "Run a command",
+                "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+            },
+        }
+    ]
+    user = {"role": "user", "content": "list the files " * 6}
+    ids = ["call_Zq8TfR2mWx4kLp9VbN3cYh1D", "call_Hn5sQe7uJd0aXo3GmWl6Rp2T"]
+    said = []
+    for i, cid in enumerate(ids):
+        call = {
+            "id": cid,
+            "type": "function",
+            "function": {"name": "Bash", "arguments": f'{{"cmd": "ls -la {i}"}}'},
+        }
+        said += [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": cid, "content": "a.py\nb.py " * 8},
+        ]
+    more = {"role": "user", "content": "which is larger"}
+    base = {"tools": tools, "max_tokens": 2}
+    return [
+        ("first", {**base, "messages": [user]}),
+        ("tool-result", {**base, "messages": [user, *said[:2]]}),
+        ("second-result", {**base, "messages": [user, *said, more]}),
+        ("again", {**base, "messages": [user, *said, more]}),
+    ]  # fmt: skip
+
+
+async def test_an_agents_chat_on_vllms_mistral_tokenizer_on_real_vllm(
+    vllm_python: Path, models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On vLLM's Mistral tokenizer the chat endpoint renders an agent's chat with its
+    tool-call ids cut to 9 characters, and ``/tokenize`` refuses the chat as sent: the router
+    learns that from the refusal, tokenizes the chat with the ids cut, and predicts exactly
+    the cached tokens vLLM reports on every turn (without it, every turn after the first
+    tool call was routed by load)."""
+    with _served(vllm_python, TEKKEN, models, tmp_path) as (served, taps):
+        async with serve_router(_config(served)) as (base, router):
+            await _router_ready(base)
+            sender = ThroughRouter(base, taps)
+            rows = await asyncio.to_thread(
+                _agent_session, sender, "/v1/chat/completions", None, _mistral_turns
+            )
+            sender.client.close()
+            learned = router.tokenizer.short_tool_call_ids.covers(SERVED)
+    with capsys.disabled():
+        print(f"\n[real vLLM {VLLM_VERSION} Mistral tokenizer: agent chat] (label, router "
+              f"prompt, vLLM prompt, predicted, cached): {rows}; ids cut: {learned}")  # fmt: skip
+    assert learned
+    assert [r for r in rows if r[1] != r[2] or r[3] != r[4]] == [], rows
+    # mistral-common writes the tools before the last user message: a turn with a new one
+    # shares nothing with the turns before it, and its repeat everything.
+    assert rows[1][4] > 0 and rows[2][4] == 0 and rows[3][4] > 0, rows
+
+
 TOOLS_EXCLUDED = Kind(
     "llama-tools-excluded", "dense", 40, extra=("--exclude-tools-when-tool-choice-none",)
 )
