@@ -69,6 +69,8 @@ def debug_index(router: Router) -> dict[str, Any]:
             "namespace": models.base,
             "aliases": sorted(models.aliases),
             "loras": sorted(models.loras),
+            # learned from /tokenize's refusal: workers on vLLM's Mistral tokenizer
+            "tool_call_ids_cut": sorted(m for m in tokenizer.short_tool_call_ids.models if m),
         },
         "policy": router.cfg.policy.name,
         "shared_state": router.shared.status(),

@@ -822,7 +822,14 @@ class PromptTokenizer:
             if cut is None or MISTRAL_ID_REFUSAL not in str(exc):
                 raise
             got = await remote(_enc.encode({**chat, "messages": cut}))
-            self.short_tool_call_ids.learn([chat.get("model")])
+            model = chat.get("model")
+            if model not in self.short_tool_call_ids.models:
+                log.info(
+                    "model %r: its workers cut tool-call ids to 9 characters (vLLM's Mistral "
+                    "tokenizer); its chats are tokenized so",
+                    model,
+                )
+            self.short_tool_call_ids.learn([model])
             return got
 
     def _day(self, chat: bool) -> bytes:

@@ -93,6 +93,8 @@ async def test_an_agents_chat_is_counted_as_a_mistral_worker_renders_it(
             assert plan["prompt_tokens"] is not None, plan
             learned = router.tokenizer.short_tool_call_ids.covers("sim-model")
             assert learned is (mode == "mistral")
+            shown = (await c.get(base + "/debug/index")).json()["model"]["tool_call_ids_cut"]
+            assert shown == (["sim-model"] if learned else [])
             first = await c.post(base + "/v1/chat/completions", json=chat)
             assert first.status_code == 200, first.text
             n = first.json()["usage"]["prompt_tokens"]
