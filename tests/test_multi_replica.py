@@ -27,8 +27,8 @@ from simulator.testing import WorkerInfo, find_port_block, running_fleet
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
-# Slow prefill so requests overlap: ~800 tokens take ~1.6 s before the first token.
-SLOW = {"prefill_tps": 500, "decode_ms": 5, "step_overhead_ms": 0.5, "num_gpu_blocks": 1024}
+# Slow prefill so requests overlap: ~800 tokens take ~0.8 s before the first token.
+SLOW = {"prefill_tps": 1000, "decode_ms": 5, "step_overhead_ms": 0.5, "num_gpu_blocks": 1024}
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +203,7 @@ async def test_killed_replica_leaves_no_phantom_load(
     async with httpx.AsyncClient(timeout=60) as c, router(fleet, rc) as b:
         async with router(fleet, rc) as a:
             await until(lambda: _up(c, a, b), 20, "both replicas on Redis")
-            body = completion(words(3000, "phantom"), max_tokens=200)  # ~6 s prefill
+            body = completion(words(3000, "phantom"), max_tokens=200)  # ~3 s prefill
             tasks = [asyncio.create_task(c.post(a.url + "/v1/completions", json=body))
                      for _ in range(3)]  # fmt: skip
             await until(lambda: _gte(c, b, remote_inflight, 3), 20, "B to see A's load")
