@@ -600,7 +600,9 @@ class PromptTokenizer:
         self.short_tool_call_ids = ModelSet()
         """The models whose workers run vLLM's Mistral tokenizer: their chat endpoint cuts
         tool-call ids to 9 characters (:func:`short_tool_call_ids`) and their ``/tokenize``
-        refuses longer ones. Learned from that refusal; their chats are then cut here."""
+        refuses longer ones. Learned from that refusal; their chats are then cut here. It
+        holds at most the names the workers serve: a name is learned only once a worker has
+        tokenized a chat under it."""
         self.cache_entries = cache_entries
         self.max_cached_tokens = max_cached_tokens
         self.local = local
