@@ -36,6 +36,7 @@ from router.errors import BodyError
 from router.harmony import HarmonyChats
 from router.load import EngineLoad
 from router.lora import LoraPlacement
+from router.messages import error_of
 from router.metrics import RouterMetrics, fleet_state
 from router.model_set import ModelSet
 from router.policy import Candidate, Decision, make_policy
@@ -53,6 +54,7 @@ from router.speculative import extension_credit
 from router.stored_responses import owner_key
 from router.template_probe import TemplateProbe
 from router.tokenize import (
+    REFUSAL_CHARS,
     LocalTokenizer,
     PromptTokenizer,
     TokenIds,
@@ -62,7 +64,6 @@ from router.tokenize import (
     decode_tokenize_response,
     model_attention_chunk,
     model_type,
-    refusal_message,
 )
 from router.tracing import RequestTrace, make_tracer
 from router.verify import Verifier, VerifyCollector, VerifyParams
@@ -357,7 +358,7 @@ class Router:
                 return decode_tokenize_response(r.content)
             last = f"{w.url}/tokenize returned {r.status_code}"
             if 400 <= r.status_code < 500:  # another worker would say the same
-                raise TokenizeRefused(f"{last}: {refusal_message(r.content)}")
+                raise TokenizeRefused(f"{last}: {error_of(r.content)[0][:REFUSAL_CHARS]}")
         raise TokenizeError(last)
 
     async def read_prompt(

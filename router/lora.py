@@ -28,7 +28,6 @@ plugin, a load on whichever worker tokenizes).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import re
@@ -39,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from router.errors import BodyError
+from router.messages import error_of
 
 if TYPE_CHECKING:
     from indexer.index import EngineId
@@ -325,7 +325,7 @@ class LoraPlacement:
             )
         except Exception as exc:
             return LoadFailure(w.url, None, f"no answer ({type(exc).__name__}: {exc})")
-        message, etype = _error_of(r.content)
+        message, etype = error_of(r.content)
         if r.status_code == 200 or "has already been loaded" in message:
             log.info(
                 "loaded LoRA adapter %s on %s in %.2fs", model, w.url, time.perf_counter() - t0
@@ -358,16 +358,6 @@ def _assume_loaded(w: Worker, model: str, path: str | None) -> list[dict[str, An
     if all(m.get("id") != model for m in w.models):
         w.models = [*w.models, card]
     return [card]
-
-
-def _error_of(content: bytes) -> tuple[str, str | None]:
-    """An error answer's message and type (vLLM's ``{"error": {...}}``), else its text."""
-    with contextlib.suppress(msgspec.DecodeError, AttributeError, TypeError):
-        err = msgspec.json.decode(content).get("error")
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            etype = err.get("type")
-            return err["message"], etype if isinstance(etype, str) else None
-    return content[:300].decode(errors="replace").strip(), None
 
 
 def _load_error(model: str, failures: list[LoadFailure]) -> BodyError:

@@ -21,6 +21,7 @@ __all__ = [
     "cached_from_sse",
     "cached_tokens_of",
     "completion_tokens_in",
+    "error_of",
     "error_response",
     "has_cache_usage",
     "prompt_tokens_of",
@@ -63,6 +64,27 @@ def error_response(
         },
         status_code=status,
     )
+
+
+ERROR_TEXT_CHARS = 300
+"""An error answer whose message cannot be read is quoted up to this many characters."""
+
+
+def error_of(content: bytes) -> tuple[str, str | None]:
+    """A worker's error answer: its message and type (vLLM's ``{"error": {"message",
+    "type"}}``; a top-level ``message`` or ``detail``, as FastAPI's own 404 says it, with no
+    type), else the start of its text, at most :data:`ERROR_TEXT_CHARS` characters."""
+    with contextlib.suppress(msgspec.DecodeError):
+        doc = msgspec.json.decode(content)
+        if isinstance(doc, dict):
+            err = doc.get("error")
+            if isinstance(err, dict) and isinstance(err.get("message"), str):
+                etype = err.get("type")
+                return err["message"], etype if isinstance(etype, str) else None
+            for key in ("message", "detail"):
+                if isinstance(doc.get(key), str):
+                    return doc[key], None
+    return content[:ERROR_TEXT_CHARS].decode(errors="replace").strip(), None
 
 
 def sse_error_event(message: str, etype: str, code: int) -> bytes:

@@ -61,6 +61,7 @@ from router.model_set import ModelSet
 from router.truncation import prefilled_window
 
 __all__ = [
+    "REFUSAL_CHARS",
     "LocalTokenizer",
     "PromptTokenizer",
     "TokenIds",
@@ -69,7 +70,6 @@ __all__ = [
     "Tokenized",
     "model_attention_chunk",
     "model_type",
-    "refusal_message",
     "short_tool_call_ids",
     "template_arguments",
     "template_tools",
@@ -97,21 +97,6 @@ class TokenizeRefused(TokenizeError):
 
 REFUSAL_CHARS = 300
 """A worker's refusal is quoted up to this many characters."""
-
-
-def refusal_message(body: bytes) -> str:
-    """What a worker's 4xx answer says: vLLM's ``error.message`` (or a top-level ``message``
-    or ``detail``), else the start of the body, at most :data:`REFUSAL_CHARS` characters."""
-    try:
-        doc = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        return body[:REFUSAL_CHARS].decode("utf-8", "replace")
-    found: Any = None
-    if isinstance(doc, dict):
-        err = doc.get("error")
-        found = err.get("message") if isinstance(err, dict) else None
-        found = found if found is not None else doc.get("message", doc.get("detail"))
-    return (found if isinstance(found, str) else str(doc))[:REFUSAL_CHARS]
 
 
 MISTRAL_ID_REFUSAL = "but must be a-z, A-Z, 0-9, with a length of 9"

@@ -21,7 +21,8 @@ from test_router_support import (
     write_tokenizer,
 )
 
-from router.tokenize import refusal_message, short_tool_call_ids
+from router.messages import error_of
+from router.tokenize import short_tool_call_ids
 from simulator.testing import running_fleet
 
 pytestmark = pytest.mark.timeout(120)
@@ -69,10 +70,10 @@ def test_ids_are_cut_as_the_chat_endpoint_cuts_them() -> None:
 
 def test_a_refusal_quotes_the_workers_message() -> None:
     vllm = b'{"error": {"message": "Tool call id was x but must be", "code": 400}}'
-    assert refusal_message(vllm) == "Tool call id was x but must be"
-    assert refusal_message(b'{"detail": "Not Found"}') == "Not Found"
-    assert refusal_message(b"<html>" + b"x" * 1000) == "<html>" + "x" * 294
-    assert refusal_message(b"[1, 2]") == "[1, 2]"
+    assert error_of(vllm)[0] == "Tool call id was x but must be"
+    assert error_of(b'{"detail": "Not Found"}')[0] == "Not Found"
+    assert error_of(b"<html>" + b"x" * 1000)[0] == "<html>" + "x" * 294
+    assert error_of(b"[1, 2]")[0] == "[1, 2]"
 
 
 @pytest.mark.parametrize("mode", ["mistral", "auto"])
