@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from test_router_support import (
+    FAST,
     TOOLS_TEMPLATE,
     config_for,
     serve_router,
@@ -26,7 +27,6 @@ from simulator.testing import running_fleet
 
 pytestmark = pytest.mark.timeout(120)
 
-FAST = {"decode_ms": 1, "prefill_tps": 400000, "step_overhead_ms": 0.1}
 DOCS = [{"title": "manual", "text": "the pump starts when the valve opens"}]
 
 

@@ -17,14 +17,12 @@ from typing import Any
 
 import httpx
 import pytest
-from test_router_support import words
+from test_router_support import FAST, words
 
 from router.logs import TextFormatter
 from simulator.testing import running_fleet
 
 pytestmark = pytest.mark.timeout(120)
-
-FAST = {"decode_ms": 1, "prefill_tps": 400000, "step_overhead_ms": 0.1}
 
 
 class _Lines:

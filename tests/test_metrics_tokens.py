@@ -9,15 +9,13 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_router_support import config_for, serve_router, until, words
+from test_router_support import FAST, config_for, serve_router, until, words
 
 from router.metrics import model_label
 from router.workers import ModelNames
 from simulator.testing import running_fleet
 
 pytestmark = pytest.mark.timeout(120)
-
-FAST = {"decode_ms": 1, "prefill_tps": 400000, "step_overhead_ms": 0.1}
 
 
 def _samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_router_support import cand, config_for, serve_router, until, words
+from test_router_support import FAST, cand, config_for, serve_router, until, words
 
 from router.policy import UTILIZATION_DECISIONS, Candidate, KvRouterPolicy, PolicyParams
 from router.popularity import PrefixPopularity, PromptKeys
@@ -220,8 +220,6 @@ def test_asking_why_counts_nothing():
 
 
 # --------------------------------------------------------------------------- through the router
-
-FAST = {"decode_ms": 1, "prefill_tps": 400000, "step_overhead_ms": 0.1}
 
 
 @pytest.fixture(scope="module")

@@ -133,6 +133,11 @@ def words(n: int, seed: int | str) -> str:
     return " ".join(f"w{rng.randrange(10**9)}" for _ in range(n))
 
 
+FAST = {"decode_ms": 1, "prefill_tps": 400000, "step_overhead_ms": 0.1}
+"""Simulated workers that answer at once: for tests of what the router sends, not of its
+timing."""
+
+
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"

@@ -10,15 +10,13 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from test_router_support import config_for, serve_app, serve_router, until
+from test_router_support import FAST, config_for, serve_app, serve_router, until
 
 from router.app import create_apps
 from router.config import Config
 from simulator.testing import running_fleet
 
 pytestmark = pytest.mark.timeout(120)
-
-FAST = {"decode_ms": 1, "prefill_tps": 400000, "step_overhead_ms": 0.1}
 
 
 def test_defaults_are_safe() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from test_router_support import (
+    FAST,
     config_for,
     serve_router,
     served_again_as_predicted,
@@ -27,7 +28,6 @@ from simulator.testing import running_fleet
 
 pytestmark = pytest.mark.timeout(120)
 
-FAST = {"decode_ms": 1, "prefill_tps": 400000, "step_overhead_ms": 0.1}
 IDS_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
     "{% if m['tool_calls'] is defined %}{% for c in m['tool_calls'] %}"

@@ -26,14 +26,13 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from starlette.requests import Request
 from starlette.responses import Response
-from test_router_support import config_for, serve_app, serve_router, until, words
+from test_router_support import FAST, config_for, serve_app, serve_router, until, words
 
 from router.config import ConfigError, WorkerSpec, parse_config
 from simulator.testing import running_fleet
 
 pytestmark = pytest.mark.timeout(120)
 
-FAST = {"decode_ms": 1, "prefill_tps": 400000, "step_overhead_ms": 0.1}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
